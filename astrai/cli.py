@@ -1,0 +1,56 @@
+"""The `astrai` command: a thin dispatcher to each layer's own `main(argv)`.
+
+Each sub-command lives next to the code it drives (the trainer's flags beside the trainer,
+the server's beside the server) and is imported only when used, so `astrai serve` never
+imports the trainer and `astrai --help` is instant.
+"""
+
+from __future__ import annotations
+
+import sys
+from importlib import import_module
+
+from astrai.model.config import did_you_mean
+
+COMMANDS = {
+    "train": ("astrai.train.cli", "train a model from a YAML config and --flag overrides"),
+    "serve": ("astrai.serve.app", "OpenAI-compatible HTTP server"),
+    "generate": ("astrai.infer.generate", "generate text from a prompt or a JSONL file"),
+    "preprocess": ("astrai.data.preprocess", "tokenise JSONL into memory-mapped shards"),
+    "tokenizer": ("astrai.data.tokenizer", "train a byte-level BPE tokenizer"),
+    "ckpt": ("astrai.train.checkpoint", "list or verify checkpoints"),
+    "convert": ("astrai.model.hf", "convert a GGUF checkpoint into a model directory"),
+    "eval": ("astrai.evaluate", "exact-match evaluation on a built-in task"),
+    "plot": ("astrai.train.plot", "plot training curves from metrics.jsonl"),
+    "demo": ("astrai.demo", "the quickstart: tokenizer -> pre-train -> SFT -> evaluate"),
+    "bench": ("astrai.bench", "run the benchmarks against peer frameworks"),
+}
+
+
+def usage() -> str:
+    lines = ["usage: astrai <command> [options]", "", "commands:"]
+    lines += [f"  {name:<11} {help_}" for name, (_, help_) in COMMANDS.items()]
+    lines += ["", "Run `astrai <command> --help` for the options of a command."]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help"):
+        print(usage())
+        return 0 if argv else 2
+    if argv[0] in ("-V", "--version"):
+        from astrai import __version__
+
+        print(f"astrai {__version__}")
+        return 0
+    name, rest = argv[0], argv[1:]
+    if name not in COMMANDS:
+        print(f"astrai: unknown command '{name}'{did_you_mean(name, list(COMMANDS))}\n\n{usage()}", file=sys.stderr)
+        return 2
+    module = import_module(COMMANDS[name][0])
+    return int(module.main(rest) or 0)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,417 @@
+"""Strict, typed run configuration: YAML sections + ``--flag`` overrides -> one ``Config``.
+
+Sits at the very start of the data flow: ``astrai train --config run.yaml --max_lr 3e-4`` is
+turned into a ``Config`` here, and every other module reads its numbers from that object. Each
+tunable number has one name, one default and one place (a dataclass field). Names form one flat
+namespace of unique snake_case keys; the YAML sections (model, data, train, optim, objective,
+ckpt, log, dist) only group them for reading, so on the command line the section is optional.
+Precedence is flag > YAML > default. Unknown keys and flags are errors with a did-you-mean,
+and a value of the wrong type names the field, the value and the expected type.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+TRAIN_TYPES = ("seq", "sft", "dpo", "grpo", "online_dpo", "online_grpo", "online_ppo")
+AVAILABLE_TRAIN_TYPES = ("seq", "sft", "dpo")
+
+
+class ConfigError(ValueError):
+    """A bad config file, key, flag or value; the message names the field and the fix."""
+
+
+@dataclass
+class DataConfig:
+    train_type: str = "sft"  # seq | sft | dpo (grpo, online_* come later)
+    data_path: str | None = None  # JSONL file or preprocessed shard dir
+    tokenizer_path: str | None = None  # defaults to param_path
+    max_seq_len: int = 128
+    pack: bool = False  # pack several documents per row (seq)
+    seq_stride: int | None = None  # sliding-window stride for long seq documents
+    val_data_path: str | None = None
+    val_split: float = 0.0  # fraction of data_path held out for validation when no val_data_path
+
+
+@dataclass
+class TrainSection:
+    param_path: str | None = None  # weights-only init (model dir or checkpoint dir)
+    resume: bool = False  # restore the full training state
+    n_epoch: int = 1
+    max_steps: int | None = None  # optimizer steps; None = n_epoch over the data
+    batch_per_device: int = 4
+    grad_accum_steps: int = 1
+    max_grad_norm: float = 1.0  # 0 disables clipping (the norm is still measured)
+    random_seed: int = 0
+    device: str | None = None  # default: cuda when available, else cpu
+    bf16: bool = False  # bf16 autocast for forward/backward
+    gradient_checkpointing: bool = False
+    compile: bool = False  # torch.compile the model
+    stop_timeout: float = 600.0  # seconds the launcher waits for ranks after a stop signal
+    val_interval: int = 0  # optimizer steps between validations; 0 = only at the end when val data exists
+    val_max_batches: int | None = None
+    early_stopping_metric: str | None = None  # e.g. val/loss; None disables early stopping
+    early_stopping_patience: int = 3  # evaluations without improvement before stopping
+    early_stopping_min_delta: float = 0.0
+    early_stopping_mode: str = "min"  # min | max
+
+
+@dataclass
+class OptimConfig:
+    optimizer: str = "adamw"  # adamw | muon (Muon for 2-D hidden matrices, AdamW for the rest)
+    max_lr: float = 1.0e-3
+    weight_decay: float = 0.0
+    decay_all_params: bool = False  # default: decay only 2-D weight matrices
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.95
+    adam_eps: float = 1.0e-8
+    muon_momentum: float = 0.95
+    schedule: str = "cosine"  # constant | cosine | wsd
+    warmup_ratio: float = 0.0  # fraction of total optimizer steps
+    warmup_steps: int | None = None  # overrides warmup_ratio when set
+    min_lr_ratio: float = 0.0  # final lr = max_lr * min_lr_ratio (cosine, wsd)
+    decay_ratio: float = 0.2  # wsd: fraction of steps in the final decay
+
+
+@dataclass
+class ObjectiveConfig:
+    label_smoothing: float = 0.0
+    beta: float = 0.1  # DPO temperature
+    loss_type: str = "sigmoid"  # sigmoid | ipo | hinge
+    ref_model_path: str | None = None  # DPO reference; default: a frozen copy of the initial policy
+    reference_free: bool = False
+
+
+@dataclass
+class CkptConfig:
+    ckpt_dir: str = "out/ckpt"
+    ckpt_interval: int = 100  # optimizer steps; 0 = only at stop/end
+    keep_last: int | None = 3
+
+
+@dataclass
+class LogConfig:
+    log_dir: str = "out"  # metrics.jsonl, plots
+    progress: bool = True  # tqdm bar on rank 0
+    tensorboard: bool = False  # also write TensorBoard events (needs the tensorboard package)
+
+
+@dataclass
+class DistConfig:
+    nprocs: int = 1
+    parallel_mode: str = "none"  # none | ddp | fsdp
+
+
+SECTIONS: dict[str, type] = {
+    "data": DataConfig,
+    "train": TrainSection,
+    "optim": OptimConfig,
+    "objective": ObjectiveConfig,
+    "ckpt": CkptConfig,
+    "log": LogConfig,
+    "dist": DistConfig,
+}
+
+CHOICES: dict[str, tuple[str, ...]] = {
+    "train_type": TRAIN_TYPES,
+    "optimizer": ("adamw", "muon"),
+    "schedule": ("constant", "cosine", "wsd"),
+    "loss_type": ("sigmoid", "ipo", "hinge"),
+    "early_stopping_mode": ("min", "max"),
+    "parallel_mode": ("none", "ddp", "fsdp"),
+}
+
+
+@dataclass
+class Config:
+    """The resolved run configuration. ``model`` holds ModelConfig fields (HF names) or is empty."""
+
+    model: dict[str, Any] = field(default_factory=dict)
+    data: DataConfig = field(default_factory=DataConfig)
+    train: TrainSection = field(default_factory=TrainSection)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    objective: ObjectiveConfig = field(default_factory=ObjectiveConfig)
+    ckpt: CkptConfig = field(default_factory=CkptConfig)
+    log: LogConfig = field(default_factory=LogConfig)
+    dist: DistConfig = field(default_factory=DistConfig)
+
+    def to_dict(self) -> dict[str, dict[str, Any]]:
+        """Sectioned plain dict (YAML/JSON-able), the form written to trainer_state.json."""
+        out: dict[str, dict[str, Any]] = {"model": dict(self.model)}
+        for name in SECTIONS:
+            out[name] = dataclasses.asdict(getattr(self, name))
+        return out
+
+    def to_yaml(self) -> str:
+        return yaml.safe_dump(self.to_dict(), sort_keys=False)
+
+    def flat(self) -> dict[str, Any]:
+        """One flat dict of every key (the flat namespace)."""
+        return {k: v for section in self.to_dict().values() for k, v in section.items()}
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> Config:
+        """Build from a sectioned (or flat) dict with full checking; used by YAML and resume."""
+        return build_config(data, {})
+
+
+# ---------------------------------------------------------------- field tables and type checks
+
+
+def model_field_types() -> dict[str, Any]:
+    """ModelConfig field names -> types; empty until the model package provides ModelConfig."""
+    try:
+        from astrai.model.config import ModelConfig
+    except ImportError:
+        return {}
+    hints = typing.get_type_hints(ModelConfig)
+    return {f.name: hints[f.name] for f in dataclasses.fields(ModelConfig) if not f.name.startswith("_")}
+
+
+def field_table() -> dict[str, tuple[str, Any]]:
+    """Flat key -> (section, type). Raises if two sections would claim the same name."""
+    table: dict[str, tuple[str, Any]] = {}
+    for section, cls in SECTIONS.items():
+        hints = typing.get_type_hints(cls)
+        for f in dataclasses.fields(cls):
+            table[f.name] = (section, hints[f.name])
+    for name, tp in model_field_types().items():
+        if name in table:
+            raise ConfigError(
+                f"config key {name!r} is both a ModelConfig field and a {table[name][0]!r} field; "
+                "flat names must be unique"
+            )
+        table[name] = ("model", tp)
+    return table
+
+
+def _type_name(tp: Any) -> str:
+    if isinstance(tp, type):
+        return tp.__name__
+    return str(tp).replace("typing.", "")
+
+
+def _is_optional(tp: Any) -> bool:
+    return type(None) in typing.get_args(tp)
+
+
+def _base_types(tp: Any) -> tuple[Any, ...]:
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        return tuple(a for a in typing.get_args(tp) if a is not type(None))
+    return (tp,)
+
+
+def _check_one(value: Any, tp: Any) -> tuple[bool, Any]:
+    """(ok, coerced value) for one non-None base type."""
+    origin = typing.get_origin(tp) or tp
+    if tp is Any:
+        return True, value
+    if tp is bool:
+        return isinstance(value, bool), value
+    if tp is int:
+        return isinstance(value, int) and not isinstance(value, bool), value
+    if tp is float:
+        if isinstance(value, int | float) and not isinstance(value, bool):
+            return True, float(value)
+        if isinstance(value, str):  # PyYAML reads 1e-3 (no dot) as a string
+            try:
+                return True, float(value)
+            except ValueError:
+                return False, value
+        return False, value
+    if tp is str:
+        return isinstance(value, str), value
+    if origin in (list, tuple):
+        return isinstance(value, list | tuple), list(value) if isinstance(value, tuple) else value
+    if origin is dict:
+        return isinstance(value, dict), value
+    return True, value  # unknown annotation: let the owning dataclass validate it
+
+
+def check_value(name: str, section: str, value: Any, tp: Any) -> Any:
+    """Return ``value`` coerced to ``tp`` or raise a ConfigError naming field, value and type."""
+    if value is None:
+        if _is_optional(tp):
+            return None
+        raise ConfigError(f"config key {name!r} in section {section!r} may not be null; expected {_type_name(tp)}")
+    for base in _base_types(tp):
+        ok, coerced = _check_one(value, base)
+        if ok:
+            return coerced
+    raise ConfigError(
+        f"config key {name!r} in section {section!r} has value {value!r} of type "
+        f"{type(value).__name__}; expected {_type_name(tp)}"
+    )
+
+
+def parse_flag_value(name: str, section: str, text: str, tp: Any) -> Any:
+    """Parse a command-line string for a field of type ``tp``."""
+    if text.lower() in ("null", "none") and _is_optional(tp):
+        return None
+    for base in _base_types(tp):
+        if base is bool:
+            if text.lower() in ("true", "1", "yes", "on"):
+                return True
+            if text.lower() in ("false", "0", "no", "off"):
+                return False
+        elif base is int:
+            try:
+                return int(text)
+            except ValueError:
+                pass
+        elif base is float:
+            try:
+                return float(text)
+            except ValueError:
+                pass
+        elif base is str:
+            return text
+        else:  # lists, dicts: YAML syntax on the command line
+            try:
+                return check_value(name, section, yaml.safe_load(text), base)
+            except (yaml.YAMLError, ConfigError):
+                pass
+    raise ConfigError(f"flag --{name} has value {text!r}; expected {_type_name(tp)}")
+
+
+def _did_you_mean(name: str, candidates: list[str]) -> str:
+    close = difflib.get_close_matches(name, candidates, n=1, cutoff=0.6)
+    return f"; did you mean {close[0]!r}?" if close else ""
+
+
+# ----------------------------------------------------------------------------- assembling
+
+
+def build_config(yaml_data: dict[str, Any], overrides: dict[str, Any]) -> Config:
+    """Merge YAML (sectioned or flat) with already-typed flag overrides and validate."""
+    table = field_table()
+    values: dict[str, Any] = {}  # flat key -> value, YAML first, flags on top
+    if not isinstance(yaml_data, dict):
+        raise ConfigError(f"config must be a mapping of sections, got {type(yaml_data).__name__}")
+    for key, content in yaml_data.items():
+        if key == "model" or key in SECTIONS:
+            if content is None:
+                continue
+            if not isinstance(content, dict):
+                raise ConfigError(f"section {key!r} must be a mapping, got {content!r}")
+            for name, value in content.items():
+                values[name] = _check_key(name, key, value, table)
+        elif key in table:  # flat key at top level
+            values[key] = check_value(key, table[key][0], content, table[key][1])
+        else:
+            names = ["model", *SECTIONS, *table]
+            raise ConfigError(f"unknown config section or key {key!r}{_did_you_mean(key, names)}")
+    values.update(overrides)
+    return _assemble(values, table)
+
+
+def _check_key(name: str, section: str, value: Any, table: dict[str, tuple[str, Any]]) -> Any:
+    if name not in table:
+        if section == "model" and not model_field_types():
+            return value  # ModelConfig not importable yet: it validates these fields itself
+        in_section = [k for k, (s, _) in table.items() if s == section]
+        raise ConfigError(f"unknown config key {name!r} in section {section!r}{_did_you_mean(name, in_section)}")
+    owner, tp = table[name]
+    if owner != section:
+        raise ConfigError(f"config key {name!r} belongs to section {owner!r}, not {section!r}; move it there")
+    return check_value(name, section, value, tp)
+
+
+def _assemble(values: dict[str, Any], table: dict[str, tuple[str, Any]]) -> Config:
+    per_section: dict[str, dict[str, Any]] = {s: {} for s in ["model", *SECTIONS]}
+    for name, value in values.items():
+        section = table[name][0] if name in table else "model"
+        per_section[section][name] = value
+    cfg = Config(model=per_section.pop("model"), **{s: SECTIONS[s](**kw) for s, kw in per_section.items()})
+    validate(cfg)
+    return cfg
+
+
+def validate(cfg: Config) -> None:
+    """Choices and ranges that a type alone does not capture."""
+    flat = cfg.flat()
+    for name, allowed in CHOICES.items():
+        if flat[name] not in allowed:
+            raise ConfigError(f"{name}={flat[name]!r} is not one of {', '.join(allowed)}")
+    if cfg.data.train_type not in AVAILABLE_TRAIN_TYPES:
+        raise ConfigError(
+            f"train_type={cfg.data.train_type!r} is not available in this version; "
+            f"choose one of {', '.join(AVAILABLE_TRAIN_TYPES)}"
+        )
+    positive = ["n_epoch", "batch_per_device", "grad_accum_steps", "max_seq_len", "nprocs"]
+    for name in positive:
+        if flat[name] < 1:
+            raise ConfigError(f"{name}={flat[name]} must be >= 1")
+    for name in ["max_steps", "warmup_steps", "seq_stride", "val_max_batches", "keep_last"]:
+        if flat[name] is not None and flat[name] < (0 if name == "warmup_steps" else 1):
+            raise ConfigError(f"{name}={flat[name]} must be positive (or null)")
+    for name in ["max_lr", "weight_decay", "max_grad_norm", "ckpt_interval", "val_interval", "beta"]:
+        if flat[name] < 0:
+            raise ConfigError(f"{name}={flat[name]} must be >= 0")
+    for name in ["warmup_ratio", "min_lr_ratio", "decay_ratio", "label_smoothing"]:
+        if not 0.0 <= flat[name] <= 1.0:
+            raise ConfigError(f"{name}={flat[name]} must be within [0, 1]")
+    if not 0.0 <= cfg.data.val_split < 1.0:
+        raise ConfigError(f"val_split={cfg.data.val_split} must be within [0, 1)")
+
+
+def load_yaml(path: str | Path) -> dict[str, Any]:
+    """Read a YAML config file; a missing file or a syntax error is a ConfigError."""
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"config file {str(path)!r} does not exist; check --config")
+    try:
+        data = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as e:
+        raise ConfigError(f"config file {str(path)!r} is not valid YAML: {e}") from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"config file {str(path)!r} must hold a mapping of sections, got {type(data).__name__}")
+    return data
+
+
+def parse_overrides(args: list[str]) -> dict[str, Any]:
+    """``--key value`` / ``--key=value`` / bare ``--bool_key`` -> typed flat overrides."""
+    table = field_table()
+    out: dict[str, Any] = {}
+    i = 0
+    while i < len(args):
+        arg = args[i]
+        if not arg.startswith("--"):
+            raise ConfigError(f"unexpected argument {arg!r}; config values are given as --key value")
+        name, eq, text = arg[2:].partition("=")
+        name = name.replace("-", "_")
+        if "." in name:  # allow --optim.max_lr
+            name = name.split(".", 1)[1]
+        if name not in table:
+            raise ConfigError(f"unknown flag --{name}{_did_you_mean(name, list(table))}")
+        section, tp = table[name]
+        if not eq:
+            nxt = args[i + 1] if i + 1 < len(args) else None
+            if bool in _base_types(tp) and (nxt is None or nxt.startswith("--")):
+                out[name] = True
+                i += 1
+                continue
+            if nxt is None:
+                raise ConfigError(f"flag --{name} needs a value ({_type_name(tp)})")
+            text = nxt
+            i += 1
+        out[name] = parse_flag_value(name, section, text, tp)
+        i += 1
+    return out
+
+
+def load_config(config_path: str | Path | None, args: list[str] | None = None) -> Config:
+    """Defaults <- YAML file <- flags. The one entry point the CLI uses."""
+    data = load_yaml(config_path) if config_path is not None else {}
+    return build_config(data, parse_overrides(list(args or [])))

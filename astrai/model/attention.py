@@ -1,0 +1,253 @@
+"""Grouped-query attention with rotary embeddings, for training and for paged inference.
+
+One module serves both worlds. In training (and plain evaluation) it attends over a padded
+(B, T) batch, masking padding and, for packed rows, keys of other documents. In inference the
+engine hands it a flat row of the tokens scheduled this step (several sequences back to back)
+and a `PagedAttentionMetadata`: new keys and values are written into the paged KV cache and
+each sequence attends over its cached context. The metadata type lives here, in the model
+layer, because both the model and the engine's runner need it.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from astrai.model.config import ModelConfig
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float = 1e-6) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: Tensor) -> Tensor:
+        # float32 statistics keep bf16 training stable; the weight multiplies in the input dtype
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+# -- rotary position embeddings ----------------------------------------------------------------
+def rope_inv_freq(config: ModelConfig) -> Tensor:
+    """Inverse frequencies (head_dim / 2,), with `linear` or `llama3` scaling applied."""
+    dim = config.head_dim
+    inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    scaling = config.rope_scaling
+    if not scaling:
+        return inv_freq
+    kind = scaling.get("rope_type", scaling.get("type"))
+    factor = float(scaling["factor"])
+    if kind == "linear":
+        return inv_freq / factor
+    # llama3: long wavelengths are slowed by `factor`, short ones kept, a smooth blend between
+    low = float(scaling.get("low_freq_factor", 1.0))
+    high = float(scaling.get("high_freq_factor", 4.0))
+    old_len = float(scaling.get("original_max_position_embeddings", 8192))
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
+    smooth = (old_len / wavelen - low) / (high - low)
+    blended = (1 - smooth) * scaled / factor + smooth * scaled
+    is_medium = (wavelen >= old_len / high) & (wavelen <= old_len / low)
+    return torch.where(is_medium, blended, scaled)
+
+
+def rope_cos_sin(inv_freq: Tensor, position_ids: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+    """cos and sin (B, T, head_dim) for integer positions (B, T), computed in float32."""
+    freqs = position_ids.float()[..., None] * inv_freq.float()  # (B, T, D/2)
+    emb = torch.cat((freqs, freqs), dim=-1)  # (B, T, D)
+    return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """x (B, T, H, D); cos/sin (B, T, D). Rotates the two halves of each head (HF convention)."""
+    cos, sin = cos.unsqueeze(2), sin.unsqueeze(2)
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin
+
+
+# -- masks for training batches ----------------------------------------------------------------
+def document_ids_from_positions(position_ids: Tensor) -> Tensor | None:
+    """Document ids (B, T) from position resets, or None when no row restarts its positions."""
+    resets = position_ids[:, 1:] <= position_ids[:, :-1]  # (B, T-1)
+    if not bool(resets.any()):
+        return None
+    starts = torch.cat([torch.zeros_like(position_ids[:, :1], dtype=torch.bool), resets], dim=1)
+    return starts.long().cumsum(dim=1)
+
+
+def build_attention_mask(
+    attention_mask: Tensor | None, document_ids: Tensor | None, T: int, device: torch.device
+) -> Tensor | None:
+    """Boolean mask (B, 1, T, T), True = may attend; None when plain causal attention suffices."""
+    if attention_mask is None and document_ids is None:
+        return None
+    allowed = torch.ones(T, T, dtype=torch.bool, device=device).tril()[None]  # (1, T, T)
+    if document_ids is not None:
+        allowed = allowed & (document_ids[:, :, None] == document_ids[:, None, :])  # (B, T, T)
+    if attention_mask is not None:
+        allowed = allowed & attention_mask.bool()[:, None, :]
+    # a padding query may attend to nothing; let it see itself so softmax stays finite
+    allowed = allowed | torch.eye(T, dtype=torch.bool, device=device)[None]
+    return allowed[:, None]
+
+
+# -- paged inference metadata ------------------------------------------------------------------
+@dataclass
+class PrefillSegment:
+    start: int  # first token of this sequence in the flat batch
+    end: int
+    slots: Tensor | None  # (context_len,) cache slots of its whole context; None: no cached prefix
+    mask: Tensor | None  # (query_len, context_len) bool for a chunk after cached context
+
+
+@dataclass
+class PagedAttentionMetadata:
+    """What one engine step tells every attention layer about the flat batch it runs."""
+
+    kv_caches: list[tuple[Tensor, Tensor]]  # per layer, (num_blocks, block_size, kv_heads, head_dim)
+    slot_mapping: Tensor  # (N,) cache slot of every new token
+    decode_token_idx: Tensor | None  # (Sd,) flat index of each single-token (decode) sequence
+    decode_slots: Tensor | None  # (Sd, Lmax) cache slots of its context, padded
+    decode_mask: Tensor | None  # (Sd, 1, 1, Lmax) True on real context
+    prefills: list[PrefillSegment]
+
+    @classmethod
+    def build(
+        cls,
+        query_lens: list[int],
+        context_lens: list[int],
+        block_tables: list[list[int]],
+        block_size: int,
+        kv_caches: list[tuple[Tensor, Tensor]],
+        device: torch.device | str = "cpu",
+    ) -> PagedAttentionMetadata:
+        def slots_of(table: list[int], start: int, end: int) -> Tensor:
+            pos = torch.arange(start, end)
+            return torch.tensor(table, dtype=torch.long)[pos // block_size] * block_size + pos % block_size
+
+        slot_parts, prefills, decodes = [], [], []
+        offset = 0
+        for i, (q_len, ctx_len) in enumerate(zip(query_lens, context_lens)):
+            if q_len <= 0 or ctx_len < q_len:
+                raise ValueError(f"sequence {i}: query_len {q_len} and context_len {ctx_len} are inconsistent")
+            if ctx_len > len(block_tables[i]) * block_size:
+                raise ValueError(
+                    f"sequence {i}: context_len {ctx_len} exceeds its {len(block_tables[i])} blocks "
+                    f"of {block_size} tokens"
+                )
+            slot_parts.append(slots_of(block_tables[i], ctx_len - q_len, ctx_len))
+            if q_len == 1 and ctx_len > 1:
+                decodes.append(i)
+            elif ctx_len == q_len:  # whole prompt in this step: attend over the fresh keys
+                prefills.append(PrefillSegment(offset, offset + q_len, None, None))
+            else:  # a chunk after cached context
+                cached = ctx_len - q_len
+                key_pos = torch.arange(ctx_len)[None, :]
+                query_pos = (cached + torch.arange(q_len))[:, None]
+                prefills.append(
+                    PrefillSegment(
+                        offset, offset + q_len, slots_of(block_tables[i], 0, ctx_len).to(device),
+                        (key_pos <= query_pos).to(device),
+                    )
+                )
+            offset += q_len
+        starts = torch.tensor(query_lens).cumsum(0) - torch.tensor(query_lens)
+        dec_idx = dec_slots = dec_mask = None
+        if decodes:
+            dec = torch.tensor(decodes)
+            ctx = torch.tensor(context_lens)[dec]  # (Sd,)
+            max_blocks = max(len(block_tables[i]) for i in decodes)
+            tables = torch.zeros(len(decodes), max_blocks, dtype=torch.long)
+            for row, i in enumerate(decodes):
+                tables[row, : len(block_tables[i])] = torch.tensor(block_tables[i])
+            l_max = int(ctx.max())
+            pos = torch.arange(l_max)
+            dec_slots = (tables[:, pos // block_size] * block_size + pos % block_size).to(device)
+            dec_mask = (pos[None, :] < ctx[:, None])[:, None, None, :].to(device)
+            dec_idx = starts[dec].to(device)
+        return cls(
+            kv_caches=kv_caches,
+            slot_mapping=torch.cat(slot_parts).to(device),
+            decode_token_idx=dec_idx,
+            decode_slots=dec_slots,
+            decode_mask=dec_mask,
+            prefills=prefills,
+        )
+
+
+# -- the attention module ----------------------------------------------------------------------
+class Attention(nn.Module):
+    def __init__(self, config: ModelConfig, layer_idx: int) -> None:
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.head_dim = config.head_dim
+        hidden, bias = config.hidden_size, config.attention_bias
+        self.q_proj = nn.Linear(hidden, self.num_heads * self.head_dim, bias=bias)
+        self.k_proj = nn.Linear(hidden, self.num_kv_heads * self.head_dim, bias=bias)
+        self.v_proj = nn.Linear(hidden, self.num_kv_heads * self.head_dim, bias=bias)
+        self.o_proj = nn.Linear(self.num_heads * self.head_dim, hidden, bias=False)
+        if config.qk_norm:
+            self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+            self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+        else:
+            self.q_norm = self.k_norm = None
+
+    def forward(
+        self, x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor | None,
+        meta: PagedAttentionMetadata | None = None,
+    ) -> Tensor:
+        B, T, _ = x.shape
+        q = self.q_proj(x).view(B, T, self.num_heads, self.head_dim)  # (B, T, H, D)
+        k = self.k_proj(x).view(B, T, self.num_kv_heads, self.head_dim)  # (B, T, Hkv, D)
+        v = self.v_proj(x).view(B, T, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if meta is None:
+            out = F.scaled_dot_product_attention(
+                q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                attn_mask=mask, is_causal=mask is None, enable_gqa=self.num_kv_heads != self.num_heads,
+            )  # (B, H, T, D)
+            out = out.transpose(1, 2)
+        else:
+            out = self._paged(q[0], k[0], v[0], meta)[None]
+        return self.o_proj(out.reshape(B, T, self.num_heads * self.head_dim))
+
+    def _paged(self, q: Tensor, k: Tensor, v: Tensor, meta: PagedAttentionMetadata) -> Tensor:
+        """q (N, H, D), k/v (N, Hkv, D) of the flat step batch -> (N, H, D)."""
+        k_cache, v_cache = meta.kv_caches[self.layer_idx]
+        flat_k = k_cache.view(-1, self.num_kv_heads, self.head_dim)  # (slots, Hkv, D)
+        flat_v = v_cache.view(-1, self.num_kv_heads, self.head_dim)
+        flat_k.index_copy_(0, meta.slot_mapping, k.to(flat_k.dtype))
+        flat_v.index_copy_(0, meta.slot_mapping, v.to(flat_v.dtype))
+        gqa = self.num_kv_heads != self.num_heads
+        out = torch.empty_like(q)
+        for seg in meta.prefills:
+            qs = q[seg.start : seg.end].transpose(0, 1)[None]  # (1, H, Tq, D)
+            if seg.slots is None:
+                ks = k[seg.start : seg.end].transpose(0, 1)[None]  # (1, Hkv, Tq, D)
+                vs = v[seg.start : seg.end].transpose(0, 1)[None]
+            else:
+                ks = flat_k[seg.slots].transpose(0, 1)[None].to(q.dtype)  # (1, Hkv, Tctx, D)
+                vs = flat_v[seg.slots].transpose(0, 1)[None].to(q.dtype)
+            o = F.scaled_dot_product_attention(
+                qs, ks, vs, attn_mask=seg.mask, is_causal=seg.mask is None, enable_gqa=gqa
+            )
+            out[seg.start : seg.end] = o[0].transpose(0, 1)
+        if meta.decode_token_idx is not None:
+            qd = q[meta.decode_token_idx][:, :, None]  # (Sd, H, 1, D)
+            kd = flat_k[meta.decode_slots].transpose(1, 2).to(q.dtype)  # (Sd, Hkv, Lmax, D)
+            vd = flat_v[meta.decode_slots].transpose(1, 2).to(q.dtype)
+            o = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=meta.decode_mask, enable_gqa=gqa)
+            out[meta.decode_token_idx] = o[:, :, 0]
+        return out

@@ -1,0 +1,184 @@
+"""The decoder-only causal language model: the one model of astrai.
+
+Training, RL rollouts and serving all run this module. `CausalLM.forward` takes a padded batch
+(training, evaluation, parity with transformers) or, with `attn_metadata`, a flat row of tokens
+from several sequences whose keys and values live in the engine's paged KV cache. Submodule and
+parameter names match Hugging Face's Llama/Qwen layout, so checkpoints map by name.
+"""
+
+from __future__ import annotations
+
+import math
+from contextlib import nullcontext
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor, nn
+from torch.utils.checkpoint import checkpoint
+
+from astrai.model.attention import (
+    Attention,
+    PagedAttentionMetadata,
+    RMSNorm,
+    build_attention_mask,
+    document_ids_from_positions,
+    rope_cos_sin,
+    rope_inv_freq,
+)
+from astrai.model.config import ModelConfig
+from astrai.model.moe import MLP, MoE
+
+
+@dataclass
+class ModelOutput:
+    logits: Tensor  # (B, T, V), or (1, K, V) when logits_indices selects K positions
+    hidden_states: Tensor  # (B, T, C) after the final norm
+    aux_loss: Tensor | None = None  # MoE load-balancing loss (training mode only)
+    router_stats: dict[str, Tensor] = field(default_factory=dict)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, layer_idx: int) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = Attention(config, layer_idx)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.is_moe = config.is_moe_layer(layer_idx)
+        self.mlp = MoE(config) if self.is_moe else MLP(config.hidden_size, config.intermediate_size)
+
+    def forward(
+        self, x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor | None,
+        meta: PagedAttentionMetadata | None, token_mask: Tensor | None,
+    ) -> tuple[Tensor, Tensor | None, dict]:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, mask, meta)
+        h = self.post_attention_layernorm(x)
+        if self.is_moe:
+            y, aux, stats = self.mlp(h, token_mask)
+        else:
+            y, aux, stats = self.mlp(h), None, {}
+        return x + y, aux, stats
+
+
+class Transformer(nn.Module):
+    """The trunk (embeddings, blocks, final norm); `CausalLM.model` and the critic's trunk."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.register_buffer("inv_freq", rope_inv_freq(config), persistent=False)
+        self.gradient_checkpointing = False
+
+    def forward(
+        self,
+        input_ids: Tensor,
+        attention_mask: Tensor | None = None,
+        position_ids: Tensor | None = None,
+        document_ids: Tensor | None = None,
+        attn_metadata: PagedAttentionMetadata | None = None,
+    ) -> tuple[Tensor, Tensor | None, dict[str, Tensor]]:
+        """input_ids (B, T) -> (hidden (B, T, C), mean MoE aux loss or None, mean router stats)."""
+        if input_ids.dim() != 2:
+            raise ValueError(f"input_ids must be (batch, seq_len), got shape {tuple(input_ids.shape)}")
+        B, T = input_ids.shape
+        if position_ids is None:
+            position_ids = torch.arange(T, device=input_ids.device).expand(B, T)
+        mask = None
+        if attn_metadata is None:
+            if document_ids is None:
+                document_ids = document_ids_from_positions(position_ids)
+            mask = build_attention_mask(attention_mask, document_ids, T, input_ids.device)
+        x = self.embed_tokens(input_ids)  # (B, T, C)
+        cos, sin = rope_cos_sin(self.inv_freq, position_ids, x.dtype)  # (B, T, D) each
+        aux_losses, stats = [], []
+        for layer in self.layers:
+            if self.gradient_checkpointing and self.training:
+                x, aux, st = checkpoint(
+                    layer, x, cos, sin, mask, attn_metadata, attention_mask, use_reentrant=False
+                )
+            else:
+                x, aux, st = layer(x, cos, sin, mask, attn_metadata, attention_mask)
+            if aux is not None:
+                aux_losses.append(aux)
+                stats.append(st)
+        aux_loss = torch.stack(aux_losses).mean() if aux_losses else None
+        router_stats = {k: torch.stack([s[k] for s in stats]).mean(0) for k in stats[0]} if stats else {}
+        return self.norm(x), aux_loss, router_stats
+
+
+class CausalLM(nn.Module):
+    def __init__(self, config: ModelConfig, seed: int | None = 0, device: torch.device | str | None = None) -> None:
+        """Build the model. `seed` gives a deterministic init (None: leave PyTorch's init);
+        `device="meta"` builds without allocating, for loading weights afterwards."""
+        super().__init__()
+        self.config = config
+        with torch.device(device) if device is not None else nullcontext():
+            self.model = Transformer(config)
+            self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        if config.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+        if seed is not None and str(device) != "meta":
+            self.init_weights(seed)
+
+    @property
+    def gradient_checkpointing(self) -> bool:
+        return self.model.gradient_checkpointing
+
+    @gradient_checkpointing.setter
+    def gradient_checkpointing(self, enabled: bool) -> None:
+        self.model.gradient_checkpointing = enabled
+
+    @torch.no_grad()
+    def init_weights(self, seed: int = 0) -> None:
+        """Normal(0, initializer_range) weights, zero biases, unit norms; the projections that
+        write into the residual stream (o_proj, down_proj) are scaled by 1/sqrt(2 * layers)."""
+        gen = torch.Generator(device="cpu").manual_seed(seed)
+        std = self.config.initializer_range
+        residual_std = std / math.sqrt(2 * self.config.num_hidden_layers)
+        for name, p in self.named_parameters():  # tied weights appear once
+            if name.endswith("norm.weight") or name.endswith("layernorm.weight"):
+                p.fill_(1.0)
+            elif name.endswith(".bias"):
+                p.zero_()
+            else:
+                s = residual_std if name.endswith(("o_proj.weight", "down_proj.weight")) else std
+                p.copy_(torch.randn(p.shape, generator=gen) * s)
+        self.model.inv_freq = rope_inv_freq(self.config).to(self.model.inv_freq.device)
+
+    def tie_weights(self) -> None:
+        if self.config.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def forward(
+        self,
+        input_ids: Tensor,
+        attention_mask: Tensor | None = None,
+        position_ids: Tensor | None = None,
+        document_ids: Tensor | None = None,
+        attn_metadata: PagedAttentionMetadata | None = None,
+        logits_indices: Tensor | None = None,
+    ) -> ModelOutput:
+        hidden, aux_loss, router_stats = self.model(
+            input_ids, attention_mask, position_ids, document_ids, attn_metadata
+        )
+        h = hidden if logits_indices is None else hidden[:, logits_indices]
+        return ModelOutput(self.lm_head(h), hidden, aux_loss, router_stats)
+
+    def allocate_kv_cache(
+        self, num_blocks: int, block_size: int, dtype: torch.dtype | None = None,
+        device: torch.device | str | None = None,
+    ) -> list[tuple[Tensor, Tensor]]:
+        """Per-layer (k, v) caches, each (num_blocks, block_size, num_kv_heads, head_dim)."""
+        ref = self.lm_head.weight
+        shape = (num_blocks, block_size, self.config.num_key_value_heads, self.config.head_dim)
+        return [
+            (torch.zeros(shape, dtype=dtype or ref.dtype, device=device or ref.device),
+             torch.zeros(shape, dtype=dtype or ref.dtype, device=device or ref.device))
+            for _ in range(self.config.num_hidden_layers)
+        ]
+
+    def num_parameters(self) -> int:
+        return sum(p.numel() for p in self.parameters())
+

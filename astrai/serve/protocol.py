@@ -1,0 +1,237 @@
+"""OpenAI request schemas (pydantic) and response builders for the HTTP server.
+
+The server (`serve/app.py`) validates every JSON body against the request models here, turns a
+valid request into `SamplingParams` for the engine, and renders engine outputs back into
+OpenAI's response shapes with the builders at the bottom. Unknown fields are ignored, as
+OpenAI does; a field of the wrong type or out of range is a `ValidationError` that the app
+turns into a 400 naming the parameter. Types are strict (no "0.5" -> 0.5 coercion), except that
+an integer is accepted where a float is expected, as JSON has one number type.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
+
+# vLLM's bound: a -inf logprob (token removed by top-p/top-k) is not valid JSON.
+MIN_LOGPROB = -9999.0
+MAX_TOP_LOGPROBS = 20
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="ignore", strict=True)
+
+
+class StreamOptions(_Strict):
+    include_usage: bool = False
+
+
+class TextPart(_Strict):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(_Strict):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextPart] | None = None
+    name: str | None = None
+    tool_call_id: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None
+
+    def to_template(self) -> dict[str, Any]:
+        """The message as the chat template sees it: content parts joined into one string."""
+        content = self.content
+        if isinstance(content, list):
+            content = "".join(part.text for part in content)
+        msg: dict[str, Any] = {"role": "system" if self.role == "developer" else self.role,
+                               "content": content if content is not None else ""}
+        for key in ("name", "tool_call_id", "tool_calls"):
+            if getattr(self, key) is not None:
+                msg[key] = getattr(self, key)
+        return msg
+
+
+class _SamplingFields(_Strict):
+    """Fields shared by both completion endpoints (OpenAI names plus vLLM's extras)."""
+
+    model: str
+    n: int = Field(1, ge=1, le=128)
+    temperature: float | None = Field(None, ge=0.0, le=2.0)
+    top_p: float | None = Field(None, gt=0.0, le=1.0)
+    top_k: int | None = Field(None, ge=-1)
+    min_p: float | None = Field(None, ge=0.0, le=1.0)
+    frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
+    presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
+    repetition_penalty: float | None = Field(None, gt=0.0)
+    logit_bias: dict[str, Annotated[float, Field(ge=-100.0, le=100.0)]] | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[Annotated[int, Field(ge=0)]] | None = None
+    seed: int | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    ignore_eos: bool = False
+    min_tokens: int = Field(0, ge=0)
+    user: str | None = None
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _token_id_keys(cls, value: dict[str, float] | None) -> dict[str, float] | None:
+        for key in value or {}:
+            if not key.lstrip("-").isdigit() or int(key) < 0:
+                raise ValueError(f"keys must be token ids as strings (e.g. '50256'), got {key!r}")
+        return value
+
+    @field_validator("stream_options")
+    @classmethod
+    def _stream_options_need_stream(cls, value: StreamOptions | None, info: ValidationInfo):
+        if value is not None and not info.data.get("stream"):
+            raise ValueError("stream_options is only allowed when stream is true")
+        return value
+
+    def stop_list(self) -> list[str]:
+        stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+        return [s for s in stops if s]
+
+
+class ChatCompletionRequest(_SamplingFields):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+
+    @field_validator("top_logprobs")
+    @classmethod
+    def _top_logprobs_need_logprobs(cls, value: int | None, info: ValidationInfo) -> int | None:
+        if value and not info.data.get("logprobs"):
+            raise ValueError("top_logprobs requires logprobs to be true")
+        return value
+
+    def requested_max_tokens(self) -> int | None:
+        # max_completion_tokens is OpenAI's newer name; it wins when both are given.
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+
+class CompletionRequest(_SamplingFields):
+    prompt: str | list[str] | list[int] | list[list[int]]
+    max_tokens: int = Field(16, ge=1)
+    logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+    echo: bool = False
+    suffix: str | None = None
+
+    @field_validator("prompt")
+    @classmethod
+    def _non_empty(cls, value: Any) -> Any:
+        if len(value) == 0 or (isinstance(value, list) and any(len(p) == 0 for p in value
+                                                               if isinstance(p, str | list))):
+            raise ValueError("prompt must not be empty")
+        return value
+
+    @field_validator("suffix")
+    @classmethod
+    def _no_suffix(cls, value: str | None) -> str | None:
+        if value:
+            raise ValueError("suffix (fill-in-the-middle) is not supported; omit it")
+        return value
+
+    def prompt_list(self) -> list[str | list[int]]:
+        """The prompt as a list of prompts, each a string or a list of token ids."""
+        p = self.prompt
+        if isinstance(p, str):
+            return [p]
+        if p and isinstance(p[0], int):
+            return [p]  # one prompt given as token ids
+        return list(p)
+
+
+# ----------------------------------------------------------------------------- responses
+# Non-streaming bodies are pydantic models; streaming chunks are plain dicts built below
+# because they are on the per-token hot path.
+
+
+class ErrorInfo(BaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | None = None
+
+
+class ErrorResponse(BaseModel):
+    error: ErrorInfo
+
+
+class Usage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+    prompt_tokens_details: dict[str, int] | None = None
+
+
+class ChatResponseMessage(BaseModel):
+    role: Literal["assistant"] = "assistant"
+    content: str
+
+
+class ChatChoice(BaseModel):
+    index: int
+    message: ChatResponseMessage
+    logprobs: dict[str, Any] | None = None
+    finish_reason: str | None
+    stop_reason: int | str | None = None
+
+
+class ChatCompletionResponse(BaseModel):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage
+
+
+class CompletionChoice(BaseModel):
+    index: int
+    text: str
+    logprobs: dict[str, Any] | None = None
+    finish_reason: str | None
+    stop_reason: int | str | None = None
+
+
+class CompletionResponse(BaseModel):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage
+
+
+def make_usage(num_prompt_tokens: int, num_completion_tokens: int, num_cached_tokens: int = 0) -> Usage:
+    return Usage(prompt_tokens=num_prompt_tokens, completion_tokens=num_completion_tokens,
+                 total_tokens=num_prompt_tokens + num_completion_tokens,
+                 prompt_tokens_details={"cached_tokens": num_cached_tokens})
+
+
+def chat_chunk(request_id: str, created: int, model: str, choices: list[dict[str, Any]],
+               usage: Usage | None = None, with_usage_field: bool = False) -> dict[str, Any]:
+    chunk: dict[str, Any] = {"id": request_id, "object": "chat.completion.chunk", "created": created,
+                             "model": model, "choices": choices}
+    if with_usage_field:
+        chunk["usage"] = usage.model_dump() if usage is not None else None
+    return chunk
+
+
+def completion_chunk(request_id: str, created: int, model: str, choices: list[dict[str, Any]],
+                     usage: Usage | None = None, with_usage_field: bool = False) -> dict[str, Any]:
+    chunk: dict[str, Any] = {"id": request_id, "object": "text_completion", "created": created,
+                             "model": model, "choices": choices}
+    if with_usage_field:
+        chunk["usage"] = usage.model_dump() if usage is not None else None
+    return chunk
+
+
+def error_body(message: str, type_: str = "invalid_request_error", param: str | None = None,
+               code: str | None = None) -> dict[str, Any]:
+    return ErrorResponse(error=ErrorInfo(message=message, type=type_, param=param, code=code)).model_dump()

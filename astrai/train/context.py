@@ -1,0 +1,47 @@
+"""TrainContext: the counters of a training run and its stop request.
+
+Created by the trainer (or the CLI, so that signal handlers installed before the model is built
+have somewhere to write), read by callbacks, saved into ``trainer_state.json`` by checkpoints and
+restored on ``--resume``. ``step`` counts optimizer steps; ``consumed_samples`` counts samples of
+the current epoch consumed by completed optimizer steps, over all ranks.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass
+class TrainContext:
+    epoch: int = 0
+    step: int = 0  # completed optimizer steps
+    consumed_samples: int = 0  # samples of the current epoch consumed by completed steps (global)
+    tokens_seen: int = 0  # loss tokens of completed steps (global)
+    policy_version: int = 0  # bumped on every optimizer step (weights served to rollouts)
+    stop_reason: str | None = None
+    _stop: threading.Event = field(default_factory=threading.Event, repr=False)
+
+    @property
+    def stop_requested(self) -> bool:
+        return self._stop.is_set()
+
+    def request_stop(self, reason: str = "requested") -> None:
+        """Thread- and signal-safe: the loop stops at the next batch boundary."""
+        if self.stop_reason is None:
+            self.stop_reason = reason
+        self._stop.set()
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "epoch": self.epoch,
+            "step": self.step,
+            "consumed_samples": self.consumed_samples,
+            "tokens_seen": self.tokens_seen,
+            "policy_version": self.policy_version,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        for key in ("epoch", "step", "consumed_samples", "tokens_seen", "policy_version"):
+            setattr(self, key, int(state[key]))

@@ -1,0 +1,265 @@
+"""Pure tensor functions for every loss, advantage and estimator that training uses.
+
+Objectives (`train/objectives.py`) turn a batch into model outputs and then call these
+functions; nothing else in astrai re-derives this arithmetic. Each function takes tensors and
+plain numbers, returns tensors, and has a test against numbers worked out by hand. Per-token
+functions return per-token values; reducing them over tokens (sum, then divide by the number
+of loss tokens in the whole accumulation window) is the caller's choice, made with
+`masked_sum` / `masked_mean` from here.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from astrai.model.logprobs import selective_log_softmax
+from torch import Tensor
+
+IGNORE_INDEX = -100
+DPO_LOSS_TYPES = ("sigmoid", "ipo", "hinge")
+KL_ESTIMATORS = ("k1", "k2", "k3")
+
+
+# ---------------------------------------------------------------------------------------------
+# Masked reductions
+
+
+def masked_sum(values: Tensor, mask: Tensor, dim: int | None = None) -> Tensor:
+    """Sum of `values` where `mask` is true (or 1); masked positions never contribute NaN."""
+    mask = mask.to(values.dtype)
+    # where() rather than multiply, so an inf/NaN in a padded position cannot leak in
+    kept = torch.where(mask != 0, values * mask, torch.zeros_like(values))
+    return kept.sum() if dim is None else kept.sum(dim=dim)
+
+
+def masked_mean(values: Tensor, mask: Tensor, dim: int | None = None) -> Tensor:
+    """Mean of `values` over the positions where `mask` is set; 0 where nothing is set."""
+    count = mask.to(values.dtype).sum() if dim is None else mask.to(values.dtype).sum(dim=dim)
+    return masked_sum(values, mask, dim) / count.clamp(min=1)
+
+
+def masked_whiten(values: Tensor, mask: Tensor, shift_mean: bool = True, eps: float = 1e-8) -> Tensor:
+    """Normalise `values` to unit variance over the masked positions (PPO advantage whitening).
+
+    Uses the unbiased variance of the masked values; with `shift_mean=False` the mean is added
+    back, so only the scale changes.
+    """
+    mean = masked_mean(values, mask)
+    centred = values - mean
+    count = mask.to(values.dtype).sum()
+    var = masked_sum(centred**2, mask) / (count - 1).clamp(min=1)
+    whitened = centred * torch.rsqrt(var + eps)
+    return whitened if shift_mean else whitened + mean
+
+
+# ---------------------------------------------------------------------------------------------
+# Supervised losses
+
+
+def token_cross_entropy(
+    logits: Tensor, labels: Tensor, label_smoothing: float = 0.0, ignore_index: int = IGNORE_INDEX
+) -> tuple[Tensor, Tensor]:
+    """Next-token cross entropy summed over loss tokens, and the number of loss tokens.
+
+    logits: (B, T, V); labels: (B, T), already shifted (labels[b, t] is the target of
+    position t), `ignore_index` where no loss is taken. Returning the sum rather than the mean
+    lets the trainer divide by the loss tokens of the whole accumulation window (and of all
+    ranks), which makes the gradient independent of how a batch is split into micro-batches.
+    With label smoothing eps the per-token loss is (1 - eps) * nll + eps * mean_v(-log p_v).
+    """
+    if not 0.0 <= label_smoothing < 1.0:
+        raise ValueError(f"label_smoothing must be in [0, 1), got {label_smoothing}; use e.g. 0.1")
+    V = logits.size(-1)
+    # float32 maths whatever the model dtype: bf16 log-softmax over a large vocab loses the loss
+    loss_sum = F.cross_entropy(
+        logits.reshape(-1, V).float(),  # (B*T, V)
+        labels.reshape(-1),  # (B*T,)
+        ignore_index=ignore_index,
+        label_smoothing=label_smoothing,
+        reduction="sum",
+    )
+    num_tokens = (labels != ignore_index).sum()
+    return loss_sum, num_tokens
+
+
+def sequence_logps(
+    logits: Tensor, labels: Tensor, average: bool = False, ignore_index: int = IGNORE_INDEX
+) -> Tensor:
+    """Per-sequence log-probability of the labelled tokens: (B,) sums (or means) over loss tokens.
+
+    logits: (B, T, V); labels: (B, T) shifted, `ignore_index` where no loss is taken. This is
+    the `logps` that DPO compares; `average=True` gives the per-token mean (IPO's length
+    normalisation).
+    """
+    mask = labels != ignore_index  # (B, T)
+    safe_labels = torch.where(mask, labels, torch.zeros_like(labels))
+    token_logps = selective_log_softmax(logits, safe_labels)  # (B, T) float32
+    total = masked_sum(token_logps, mask, dim=-1)  # (B,)
+    if not average:
+        return total
+    return total / mask.sum(dim=-1).clamp(min=1).to(total.dtype)
+
+
+# ---------------------------------------------------------------------------------------------
+# Preference losses
+
+
+def dpo_loss(
+    policy_chosen_logps: Tensor,
+    policy_rejected_logps: Tensor,
+    ref_chosen_logps: Tensor | None,
+    ref_rejected_logps: Tensor | None,
+    beta: float = 0.1,
+    loss_type: str = "sigmoid",
+    label_smoothing: float = 0.0,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """DPO-family loss per pair, with the implicit rewards: (losses, chosen_rewards, rejected_rewards).
+
+    All inputs are (B,) sequence log-probs. A reference of `None` (or zeros) is the
+    reference-free variant. With h = (pi_c - ref_c) - (pi_r - ref_r):
+      sigmoid: -(1 - eps) * log sigmoid(beta h) - eps * log sigmoid(-beta h)   (eps = label smoothing)
+      ipo:     (h - 1 / (2 beta))^2   (pass per-token mean log-probs for IPO's length normalisation)
+      hinge:   relu(1 - beta h)
+    Rewards are beta * (policy - reference) log-ratios, detached.
+    """
+    if loss_type not in DPO_LOSS_TYPES:
+        raise ValueError(f"unknown dpo loss_type {loss_type!r}; expected one of {list(DPO_LOSS_TYPES)}")
+    if beta <= 0:
+        raise ValueError(f"dpo beta must be > 0, got {beta}; the usual value is 0.1")
+    if label_smoothing and loss_type != "sigmoid":
+        raise ValueError(
+            f"label_smoothing={label_smoothing} only applies to loss_type 'sigmoid', not {loss_type!r}; set it to 0"
+        )
+    if not 0.0 <= label_smoothing < 0.5:
+        raise ValueError(f"label_smoothing must be in [0, 0.5), got {label_smoothing}")
+    if ref_chosen_logps is None:
+        ref_chosen_logps = torch.zeros_like(policy_chosen_logps)
+    if ref_rejected_logps is None:
+        ref_rejected_logps = torch.zeros_like(policy_rejected_logps)
+
+    chosen_logratios = policy_chosen_logps - ref_chosen_logps  # (B,)
+    rejected_logratios = policy_rejected_logps - ref_rejected_logps  # (B,)
+    h = chosen_logratios - rejected_logratios  # (B,)
+    if loss_type == "sigmoid":
+        losses = -(1 - label_smoothing) * F.logsigmoid(beta * h) - label_smoothing * F.logsigmoid(-beta * h)
+    elif loss_type == "ipo":
+        losses = (h - 1 / (2 * beta)) ** 2
+    else:  # hinge
+        losses = torch.relu(1 - beta * h)
+    chosen_rewards = beta * chosen_logratios.detach()
+    rejected_rewards = beta * rejected_logratios.detach()
+    return losses, chosen_rewards, rejected_rewards
+
+
+# ---------------------------------------------------------------------------------------------
+# Reinforcement learning
+
+
+def grpo_advantages(rewards: Tensor, group_size: int, scale: bool = True, eps: float = 1e-4) -> Tensor:
+    """Group-relative advantages: each reward minus its group's mean (divided by the group's std).
+
+    rewards: (N,) with N = num_groups * group_size, the completions of one prompt contiguous.
+    The std is the unbiased one and `eps` guards groups whose rewards are all equal (those get
+    advantage 0), as in DeepSeekMath's GRPO and TRL.
+    """
+    if group_size < 1 or rewards.numel() % group_size:
+        raise ValueError(
+            f"grpo_advantages got {rewards.numel()} rewards, not a multiple of group_size={group_size}; "
+            "pass num_prompts * num_generations rewards"
+        )
+    if scale and group_size < 2:
+        raise ValueError(
+            "grpo_advantages with scale=True needs group_size >= 2 (a std over one sample is undefined)"
+        )
+    grouped = rewards.reshape(-1, group_size).float()  # (G, group_size)
+    advantages = grouped - grouped.mean(dim=1, keepdim=True)
+    if scale:
+        advantages = advantages / (grouped.std(dim=1, keepdim=True) + eps)
+    return advantages.reshape(-1)  # (N,)
+
+
+def kl_estimate(logps: Tensor, ref_logps: Tensor, kind: str = "k3") -> Tensor:
+    """Per-token estimate of KL(pi || pi_ref) from tokens sampled from pi (Schulman's k1/k2/k3).
+
+    With log r = ref_logps - logps:  k1 = -log r,  k2 = (log r)^2 / 2,  k3 = (r - 1) - log r.
+    k1 is unbiased but can be negative; k3 is unbiased and never negative; k2 is biased, low
+    variance. Shapes broadcast; the result has the shape of the inputs.
+    """
+    log_ratio = ref_logps - logps
+    if kind == "k1":
+        return -log_ratio
+    if kind == "k2":
+        return 0.5 * log_ratio**2
+    if kind == "k3":
+        return torch.exp(log_ratio) - 1 - log_ratio
+    raise ValueError(f"unknown KL estimator {kind!r}; expected one of {list(KL_ESTIMATORS)}")
+
+
+def clipped_surrogate(
+    logps: Tensor,
+    old_logps: Tensor,
+    advantages: Tensor,
+    clip_eps: float = 0.2,
+    clip_eps_high: float | None = None,
+) -> tuple[Tensor, Tensor]:
+    """PPO's clipped policy loss per token, and which tokens the clip was active on.
+
+    logps, old_logps: (B, T) log-probs of the taken tokens under the current and the behaviour
+    policy; advantages: (B, T), or (B,) for one advantage per sequence (GRPO). Returns
+    (loss, clipped), both (B, T): loss = -min(ratio * A, clip(ratio, 1 - eps, 1 + eps_high) * A).
+    `clip_eps_high` (default `clip_eps`) allows DAPO's asymmetric clip.
+    """
+    high = clip_eps if clip_eps_high is None else clip_eps_high
+    if advantages.dim() == logps.dim() - 1:
+        advantages = advantages.unsqueeze(-1)  # (B, 1): one advantage for every token of a sequence
+    ratio = torch.exp(logps - old_logps)  # (B, T)
+    unclipped = ratio * advantages
+    clipped_obj = torch.clamp(ratio, 1 - clip_eps, 1 + high) * advantages
+    loss = -torch.minimum(unclipped, clipped_obj)
+    clipped = clipped_obj < unclipped  # the clipped branch won the min
+    return loss, clipped
+
+
+def gae(
+    rewards: Tensor, values: Tensor, mask: Tensor, gamma: float = 1.0, lam: float = 0.95
+) -> tuple[Tensor, Tensor]:
+    """Generalised advantage estimation over the masked (response) tokens: (advantages, returns).
+
+    rewards, values, mask: (B, T); mask is 1 on the tokens of the trajectory (one contiguous
+    span per row), 0 on prompt and padding. The value after the last masked token is 0 (the
+    episode ends there). delta_t = r_t + gamma V_{t+1} - V_t and A_t = delta_t + gamma lam A_{t+1};
+    returns = A + V. Both are 0 outside the mask.
+    """
+    mask = mask.to(values.dtype)
+    values = values * mask
+    rewards = rewards * mask
+    T = rewards.size(-1)
+    advantages = torch.zeros_like(values)
+    next_adv = torch.zeros_like(values[..., 0])  # (B,)
+    next_value = torch.zeros_like(values[..., 0])  # (B,)
+    for t in reversed(range(T)):
+        delta = rewards[..., t] + gamma * next_value - values[..., t]
+        adv_t = (delta + gamma * lam * next_adv) * mask[..., t]
+        advantages[..., t] = adv_t
+        # a masked position ends the recursion: nothing flows across the trajectory's edge
+        next_adv = adv_t
+        next_value = values[..., t]
+    returns = (advantages + values) * mask
+    return advantages, returns
+
+
+def value_loss(
+    values: Tensor, old_values: Tensor, returns: Tensor, clip_eps: float | None = 0.2
+) -> tuple[Tensor, Tensor]:
+    """Critic loss per token, and which tokens the clip was active on.
+
+    values: (B, T) current predictions; old_values: (B, T) predictions at rollout time;
+    returns: (B, T) targets. Unclipped: 0.5 (V - R)^2. Clipped (PPO): 0.5 max((V - R)^2,
+    (V_old + clip(V - V_old, -eps, eps) - R)^2); `clip_eps=None` turns clipping off.
+    """
+    unclipped = (values - returns) ** 2
+    if clip_eps is None:
+        return 0.5 * unclipped, torch.zeros_like(unclipped, dtype=torch.bool)
+    values_clipped = old_values + torch.clamp(values - old_values, -clip_eps, clip_eps)
+    clipped = (values_clipped - returns) ** 2
+    return 0.5 * torch.maximum(unclipped, clipped), clipped > unclipped

@@ -1,0 +1,18 @@
+"""Shared test setup: offline hub, deterministic torch, small thread count."""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+
+@pytest.fixture(autouse=True)
+def _seed_torch():
+    torch.manual_seed(0)
+    yield
