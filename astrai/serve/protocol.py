@@ -235,3 +235,50 @@ def completion_chunk(request_id: str, created: int, model: str, choices: list[di
 def error_body(message: str, type_: str = "invalid_request_error", param: str | None = None,
                code: str | None = None) -> dict[str, Any]:
     return ErrorResponse(error=ErrorInfo(message=message, type=type_, param=param, code=code)).model_dump()
+
+
+# ----------------------------------------------------------------------------- logprobs
+def logprob_value(entry: Any, token_id: int) -> float:
+    """The chosen token's logprob from an engine entry: a float or a {token_id: Logprob} dict."""
+    if isinstance(entry, dict):
+        entry = entry.get(token_id)
+    value = getattr(entry, "logprob", entry)
+    return max(float(value), MIN_LOGPROB) if value is not None else MIN_LOGPROB
+
+
+def top_alternatives(entry: Any, k: int) -> list[tuple[int, float]]:
+    """The k most likely (token_id, logprob) of an engine entry, most likely first."""
+    if not isinstance(entry, dict) or k <= 0:
+        return []
+    ranked = sorted(entry.items(), key=lambda kv: (getattr(kv[1], "rank", 0), -logprob_value(kv[1], kv[0])))
+    return [(tid, logprob_value(lp, tid)) for tid, lp in ranked[:k]]
+
+
+def chat_logprobs(token_ids: list[int], entries: list[Any], k: int,
+                  token_text: Any) -> dict[str, list[dict[str, Any]]]:
+    """OpenAI chat `logprobs.content` for tokens; `token_text(id) -> str` decodes one token."""
+    content = []
+    for tid, entry in zip(token_ids, entries):
+        text = token_text(tid)
+        content.append({
+            "token": text, "logprob": logprob_value(entry, tid), "bytes": list(text.encode()),
+            "top_logprobs": [{"token": token_text(a), "logprob": lp, "bytes": list(token_text(a).encode())}
+                             for a, lp in top_alternatives(entry, k)]})
+    return {"content": content}
+
+
+def completion_logprobs(token_ids: list[int], entries: list[Any], k: int, token_text: Any,
+                        text_offset: int) -> dict[str, list[Any]]:
+    """OpenAI legacy completions `logprobs` (tokens, token_logprobs, top_logprobs, text_offset)."""
+    tokens, values, tops, offsets = [], [], [], []
+    for tid, entry in zip(token_ids, entries):
+        text = token_text(tid)
+        tokens.append(text)
+        values.append(logprob_value(entry, tid))
+        # like vLLM: the chosen token is listed too, even when it is not among the top k
+        top = {token_text(a): lp for a, lp in top_alternatives(entry, k)}
+        top.setdefault(text, values[-1])
+        tops.append(top)
+        offsets.append(text_offset)
+        text_offset += len(text)
+    return {"tokens": tokens, "token_logprobs": values, "top_logprobs": tops, "text_offset": offsets}

@@ -12,8 +12,9 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from astrai.model.logprobs import selective_log_softmax
 from torch import Tensor
+
+from astrai.model.logprobs import selective_log_softmax
 
 IGNORE_INDEX = -100
 DPO_LOSS_TYPES = ("sigmoid", "ipo", "hinge")

@@ -1,0 +1,297 @@
+"""Datasets and collate functions: records in a RecordStore -> training batches.
+
+Sits between preprocessing (shards) or a small JSONL file (tokenised on the fly by the same
+`encode_record`) and the trainer, which draws indices from the ResumableSampler. Batches are
+dicts of tensors whose `labels` are already shifted: labels[b, t] is the target of position t,
+-100 where no loss is taken. seq: windows over the token stream; sft: one chat per row, or
+several packed into a row with position_ids restarting at 0 at each document; dpo: chosen and
+rejected rows padded to one length; prompt: prompt ids plus messages, answer and metadata for
+reward functions.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch.utils.data import Dataset
+
+from astrai.data.records import TRAIN_TYPES, RecordError, encode_record, iter_jsonl
+from astrai.data.shards import RecordStore
+from astrai.data.tokenizer import Tokenizer
+
+# Online RL objectives read prompts.
+_PROMPT_ALIASES = {"grpo", "online_dpo", "online_grpo", "online_ppo"}
+
+
+class Packer:
+    """Greedy in-order packing of documents into rows of at most max_seq_len tokens.
+
+    `add(length)` returns the finished row (a list of document indices) when the new document
+    does not fit, and `flush()` the last row. preprocess --pack and sft datasets with pack=True
+    both use it, so packed shards and packing on the fly give the same rows.
+    """
+
+    def __init__(self, max_seq_len: int):
+        self.max_seq_len = max_seq_len
+        self.row: list[int] = []
+        self.used = 0
+        self.count = 0
+
+    def add(self, length: int) -> list[int] | None:
+        index, self.count = self.count, self.count + 1
+        done = None
+        if self.row and self.used + length > self.max_seq_len:
+            done, self.row, self.used = self.row, [], 0
+        self.row.append(index)
+        self.used += length
+        return done
+
+    def flush(self) -> list[int] | None:
+        done, self.row, self.used = self.row or None, [], 0
+        return done
+
+
+def pack_rows(lengths: Iterable[int], max_seq_len: int) -> list[list[int]]:
+    packer, rows = Packer(max_seq_len), []
+    for length in lengths:
+        if (row := packer.add(int(length))) is not None:
+            rows.append(row)
+    if (row := packer.flush()) is not None:
+        rows.append(row)
+    return rows
+
+
+def document_positions(lengths: Iterable[int]) -> np.ndarray:
+    """position_ids for documents back to back: 0..len-1 per document (resets mark starts)."""
+    return np.concatenate([np.arange(n, dtype=np.int64) for n in lengths])
+
+
+def shifted_labels(ids: np.ndarray, mask: np.ndarray | None, position_ids: np.ndarray) -> np.ndarray:
+    """labels[t] = ids[t+1] where mask[t+1] is set and t+1 does not start a new document."""
+    ids = np.asarray(ids, dtype=np.int64)  # stored ids may be uint16, where -100 would wrap
+    labels = np.full(len(ids), -100, dtype=np.int64)
+    keep = position_ids[1:] != 0
+    if mask is not None:
+        keep &= mask[1:].astype(bool)
+    labels[:-1] = np.where(keep, ids[1:], -100)
+    return labels
+
+
+def _row(ids: np.ndarray, labels: np.ndarray, position_ids: np.ndarray) -> dict[str, torch.Tensor]:
+    return {"input_ids": torch.as_tensor(ids.astype(np.int64)), "labels": torch.as_tensor(labels),
+            "position_ids": torch.as_tensor(position_ids.astype(np.int64))}
+
+
+def pad_rows(rows: list[dict[str, torch.Tensor]], pad_id: int, length: int | None = None,
+             prefix: str = "") -> dict[str, torch.Tensor]:
+    """Right-pad rows to one length: pad ids, -100 labels, attention_mask 0, positions counting on."""
+    length = length or max(len(r["input_ids"]) for r in rows)
+    B = len(rows)
+    input_ids = torch.full((B, length), pad_id, dtype=torch.long)  # (B, T)
+    labels = torch.full((B, length), -100, dtype=torch.long)  # (B, T)
+    attention_mask = torch.zeros((B, length), dtype=torch.long)  # (B, T)
+    # Padding continues the last position instead of restarting at 0, which would read as a
+    # new document start.
+    position_ids = torch.arange(length).repeat(B, 1)  # (B, T)
+    for b, r in enumerate(rows):
+        n = len(r["input_ids"])
+        input_ids[b, :n], labels[b, :n], attention_mask[b, :n] = r["input_ids"], r["labels"], 1
+        position_ids[b, :n] = r["position_ids"]
+        position_ids[b, n:] = torch.arange(1, length - n + 1) + (r["position_ids"][-1] if n else -1)
+    return {f"{prefix}input_ids": input_ids, f"{prefix}labels": labels,
+            f"{prefix}position_ids": position_ids, f"{prefix}attention_mask": attention_mask}
+
+
+class SeqDataset(Dataset):
+    """Windows of max_seq_len + 1 tokens over each shard's token stream, every `stride` tokens.
+
+    With pack=True positions restart after each eos, so documents do not attend to each other
+    and the token after an eos (the next document's start) is not a target.
+    """
+
+    def __init__(self, store: RecordStore, max_seq_len: int, stride: int | None = None, pack: bool = False,
+                 eos_token_id: int | None = None, pad_token_id: int = 0):
+        self.streams = store.streams("input_ids")
+        self.max_seq_len, self.stride = max_seq_len, stride or max_seq_len
+        if self.stride <= 0:
+            raise ValueError(f"stride must be positive, got {self.stride}")
+        self.pack, self.eos_token_id, self.pad_token_id = pack, eos_token_id, pad_token_id
+        counts = [max(0, (len(s) - max_seq_len - 1) // self.stride + 1) for s in self.streams]
+        self._starts = np.cumsum([0] + counts)
+        if self._starts[-1] == 0:
+            total = sum(len(s) for s in self.streams)
+            raise ValueError(f"seq data has {total} tokens, fewer than max_seq_len + 1 = {max_seq_len + 1} "
+                             "needed for one window; add data or lower max_seq_len")
+
+    def __len__(self) -> int:
+        return int(self._starts[-1])
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        shard = int(np.searchsorted(self._starts, i, side="right") - 1)
+        start = (i - int(self._starts[shard])) * self.stride
+        window = np.asarray(self.streams[shard][start:start + self.max_seq_len + 1]).astype(np.int64)
+        ids = window[:-1]
+        if self.pack and self.eos_token_id is not None:
+            # Position counts restart after every eos: cumulative count of tokens since the last one.
+            starts = np.zeros(len(window), dtype=bool)
+            starts[0] = True
+            starts[1:] = window[:-1] == self.eos_token_id
+            doc = np.cumsum(starts) - 1
+            first = np.flatnonzero(starts)
+            position_ids = np.arange(len(window)) - first[doc]
+            labels = np.where(position_ids[1:] != 0, window[1:], -100)
+            position_ids = position_ids[:-1]
+        else:
+            position_ids = np.arange(len(ids))
+            labels = window[1:]
+        return _row(ids, labels, position_ids)
+
+    def collate(self, samples: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+        return pad_rows(samples, self.pad_token_id)
+
+
+class SFTDataset(Dataset):
+    """Chats with loss masks, one per row (padded in collate) or packed into rows of max_seq_len."""
+
+    def __init__(self, store: RecordStore, max_seq_len: int, pack: bool = False, pad_token_id: int = 0):
+        self.store, self.max_seq_len, self.pad_token_id = store, max_seq_len, pad_token_id
+        self.prepacked = "position_ids" in store.keys()
+        lengths = store.lengths("input_ids")
+        if len(lengths) and lengths.max() > max_seq_len:
+            raise ValueError(f"sft data has rows of {int(lengths.max())} tokens but max_seq_len is {max_seq_len}; "
+                             "preprocess again with this --max_seq_len or raise max_seq_len")
+        self.rows = None if self.prepacked or not pack else pack_rows(lengths, max_seq_len)
+
+    def __len__(self) -> int:
+        return self.store.num_records if self.rows is None else len(self.rows)
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        if self.rows is None:
+            ids, mask = self.store.get("input_ids", i), self.store.get("loss_mask", i)
+            positions = self.store.get("position_ids", i) if self.prepacked else np.arange(len(ids))
+        else:
+            docs = self.rows[i]
+            ids = np.concatenate([self.store.get("input_ids", d) for d in docs])
+            mask = np.concatenate([self.store.get("loss_mask", d) for d in docs])
+            positions = document_positions(len(self.store.get("input_ids", d)) for d in docs)
+        return _row(ids, shifted_labels(ids, mask, positions), positions)
+
+    def collate(self, samples: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+        return pad_rows(samples, self.pad_token_id)
+
+
+class DPODataset(Dataset):
+    """Chosen and rejected chats of one prompt; loss masks cover the replies only."""
+
+    def __init__(self, store: RecordStore, max_seq_len: int, pad_token_id: int = 0):
+        self.store, self.max_seq_len, self.pad_token_id = store, max_seq_len, pad_token_id
+
+    def __len__(self) -> int:
+        return self.store.num_records
+
+    def __getitem__(self, i: int) -> dict[str, dict[str, torch.Tensor]]:
+        out = {}
+        for side in ("chosen", "rejected"):
+            ids = self.store.get(f"{side}_input_ids", i)
+            positions = np.arange(len(ids))
+            out[side] = _row(ids, shifted_labels(ids, self.store.get(f"{side}_loss_mask", i), positions),
+                             positions)
+        return out
+
+    def collate(self, samples: list[dict[str, dict[str, torch.Tensor]]]) -> dict[str, torch.Tensor]:
+        # One length for both sides, so the trainer can run them as one concatenated batch.
+        length = max(len(s[side]["input_ids"]) for s in samples for side in ("chosen", "rejected"))
+        batch = pad_rows([s["chosen"] for s in samples], self.pad_token_id, length, "chosen_")
+        batch.update(pad_rows([s["rejected"] for s in samples], self.pad_token_id, length, "rejected_"))
+        return batch
+
+
+class PromptDataset(Dataset):
+    """Prompts for online RL: prompt ids plus messages, reference answer and metadata."""
+
+    def __init__(self, store: RecordStore):
+        self.store = store
+
+    def __len__(self) -> int:
+        return self.store.num_records
+
+    def __getitem__(self, i: int) -> dict[str, Any]:
+        side = json.loads(self.store.get("record_json", i).tobytes().decode("utf-8"))
+        return {"prompt_ids": [int(t) for t in self.store.get("prompt_ids", i)], **side}
+
+    def collate(self, samples: list[dict[str, Any]]) -> dict[str, list[Any]]:
+        return {key: [s[key] for s in samples] for key in ("prompt_ids", "messages", "answer", "metadata")}
+
+
+def encode_jsonl(paths: list[Path], train_type: str, tokenizer: Tokenizer, max_seq_len: int,
+                 truncation: str = "keep_start", strict: bool = False) -> RecordStore:
+    """Tokenise small JSONL files in memory; bad records are skipped with a warning (or raise)."""
+    records, bad = [], []
+    for where, record in iter_jsonl(paths):
+        try:
+            if isinstance(record, RecordError):
+                raise record
+            records.append(encode_record(record, train_type, tokenizer, max_seq_len, truncation))
+        except RecordError as e:
+            if strict:
+                raise RecordError(f"{where}: {e}") from e
+            bad.append(f"{where}: {e}")
+    if bad:
+        print(f"warning: skipped {len(bad)} bad record(s); first: {'; '.join(bad[:3])}", file=sys.stderr)
+    if not records:
+        names = ", ".join(str(p) for p in paths)
+        raise ValueError(f"no usable {train_type} records in {names}" + (f" ({len(bad)} bad)" if bad else
+                                                                         " (empty input)"))
+    return RecordStore.from_records(records, tokenizer.vocab_size, {"train_type": train_type})
+
+
+def _open_store(train_type: str, data_path: str | Path | list, tokenizer: Tokenizer | None, max_seq_len: int,
+                truncation: str) -> RecordStore:
+    paths = [Path(p) for p in (data_path if isinstance(data_path, list | tuple) else [data_path])]
+    if len(paths) == 1 and paths[0].is_dir():
+        store = RecordStore.open(paths[0])
+        found = store.meta.get("train_type")
+        if found != train_type:
+            raise ValueError(f"'{paths[0]}' was preprocessed for train_type '{found}', not '{train_type}'; "
+                             f"re-run `astrai preprocess --train_type {train_type}`")
+        if tokenizer is not None and store.meta.get("vocab_size", tokenizer.vocab_size) != tokenizer.vocab_size:
+            raise ValueError(f"'{paths[0]}' was tokenised with vocab_size {store.meta['vocab_size']} but the "
+                             f"tokenizer has {tokenizer.vocab_size}; preprocess again with this tokenizer")
+        return store
+    if tokenizer is None:
+        raise ValueError(f"reading '{paths[0]}' needs a tokenizer; set tokenizer_path")
+    return encode_jsonl(paths, train_type, tokenizer, max_seq_len, truncation)
+
+
+def build_dataset(train_type: str, data_path: str | Path | list, tokenizer: Tokenizer | None, max_seq_len: int,
+                  pack: bool = False, stride: int | None = None, truncation: str = "keep_start") -> Dataset:
+    """A dataset for `train_type` (seq | sft | dpo | prompt, or an online RL type) from JSONL or shards."""
+    train_type = "prompt" if train_type in _PROMPT_ALIASES else train_type
+    if train_type not in TRAIN_TYPES:
+        raise ValueError(f"unknown train_type '{train_type}'; expected one of {', '.join(TRAIN_TYPES)} "
+                         f"or {', '.join(sorted(_PROMPT_ALIASES))}")
+    store = _open_store(train_type, data_path, tokenizer, max_seq_len, truncation)
+    pad_id = _pad_id(tokenizer, store)
+    if train_type == "seq":
+        eos = tokenizer.eos_token_id if tokenizer is not None else store.meta.get("eos_token_id")
+        return SeqDataset(store, max_seq_len, stride, pack, eos, pad_id)
+    if train_type == "sft":
+        return SFTDataset(store, max_seq_len, pack, pad_id)
+    if train_type == "dpo":
+        return DPODataset(store, max_seq_len, pad_id)
+    return PromptDataset(store)
+
+
+def _pad_id(tokenizer: Tokenizer | None, store: RecordStore) -> int:
+    if tokenizer is not None:
+        for candidate in (tokenizer.pad_token_id, tokenizer.eos_token_id):
+            if candidate is not None:
+                return candidate
+        return 0
+    return int(store.meta.get("pad_token_id") or 0)

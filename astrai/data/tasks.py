@@ -1,0 +1,182 @@
+"""Synthetic verifiable tasks: arithmetic and letter puzzles with exact reference answers.
+
+These feed the demo, the tests and the RL reward functions. Each problem has a short question
+("12+7", "reverse abcd") and an answer ("19", "dcba"). The same problems appear in two forms:
+plain-text equations ("12+7=19") for a pre-training corpus, and ChatML chats whose assistant
+reply is just the answer for SFT, DPO (correct vs corrupted answer) and RL prompts. A model
+pre-trained on the text form learns the chat form quickly in SFT, which makes the accuracy
+jump measured by `score` easy to see. Everything is deterministic given a seed.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import string
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+TASKS = ("add", "sub", "mul", "reverse", "sort")
+_OPERATORS = {"add": "+", "sub": "-", "mul": "*"}
+
+
+@dataclass(frozen=True)
+class TaskItem:
+    """One problem: its question text, reference answer and metadata (task, digits)."""
+
+    task: str
+    question: str
+    answer: str
+    metadata: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def text(self) -> str:
+        """Plain-text form for the pre-training corpus, e.g. "12+7=19"."""
+        return f"{self.question}={self.answer}"
+
+    @property
+    def prompt_messages(self) -> list[dict[str, str]]:
+        return [{"role": "user", "content": self.question}]
+
+    @property
+    def messages(self) -> list[dict[str, str]]:
+        return self.prompt_messages + [{"role": "assistant", "content": self.answer}]
+
+
+def _number(rng: random.Random, digits: int) -> int:
+    # Up to `digits` digits, so small numbers appear too and carries are well mixed.
+    return rng.randrange(0, 10**digits)
+
+
+def make_item(task: str, digits: int, rng: random.Random) -> TaskItem:
+    """Draw one problem of `task`; `digits` is the operand size (letters for string tasks)."""
+    if digits < 1:
+        raise ValueError(f"digits must be >= 1, got {digits}")
+    meta = {"task": task, "digits": digits}
+    if task in _OPERATORS:
+        a, b = _number(rng, digits), _number(rng, digits)
+        if task == "sub" and a < b:  # keep answers non-negative: one less thing to learn
+            a, b = b, a
+        value = {"add": a + b, "sub": a - b, "mul": a * b}[task]
+        return TaskItem(task, f"{a}{_OPERATORS[task]}{b}", str(value), meta)
+    if task in ("reverse", "sort"):
+        letters = "".join(rng.choice(string.ascii_lowercase) for _ in range(rng.randint(2, digits + 2)))
+        answer = letters[::-1] if task == "reverse" else "".join(sorted(letters))
+        return TaskItem(task, f"{task} {letters}", answer, meta)
+    raise ValueError(f"unknown task '{task}'; expected one of {', '.join(TASKS)}")
+
+
+def generate_items(num: int, tasks: Iterable[str] = ("add",), digits: int = 2, seed: int = 0,
+                   exclude: Iterable[str] = ()) -> list[TaskItem]:
+    """`num` distinct problems cycling through `tasks`, none whose question is in `exclude`."""
+    tasks = list(tasks)
+    rng = random.Random(seed)
+    seen = set(exclude)
+    items: list[TaskItem] = []
+    attempts = 0
+    while len(items) < num:
+        item = make_item(tasks[len(items) % len(tasks)], digits, rng)
+        attempts += 1
+        if attempts > 50 * num + 1000:
+            raise ValueError(f"cannot draw {num} distinct problems of {tasks} with digits={digits}; "
+                             "raise digits or ask for fewer items")
+        if item.question in seen:
+            continue
+        seen.add(item.question)
+        items.append(item)
+    return items
+
+
+def score(completion: str, answer: str) -> float:
+    """1.0 when the completion is exactly the answer (ignoring surrounding whitespace), else 0.0."""
+    return 1.0 if completion.strip() == str(answer).strip() else 0.0
+
+
+def corrupt(item: TaskItem, rng: random.Random) -> str:
+    """A plausible wrong answer (for DPO rejected replies): off by a little, or letters swapped."""
+    if item.task in _OPERATORS:
+        value = int(item.answer)
+        wrong = value + rng.choice([-10, -2, -1, 1, 2, 10])
+        return str(wrong if wrong >= 0 else value + 1)
+    letters = list(item.answer)
+    if len(set(letters)) == 1:
+        return item.answer + letters[0]
+    while "".join(letters) == item.answer:
+        i, j = rng.sample(range(len(letters)), 2)
+        letters[i], letters[j] = letters[j], letters[i]
+    return "".join(letters)
+
+
+def _write_jsonl(path: Path, records: Iterable[dict[str, Any]]) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("w", encoding="utf-8") as f:
+        for record in records:
+            f.write(json.dumps(record, ensure_ascii=False) + "\n")
+    return path
+
+
+def corpus_records(items: list[TaskItem], per_doc: int = 8) -> list[dict[str, str]]:
+    """Pre-training documents of `per_doc` equations, one per line: {"text": "12+7=19\\n3+4=7"}."""
+    return [{"text": "\n".join(it.text for it in items[i:i + per_doc])} for i in range(0, len(items), per_doc)]
+
+
+def sft_record(item: TaskItem) -> dict[str, Any]:
+    return {"messages": item.messages}
+
+
+def dpo_record(item: TaskItem, rng: random.Random) -> dict[str, Any]:
+    # TRL's conversational preference format: prompt messages, chosen/rejected assistant turns.
+    return {"prompt": item.prompt_messages,
+            "chosen": [{"role": "assistant", "content": item.answer}],
+            "rejected": [{"role": "assistant", "content": corrupt(item, rng)}]}
+
+
+def prompt_record(item: TaskItem) -> dict[str, Any]:
+    return {"messages": item.prompt_messages, "answer": item.answer, "metadata": dict(item.metadata)}
+
+
+def write_task_files(out_dir: str | Path, num_train: int = 2000, num_eval: int = 200,
+                     tasks: Iterable[str] = ("add",), digits: int = 2, seed: int = 0,
+                     num_corpus: int | None = None) -> dict[str, Path]:
+    """Write corpus.jsonl, sft.jsonl, dpo.jsonl, prompts.jsonl (train) and eval.jsonl (held out).
+
+    The eval problems never appear in any training file. `num_corpus` (default 4x num_train)
+    is the number of equations in the pre-training corpus; the SFT problems are among them.
+    """
+    tasks = list(tasks)
+    out = Path(out_dir)
+    eval_items = generate_items(num_eval, tasks, digits, seed=seed + 1)
+    held_out = {it.question for it in eval_items}
+    num_corpus = 4 * num_train if num_corpus is None else num_corpus
+    train_items = generate_items(max(num_train, num_corpus), tasks, digits, seed=seed, exclude=held_out) \
+        if _capacity(tasks, digits) > max(num_train, num_corpus) + num_eval else \
+        _with_repeats(max(num_train, num_corpus), tasks, digits, seed, held_out)
+    sft_items = train_items[:num_train]
+    rng = random.Random(seed + 2)
+    return {
+        "corpus": _write_jsonl(out / "corpus.jsonl", corpus_records(train_items[:num_corpus])),
+        "sft": _write_jsonl(out / "sft.jsonl", (sft_record(it) for it in sft_items)),
+        "dpo": _write_jsonl(out / "dpo.jsonl", (dpo_record(it, rng) for it in sft_items)),
+        "prompts": _write_jsonl(out / "prompts.jsonl", (prompt_record(it) for it in sft_items)),
+        "eval": _write_jsonl(out / "eval.jsonl", (prompt_record(it) for it in eval_items)),
+    }
+
+
+def _capacity(tasks: list[str], digits: int) -> int:
+    # Rough count of distinct questions, to decide whether problems must repeat.
+    per_task = {"add": 100**digits, "sub": 100**digits // 2, "mul": 100**digits,
+                "reverse": 26 ** (digits + 2), "sort": 26 ** (digits + 2)}
+    return sum(per_task[t] for t in tasks) // 2
+
+
+def _with_repeats(num: int, tasks: list[str], digits: int, seed: int, held_out: set[str]) -> list[TaskItem]:
+    # Small problem spaces (1-digit arithmetic): draw with repeats, still never an eval question.
+    rng = random.Random(seed)
+    items: list[TaskItem] = []
+    while len(items) < num:
+        item = make_item(tasks[len(items) % len(tasks)], digits, rng)
+        if item.question not in held_out:
+            items.append(item)
+    return items

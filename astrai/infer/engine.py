@@ -1,0 +1,551 @@
+"""The inference engine: requests in, tokens, text and log-probs out.
+
+`LLMEngine` ties the parts together. `add_request` validates a request and queues one
+sequence for it; each `step()` is schedule (scheduler.py) -> run the model (runner.py) ->
+sample (sampling.py) -> postprocess here: append the tokens, detokenise incrementally, apply
+stop tokens, stop strings and length limits, fork the n samples of a request after its shared
+prefill, free finished sequences, and report the requests that changed. `run_batch` drives the
+same loop synchronously for RL rollouts; `LLM` is the offline convenience API (`generate`,
+`chat`). The engine runs the model it is given in place (a live training module is switched to
+eval mode and no_grad for each step, then restored), and `set_policy_version` keys the prefix
+cache by weights version so KV computed with older weights is never reused.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from astrai.infer.block_manager import BlockManager, kv_bytes_per_token
+from astrai.infer.runner import ModelRunner
+from astrai.infer.sampling import Logprob, Sampler, SamplerOutput, SamplingParams, make_generator
+from astrai.infer.scheduler import Scheduler, Sequence
+
+DEFAULT_KV_CACHE_BYTES_CPU = 1 << 30  # without a size, a CPU engine caps its KV pool here
+DEFAULT_GPU_MEMORY_FRACTION = 0.5  # ... and a CUDA engine takes this share of free memory
+DETOKENIZE_CONTEXT = 5  # tokens of left context when decoding a new token's text
+
+
+@dataclass
+class EngineConfig:
+    block_size: int = 16
+    kv_cache_tokens: int | None = None  # size of the KV pool in tokens ...
+    kv_cache_memory_gb: float | None = None  # ... or in GiB; neither: a default budget
+    max_model_len: int | None = None  # None = the model's max_position_embeddings
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 2048  # token budget of one step
+    enable_prefix_caching: bool = True
+    enable_chunked_prefill: bool = True
+    seed: int = 0  # for unseeded sampling
+    device: str | None = None  # None = where the model is (from_pretrained: cuda if available)
+    dtype: str | None = None  # from_pretrained only: weights dtype (None = the checkpoint's)
+
+
+@dataclass
+class EngineStats:
+    num_running: int
+    num_waiting: int
+    num_free_blocks: int
+    num_total_blocks: int
+    kv_usage: float
+    prefix_cache_hit_rate: float
+    num_preemptions: int
+
+
+@dataclass
+class RequestMetrics:
+    arrival_time: float
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    finished_time: float | None = None
+
+
+@dataclass
+class CompletionOutput:
+    index: int
+    text: str
+    token_ids: list[int]
+    logprobs: list[float] | list[dict[int, Logprob]] | None
+    raw_logprobs: list[float] | list[dict[int, Logprob]] | None
+    finish_reason: str | None = None  # None while running, then "stop" | "length" | "abort"
+    stop_reason: int | str | None = None  # the stop string or stop token id that ended it
+    cumulative_logprob: float | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool
+    num_cached_tokens: int = 0
+    policy_version: int = 0
+    metrics: RequestMetrics | None = None
+
+
+@dataclass
+class _Request:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    metrics: RequestMetrics
+    seqs: list[Sequence] = field(default_factory=list)
+    eos_ids: frozenset[int] = frozenset()
+    stop_ids: frozenset[int] = frozenset()
+    with_logprobs: bool = True
+
+    @property
+    def finished(self) -> bool:
+        return len(self.seqs) == self.params.n and all(s.is_finished for s in self.seqs)
+
+
+class LLMEngine:
+    def __init__(self, model: nn.Module, tokenizer: Any | None = None, config: EngineConfig | None = None,
+                 **config_fields: Any) -> None:
+        self.config = config = _make_config(config, config_fields)
+        self.model = model
+        self.tokenizer = tokenizer
+        model_cfg = model.config
+        self.vocab_size = model_cfg.vocab_size
+        self.max_model_len = config.max_model_len or model_cfg.max_position_embeddings
+        device = torch.device(config.device) if config.device else next(model.parameters()).device
+        dtype = next(model.parameters()).dtype
+        num_blocks = self._num_blocks(model_cfg, dtype, device)
+        batched = config.max_num_batched_tokens
+        if not config.enable_chunked_prefill:  # whole prompts (and recomputes) must fit one step
+            batched = max(batched, self.max_model_len)
+        self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
+        self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, batched, config.enable_chunked_prefill)
+        self.runner = ModelRunner(model, num_blocks, config.block_size, dtype=dtype, device=device)
+        self.sampler = Sampler(make_generator(config.seed, device))
+        self.device = device
+        self.policy_version = 0
+        self._requests: dict[str, _Request] = {}
+        self._seq_ids = itertools.count()
+        self._batch_ids = itertools.count()
+        self._lazy_text = False  # run_batch: decode text once at the end unless stop strings need it
+        eos = model_cfg.eos_token_id
+        eos_ids = [eos] if isinstance(eos, int) else list(eos or [])
+        if tokenizer is not None:
+            eos_ids += list(getattr(tokenizer, "stop_token_ids", None) or [])
+        self.eos_token_ids = frozenset(eos_ids)
+
+    @classmethod
+    def from_pretrained(cls, model_dir: str | Path, **config_fields: Any) -> LLMEngine:
+        from astrai.data.tokenizer import load_tokenizer
+        from astrai.model.hf import load_model
+
+        config = _make_config(None, config_fields)
+        device = config.device or ("cuda" if torch.cuda.is_available() else "cpu")
+        model = load_model(model_dir, dtype=config.dtype, device=device)
+        model.eval()
+        tokenizer = load_tokenizer(model_dir) if (Path(model_dir) / "tokenizer.json").exists() else None
+        return cls(model, tokenizer, config)
+
+    def _num_blocks(self, model_cfg: Any, dtype: torch.dtype, device: torch.device) -> int:
+        cfg = self.config
+        per_token = kv_bytes_per_token(model_cfg.num_hidden_layers, model_cfg.num_key_value_heads,
+                                       model_cfg.head_dim, dtype)
+        if cfg.kv_cache_tokens is not None:
+            tokens = cfg.kv_cache_tokens
+        else:
+            if cfg.kv_cache_memory_gb is not None:
+                budget = int(cfg.kv_cache_memory_gb * (1 << 30))
+            elif device.type == "cuda":
+                budget = int(torch.cuda.mem_get_info(device)[0] * DEFAULT_GPU_MEMORY_FRACTION)
+            else:
+                budget = DEFAULT_KV_CACHE_BYTES_CPU
+            # more than every sequence at full length could ever use is wasted memory
+            tokens = min(budget // per_token, cfg.max_num_seqs * self.max_model_len + cfg.block_size)
+        num_blocks = tokens // cfg.block_size
+        if num_blocks < 1:
+            raise ValueError(
+                f"the KV cache holds {tokens} tokens, less than one block of {cfg.block_size}; "
+                f"raise kv_cache_tokens or kv_cache_memory_gb"
+            )
+        return num_blocks
+
+    # -- requests -----------------------------------------------------------------------------
+    def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None,
+                    arrival_time: float | None = None, with_logprobs: bool = True) -> None:
+        params = params or SamplingParams()
+        if not isinstance(params, SamplingParams):
+            raise TypeError(f"params must be a SamplingParams, got {type(params).__name__}")
+        if request_id in self._requests:
+            raise ValueError(f"request_id {request_id!r} is already in use; pick a unique id")
+        prompt_text, prompt_ids = self._tokenize(prompt)
+        self._validate(prompt_ids, params)
+        stop_ids = set(params.stop_token_ids)
+        eos_ids = frozenset() if params.ignore_eos else self.eos_token_ids
+        req = _Request(
+            request_id, prompt_text, prompt_ids, params, RequestMetrics(arrival_time or time.time()),
+            eos_ids=eos_ids, stop_ids=frozenset(stop_ids | eos_ids),
+            with_logprobs=with_logprobs,
+        )
+        if params.stop and self.tokenizer is None:
+            raise ValueError("stop strings need a tokenizer to detokenise; pass stop_token_ids instead")
+        self._requests[request_id] = req
+        seq = self._new_sequence(req, 0)
+        self.scheduler.add(seq)
+
+    def _tokenize(self, prompt: str | list[int]) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("a text prompt needs a tokenizer; pass token ids or give the engine a tokenizer")
+            return prompt, self.tokenizer.encode(prompt, add_special_tokens=True)
+        ids = [int(t) for t in prompt]
+        return None, ids
+
+    def _validate(self, prompt_ids: list[int], params: SamplingParams) -> None:
+        n = len(prompt_ids)
+        if n == 0:
+            raise ValueError("prompt is empty; give at least one token")
+        bad = [t for t in prompt_ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise ValueError(f"prompt token id {bad[0]} is outside the vocabulary (0..{self.vocab_size - 1})")
+        if n >= self.max_model_len:
+            raise ValueError(
+                f"prompt has {n} tokens but max_model_len is {self.max_model_len}; shorten it to at most "
+                f"{self.max_model_len - 1} tokens or raise max_model_len"
+            )
+        params.check_vocab(self.vocab_size)
+        longest = min(n + (params.max_tokens or self.max_model_len), self.max_model_len)
+        need = self.block_manager.num_blocks_for(longest)
+        if need > self.block_manager.num_blocks:
+            raise ValueError(
+                f"request needs {need} KV blocks ({longest} tokens) but the pool has "
+                f"{self.block_manager.num_blocks}; lower max_tokens or raise kv_cache_tokens"
+            )
+
+    def _new_sequence(self, req: _Request, index: int) -> Sequence:
+        params = req.params
+        gen = None
+        if params.seed is not None:
+            # sample i of a seeded request has its own stream; sample 0 uses the seed itself
+            seed = params.seed if index == 0 else hash((params.seed, index)) & ((1 << 63) - 1)
+            gen = make_generator(seed, self.device)
+        seq = Sequence(next(self._seq_ids), req.request_id, index, req.prompt_token_ids, params,
+                       req.metrics.arrival_time, gen, sorted(req.stop_ids))
+        seq.prefix_offset = max(0, seq.num_prompt_tokens - DETOKENIZE_CONTEXT)
+        req.seqs.append(seq)
+        return seq
+
+    def abort(self, request_id: str) -> None:
+        """Stop a request and free its KV blocks at once; unknown or finished ids are ignored."""
+        req = self._requests.pop(request_id, None)
+        if req is None:
+            return
+        for seq in req.seqs:
+            if not seq.is_finished:
+                self.scheduler.finish(seq)
+                seq.finish_reason = "abort"
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self._requests)
+
+    def stats(self) -> EngineStats:
+        bm = self.block_manager
+        used = bm.num_blocks - bm.num_free_blocks
+        return EngineStats(
+            num_running=len(self.scheduler.running), num_waiting=len(self.scheduler.waiting),
+            num_free_blocks=bm.num_free_blocks, num_total_blocks=bm.num_blocks, kv_usage=used / bm.num_blocks,
+            prefix_cache_hit_rate=bm.prefix_cache_hit_rate, num_preemptions=self.scheduler.num_preemptions,
+        )
+
+    def set_policy_version(self, version: int) -> None:
+        """Declare new weights. Cached prefixes of older versions are dropped, and sequences in
+        flight are recomputed from their tokens, so no KV of older weights is read again."""
+        if version < self.policy_version:
+            raise ValueError(
+                f"policy_version must not decrease: engine is at {self.policy_version}, got {version}"
+            )
+        if version == self.policy_version:
+            return
+        self.scheduler.preempt_all()
+        self.block_manager.set_policy_version(version)
+        self.policy_version = version
+
+    # -- the step -------------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        """One schedule -> run -> sample -> postprocess step; the requests that changed."""
+        return [self._output(req) for req in self._step()]
+
+    @contextlib.contextmanager
+    def _inference_mode(self) -> Iterator[None]:
+        was_training = self.model.training
+        if was_training:
+            self.model.eval()
+        try:
+            with torch.no_grad():
+                yield
+        finally:
+            if was_training:
+                self.model.train()
+
+    def _step(self) -> list[_Request]:
+        sched = self.scheduler.schedule()
+        if not sched.scheduled:
+            return []
+        now = time.time()
+        with self._inference_mode():
+            self.runner.copy_blocks(self.block_manager.pending_copies)
+            self.block_manager.pending_copies.clear()
+            logits, to_sample = self.runner.execute(sched.scheduled)
+        for seq, num_new in sched.scheduled:
+            seq.num_computed_tokens += num_new
+            self.block_manager.commit(seq)
+            metrics = self._requests[seq.request_id].metrics
+            if metrics.first_scheduled_time is None:
+                metrics.first_scheduled_time = now
+        if logits is None:
+            return []
+        rows, row_of = self._rows_with_forks(to_sample)
+        if len(rows) != len(to_sample):
+            logits = logits[torch.tensor(row_of, device=logits.device)]
+        sampled = self.sampler.sample(logits, rows)
+        return self._postprocess(rows, sampled)
+
+    def _rows_with_forks(self, to_sample: list[Sequence]) -> tuple[list[Sequence], list[int]]:
+        """The sampling rows: each sequence, and after a request's prefill its n - 1 new siblings,
+        which reuse the same logits row and share the prompt's KV blocks."""
+        rows, row_of = [], []
+        for i, seq in enumerate(to_sample):
+            rows.append(seq)
+            row_of.append(i)
+            if seq.num_pending_forks:
+                req = self._requests[seq.request_id]
+                children = [self._new_sequence(req, k) for k in range(1, seq.num_pending_forks + 1)]
+                self.scheduler.add_forks(seq, children)
+                rows += children
+                row_of += [i] * len(children)
+        return rows, row_of
+
+    def _postprocess(self, rows: list[Sequence], sampled: SamplerOutput) -> list[_Request]:
+        logprobs = sampled.logprobs.tolist()
+        raw_logprobs = sampled.raw_logprobs.tolist()
+        top = _TopLogprobs(sampled, self.tokenizer) if sampled.top_ids is not None else None
+        now = time.time()
+        touched: dict[str, _Request] = {}
+        for i, (seq, token) in enumerate(zip(rows, sampled.token_ids)):
+            req = self._requests[seq.request_id]
+            seq.append_token(token)
+            seq.cumulative_logprob += logprobs[i]
+            if req.with_logprobs:
+                if top is not None and seq.params.logprobs is not None:
+                    seq.logprobs.append(top.entry(i, seq.params.logprobs, logprobs[i], raw=False))
+                    seq.raw_logprobs.append(top.entry(i, seq.params.logprobs, raw_logprobs[i], raw=True))
+                else:
+                    seq.logprobs.append(logprobs[i])
+                    seq.raw_logprobs.append(raw_logprobs[i])
+            if req.metrics.first_token_time is None:
+                req.metrics.first_token_time = now
+            self._check_stop(req, seq, token)
+            if seq.finish_reason is not None:
+                self.scheduler.finish(seq)
+            touched[req.request_id] = req
+        for req in touched.values():
+            if req.finished:
+                req.metrics.finished_time = now
+                del self._requests[req.request_id]
+        return list(touched.values())
+
+    def _check_stop(self, req: _Request, seq: Sequence, token: int) -> None:
+        params = seq.params
+        num_out = len(seq.output_token_ids)
+        if num_out >= params.min_tokens and token in req.stop_ids:
+            seq.finish_reason = "stop"  # the stop token's own text is left out of the output
+            seq.stop_reason = None if token in req.eos_ids and token not in params.stop_token_ids else token
+        else:
+            if self.tokenizer is not None and (not self._lazy_text or params.stop):
+                delta = self._detokenize(seq)
+                if params.stop and delta and num_out >= params.min_tokens and self._find_stop_string(seq, delta):
+                    return
+            if (params.max_tokens is not None and num_out >= params.max_tokens) or seq.num_tokens >= self.max_model_len:
+                seq.finish_reason = "length"
+        if seq.finish_reason is not None and self.tokenizer is not None:
+            self._finalize_text(seq)
+
+    def _finalize_text(self, seq: Sequence) -> None:
+        by_token = seq.finish_reason == "stop"  # a stop string returned before this point
+        if self._lazy_text and not seq.params.stop:
+            ids = seq.output_token_ids[:-1] if by_token else seq.output_token_ids
+            seq.text = self.tokenizer.decode(ids)
+        elif not by_token and seq.read_offset < seq.num_tokens:  # flush text held back for UTF-8
+            ids = seq.token_ids
+            prefix_text = self.tokenizer.decode(ids[seq.prefix_offset : seq.read_offset])
+            seq.text += self.tokenizer.decode(ids[seq.prefix_offset :])[len(prefix_text) :]
+
+    def _detokenize(self, seq: Sequence) -> int:
+        """Append the text of newly readable tokens to seq.text; text that ends in an incomplete
+        UTF-8 character (U+FFFD) is held back until the next token completes it."""
+        ids = seq.token_ids
+        decode = self.tokenizer.decode
+        prefix_text = decode(ids[seq.prefix_offset : seq.read_offset])
+        new_text = decode(ids[seq.prefix_offset :])
+        if len(new_text) <= len(prefix_text) or new_text.endswith("\ufffd"):
+            return 0
+        delta = new_text[len(prefix_text) :]
+        seq.text += delta
+        seq.prefix_offset, seq.read_offset = seq.read_offset, len(ids)
+        return len(delta)
+
+    def _find_stop_string(self, seq: Sequence, num_new_chars: int) -> bool:
+        # earlier text held no stop string, so only one overlapping the new characters can match
+        start = max(0, len(seq.text) - num_new_chars - max(len(s) for s in seq.params.stop) + 1)
+        hits = [(i, s) for s in seq.params.stop if (i := seq.text.find(s, start)) >= 0]
+        if not hits:
+            return False
+        at, stop = min(hits)
+        seq.text = seq.text[:at]
+        seq.finish_reason = "stop"
+        seq.stop_reason = stop
+        return True
+
+    def _visible_text(self, seq: Sequence) -> str:
+        """Text safe to show while running: hold back a tail that may be the start of a stop
+        string, so text reported so far is never taken back."""
+        if seq.finish_reason is not None or not seq.params.stop:
+            return seq.text
+        text = seq.text
+        for k in range(min(len(text), max(len(s) for s in seq.params.stop) - 1), 0, -1):
+            if any(s.startswith(text[-k:]) for s in seq.params.stop):
+                return text[:-k]
+        return text
+
+    def _output(self, req: _Request) -> RequestOutput:
+        outputs = []
+        for seq in sorted(req.seqs, key=lambda s: s.index):
+            outputs.append(CompletionOutput(
+                index=seq.index, text=self._visible_text(seq), token_ids=list(seq.output_token_ids),
+                logprobs=list(seq.logprobs) if req.with_logprobs else None,
+                raw_logprobs=list(seq.raw_logprobs) if req.with_logprobs else None,
+                finish_reason=seq.finish_reason, stop_reason=seq.stop_reason,
+                cumulative_logprob=seq.cumulative_logprob,
+            ))
+        cached = req.seqs[0].num_cached_tokens or 0
+        return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, outputs, req.finished,
+                             cached, self.policy_version, req.metrics)
+
+    # -- synchronous batches (RL rollouts) ---------------------------------------------------------
+    def run_batch(self, prompt_ids: list[list[int]], params: SamplingParams | list[SamplingParams] | None = None,
+                  return_logprobs: bool = True) -> list[RequestOutput]:
+        """Generate for every prompt on the caller's thread; outputs in prompt order. Other
+        requests already in the engine advance too, but their outputs are not returned."""
+        return self._generate_all(prompt_ids, params, return_logprobs)
+
+    def _generate_all(self, prompts: list[str] | list[list[int]],
+                      params: SamplingParams | list[SamplingParams] | None, with_logprobs: bool = True,
+                      on_finish: Any | None = None) -> list[RequestOutput]:
+        params_list = params if isinstance(params, list) else [params or SamplingParams()] * len(prompts)
+        if len(params_list) != len(prompts):
+            raise ValueError(f"got {len(params_list)} SamplingParams for {len(prompts)} prompts")
+        batch = next(self._batch_ids)
+        ids = [f"batch-{batch}-{i}" for i in range(len(prompts))]
+        results: dict[str, RequestOutput] = {}
+        self._lazy_text = True  # nobody reads text before the end: decode it once then
+        try:
+            for rid, prompt, p in zip(ids, prompts, params_list):
+                self.add_request(rid, prompt, p, with_logprobs=with_logprobs)
+            pending = set(ids)
+            while pending:
+                for req in self._step():
+                    if req.finished and req.request_id in pending:
+                        results[req.request_id] = self._output(req)
+                        pending.discard(req.request_id)
+                        if on_finish is not None:
+                            on_finish()
+        except BaseException:
+            for rid in ids:
+                self.abort(rid)
+            raise
+        finally:
+            self._lazy_text = False
+        return [results[rid] for rid in ids]
+
+
+class _TopLogprobs:
+    """Builds vLLM-style {token_id: Logprob} dicts from the sampler's top-k tensors."""
+
+    def __init__(self, sampled: SamplerOutput, tokenizer: Any | None) -> None:
+        self.tokenizer = tokenizer
+        self.ids, self.lps, self.ranks = sampled.top_ids.tolist(), sampled.top_logprobs.tolist(), sampled.ranks.tolist()
+        self.raw = (sampled.raw_top_ids.tolist(), sampled.raw_top_logprobs.tolist(), sampled.raw_ranks.tolist())
+        self.token_ids = sampled.token_ids
+
+    def entry(self, row: int, k: int, chosen_lp: float, raw: bool) -> dict[int, Logprob]:
+        ids, lps, ranks = self.raw if raw else (self.ids, self.lps, self.ranks)
+        token = self.token_ids[row]
+        out = {token: Logprob(chosen_lp, ranks[row], self._text(token))}
+        for j in range(k):
+            out.setdefault(ids[row][j], Logprob(lps[row][j], j + 1, self._text(ids[row][j])))
+        return out
+
+    def _text(self, token: int) -> str | None:
+        return self.tokenizer.decode([token], skip_special_tokens=False) if self.tokenizer else None
+
+
+def _make_config(config: EngineConfig | None, overrides: dict[str, Any]) -> EngineConfig:
+    names = {f.name for f in fields(EngineConfig)}
+    unknown = sorted(set(overrides) - names)
+    if unknown:
+        raise ValueError(f"unknown engine config field {unknown[0]!r}; expected one of {sorted(names)}")
+    config = config or EngineConfig()
+    if overrides:
+        config = EngineConfig(**{**config.__dict__, **overrides})
+    return config
+
+
+class LLM:
+    """Offline generation with vLLM's names: `LLM(model_dir | model, tokenizer).generate(...)`."""
+
+    def __init__(self, model: str | Path | nn.Module, tokenizer: Any | None = None, **config_fields: Any) -> None:
+        if isinstance(model, str | Path):
+            self.engine = LLMEngine.from_pretrained(model, **config_fields)
+            if tokenizer is not None:
+                self.engine.tokenizer = tokenizer
+        else:
+            self.engine = LLMEngine(model, tokenizer, **config_fields)
+
+    def get_tokenizer(self) -> Any | None:
+        return self.engine.tokenizer
+
+    def generate(self, prompts: str | list[int] | list[str] | list[list[int]],
+                 params: SamplingParams | list[SamplingParams] | None = None,
+                 use_tqdm: bool = False) -> list[RequestOutput]:
+        """Outputs in prompt order. A prompt is a string or a list of token ids."""
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        return self._run(list(prompts), params, use_tqdm)
+
+    def chat(self, messages: list[dict] | list[list[dict]], params: SamplingParams | list[SamplingParams] | None = None,
+             use_tqdm: bool = False) -> list[RequestOutput]:
+        """Generate the assistant's reply to each conversation (a list of {role, content})."""
+        tok = self.engine.tokenizer
+        if tok is None:
+            raise ValueError("chat needs a tokenizer with a chat template")
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        prompts = [tok.apply_chat_template(c, add_generation_prompt=True, tokenize=True) for c in conversations]
+        return self._run(prompts, params, use_tqdm)
+
+    def _run(self, prompts: list, params: SamplingParams | list[SamplingParams] | None,
+             use_tqdm: bool) -> list[RequestOutput]:
+        if not use_tqdm:
+            return self.engine._generate_all(prompts, params)
+        from tqdm import tqdm
+
+        with tqdm(total=len(prompts), desc="generating", unit="prompt") as bar:
+            return self.engine._generate_all(prompts, params, on_finish=lambda: bar.update(1))

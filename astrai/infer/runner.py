@@ -1,0 +1,78 @@
+"""The model runner: turns one scheduled step into a forward pass over the paged KV cache.
+
+It owns the KV cache tensors (allocated once through `model.allocate_kv_cache`). For each step
+it lays the scheduled tokens of all sequences back to back in one flat row, builds their
+positions and the `PagedAttentionMetadata` (how many new tokens each sequence has, its context
+length and block table), applies the block manager's pending copy-on-write block copies, and
+runs the model, asking only for the logits of the last token of each sequence that completes
+its computation this step (those are the ones the sampler turns into new tokens).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+
+from astrai.infer.scheduler import Sequence
+from astrai.model.attention import PagedAttentionMetadata
+
+
+class ModelRunner:
+    def __init__(
+        self,
+        model: nn.Module,
+        num_blocks: int,
+        block_size: int,
+        dtype: torch.dtype | None = None,
+        device: torch.device | str | None = None,
+    ) -> None:
+        self.model = model
+        self.block_size = block_size
+        self.device = torch.device(device) if device is not None else next(model.parameters()).device
+        self.kv_caches = model.allocate_kv_cache(num_blocks, block_size, dtype=dtype, device=self.device)
+
+    def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
+        """Copy-on-write: duplicate block src into dst in every layer's cache."""
+        if not copies:
+            return
+        src = torch.tensor([s for s, _ in copies], device=self.device)
+        dst = torch.tensor([d for _, d in copies], device=self.device)
+        for k_cache, v_cache in self.kv_caches:
+            k_cache[dst] = k_cache[src]
+            v_cache[dst] = v_cache[src]
+
+    def execute(self, scheduled: list[tuple[Sequence, int]]) -> tuple[Tensor | None, list[Sequence]]:
+        """Run one step. Returns logits (S, V) of the sequences that reach their last token this
+        step, and those sequences in the same order (S may be 0: logits None)."""
+        input_ids: list[int] = []
+        positions: list[int] = []
+        query_lens, context_lens, block_tables = [], [], []
+        logits_indices: list[int] = []
+        to_sample: list[Sequence] = []
+        for seq, num_new in scheduled:
+            start = seq.num_computed_tokens
+            end = start + num_new
+            if num_new == 1:  # decode: skip the slice and range objects
+                input_ids.append(seq.token_ids[start])
+                positions.append(start)
+            else:
+                input_ids.extend(seq.token_ids[start:end])
+                positions.extend(range(start, end))
+            query_lens.append(num_new)
+            context_lens.append(end)
+            block_tables.append(seq.block_table)
+            if end == seq.num_tokens:
+                logits_indices.append(len(input_ids) - 1)
+                to_sample.append(seq)
+        meta = PagedAttentionMetadata.build(
+            query_lens, context_lens, block_tables, self.block_size, self.kv_caches, self.device
+        )
+        ids = torch.tensor(input_ids, dtype=torch.long, device=self.device)[None]  # (1, N)
+        pos = torch.tensor(positions, dtype=torch.long, device=self.device)[None]  # (1, N)
+        if not logits_indices:
+            # a step of partial prefill chunks only: fill the cache, no logits wanted
+            self.model(ids, position_ids=pos, attn_metadata=meta, logits_indices=ids.new_zeros(0))
+            return None, []
+        idx = torch.tensor(logits_indices, dtype=torch.long, device=self.device)
+        out = self.model(ids, position_ids=pos, attn_metadata=meta, logits_indices=idx)
+        return out.logits[0], to_sample  # (S, V)

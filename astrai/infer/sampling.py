@@ -1,0 +1,313 @@
+"""Sampling: `SamplingParams`, batched logits processing, token choice and log-probs.
+
+The model runner hands this module one logits row per sequence that needs a new token this
+step. `Sampler.sample` turns the rows into tokens in a few batched tensor operations: penalties,
+logit_bias and min_tokens first (the "processed" logits), then temperature and truncation
+(top_k, top_p, min_p), then greedy argmax or a seeded draw. Every token gets two log-probs from
+the shared `selective_log_softmax`: `logprob` under the distribution it was drawn from and
+`raw_logprob` under the unprocessed model. Seeded requests draw from their own generator, so
+their samples do not depend on which other requests share the batch.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+from torch import Tensor
+
+from astrai.model.logprobs import selective_log_softmax
+
+SAMPLING_EPS = 1e-5  # temperatures below this are greedy
+MAX_LOGPROBS = 20  # top alternatives per token, as OpenAI caps it
+
+
+@dataclass
+class SamplingParams:
+    """How to sample one request (OpenAI/vLLM semantics; temperature 0 means greedy)."""
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 (or -1) = no top-k
+    min_p: float = 0.0
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    max_tokens: int | None = 16  # None = until max_model_len
+    min_tokens: int = 0
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    seed: int | None = None
+    n: int = 1
+    logprobs: int | None = None  # top alternatives per token (0 = only the chosen token, as a dict)
+    logit_bias: dict[int, float] | None = None
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        self.stop = list(self.stop or [])
+        self.stop_token_ids = list(self.stop_token_ids or [])
+        if self.top_k == -1:
+            self.top_k = 0
+        if self.logit_bias:  # JSON object keys arrive as strings
+            try:
+                self.logit_bias = {int(k): float(v) for k, v in self.logit_bias.items()}
+            except (TypeError, ValueError) as exc:
+                raise ValueError(
+                    f"logit_bias must map token ids to numbers, got {self.logit_bias!r}"
+                ) from exc
+        self._validate()
+
+    def _validate(self) -> None:
+        def fail(name: str, value: object, expected: str) -> None:
+            raise ValueError(f"SamplingParams.{name} must be {expected}, got {value!r}")
+
+        def is_int(x: object) -> bool:
+            return isinstance(x, int) and not isinstance(x, bool)
+
+        if not (isinstance(self.temperature, int | float) and 0 <= self.temperature < math.inf):
+            fail("temperature", self.temperature, "a finite number >= 0 (0 = greedy)")
+        if not (isinstance(self.top_p, int | float) and 0 < self.top_p <= 1):
+            fail("top_p", self.top_p, "in (0, 1]")
+        if not (is_int(self.top_k) and self.top_k >= 0):
+            fail("top_k", self.top_k, "an integer >= 0 (0 or -1 disables it)")
+        if not (isinstance(self.min_p, int | float) and 0 <= self.min_p <= 1):
+            fail("min_p", self.min_p, "in [0, 1]")
+        for name in ("frequency_penalty", "presence_penalty"):
+            value = getattr(self, name)
+            if not (isinstance(value, int | float) and -2 <= value <= 2):
+                fail(name, value, "in [-2, 2]")
+        if not (isinstance(self.repetition_penalty, int | float) and 0 < self.repetition_penalty <= 10):
+            fail("repetition_penalty", self.repetition_penalty, "in (0, 10] (1 = off)")
+        if self.max_tokens is not None and not (is_int(self.max_tokens) and self.max_tokens >= 1):
+            fail("max_tokens", self.max_tokens, "an integer >= 1 (or None for up to max_model_len)")
+        if not (is_int(self.min_tokens) and self.min_tokens >= 0):
+            fail("min_tokens", self.min_tokens, "an integer >= 0")
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            fail("min_tokens", self.min_tokens, f"<= max_tokens ({self.max_tokens})")
+        if not all(isinstance(s, str) and s for s in self.stop):
+            fail("stop", self.stop, "a non-empty string or a list of non-empty strings")
+        if not all(is_int(t) and t >= 0 for t in self.stop_token_ids):
+            fail("stop_token_ids", self.stop_token_ids, "a list of token ids >= 0")
+        if self.seed is not None and not is_int(self.seed):
+            fail("seed", self.seed, "an integer or None")
+        if not (is_int(self.n) and self.n >= 1):
+            fail("n", self.n, "an integer >= 1")
+        if self.logprobs is not None and not (is_int(self.logprobs) and 0 <= self.logprobs <= MAX_LOGPROBS):
+            fail("logprobs", self.logprobs, f"None or an integer in [0, {MAX_LOGPROBS}]")
+        for token, bias in (self.logit_bias or {}).items():
+            if token < 0 or not -100 <= bias <= 100:
+                fail("logit_bias", {token: bias}, "token ids >= 0 mapped to biases in [-100, 100]")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature < SAMPLING_EPS
+
+    def check_vocab(self, vocab_size: int) -> None:
+        """Raise when a token id in these params lies outside the model's vocabulary."""
+        for name, ids in (("stop_token_ids", self.stop_token_ids), ("logit_bias", list(self.logit_bias or {}))):
+            bad = [t for t in ids if t >= vocab_size]
+            if bad:
+                raise ValueError(
+                    f"SamplingParams.{name} has token id {bad[0]} but the vocabulary has {vocab_size} "
+                    f"tokens (ids 0..{vocab_size - 1})"
+                )
+
+
+@dataclass
+class Logprob:
+    """One entry of a vLLM-style top-logprobs dict: {token_id: Logprob}."""
+
+    logprob: float
+    rank: int  # 1 = most likely token under this distribution
+    decoded_token: str | None = None
+
+
+class SamplingState(Protocol):
+    """What the sampler reads of a sequence (the engine's Sequence satisfies it)."""
+
+    params: SamplingParams
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]
+    generator: torch.Generator | None  # set for seeded requests
+    min_tokens_stop_ids: list[int]  # tokens masked while fewer than min_tokens were generated
+
+
+@dataclass
+class SamplerOutput:
+    token_ids: list[int]
+    logprobs: Tensor  # (B,) float32, under the sampling distribution
+    raw_logprobs: Tensor  # (B,) float32, under the raw model
+    # filled only when some row asked for top alternatives: (B, K) ids and log-probs, (B,) ranks
+    top_ids: Tensor | None = None
+    top_logprobs: Tensor | None = None
+    ranks: Tensor | None = None
+    raw_top_ids: Tensor | None = None
+    raw_top_logprobs: Tensor | None = None
+    raw_ranks: Tensor | None = None
+
+
+def apply_penalties(logits: Tensor, rows: list[SamplingState]) -> Tensor:
+    """Repetition (prompt + output), frequency and presence (output) penalties, in place.
+
+    logits (B, V) float32. Only rows that use a penalty are touched."""
+    B, V = logits.shape
+    idx = [
+        i for i, r in enumerate(rows)
+        if r.params.frequency_penalty or r.params.presence_penalty or r.params.repetition_penalty != 1.0
+    ]
+    if not idx:
+        return logits
+    device = logits.device
+    sub = logits[idx]  # (R, V)
+    counts = _token_counts([rows[i].output_token_ids for i in idx], V, device)  # (R, V)
+    rep = torch.tensor([rows[i].params.repetition_penalty for i in idx], device=device)[:, None]
+    if bool((rep != 1.0).any()):
+        seen = (counts + _token_counts([rows[i].prompt_token_ids for i in idx], V, device)) > 0
+        penalised = torch.where(sub > 0, sub / rep, sub * rep)
+        sub = torch.where(seen, penalised, sub)
+    freq = torch.tensor([rows[i].params.frequency_penalty for i in idx], device=device)[:, None]
+    pres = torch.tensor([rows[i].params.presence_penalty for i in idx], device=device)[:, None]
+    sub = sub - freq * counts - pres * (counts > 0).float()
+    logits[idx] = sub
+    return logits
+
+
+def _token_counts(seqs: list[list[int]], vocab_size: int, device: torch.device) -> Tensor:
+    """How often each token occurs in each list: (R, V) float32."""
+    width = max((len(s) for s in seqs), default=0)
+    padded = torch.full((len(seqs), width + 1), vocab_size, dtype=torch.long)  # pad -> extra column
+    for row, s in enumerate(seqs):
+        if s:
+            padded[row, : len(s)] = torch.tensor(s)
+    counts = torch.zeros(len(seqs), vocab_size + 1, device=device)
+    counts.scatter_add_(1, padded.to(device), torch.ones(padded.shape, device=device))
+    return counts[:, :vocab_size]
+
+
+def apply_bias_and_min_tokens(logits: Tensor, rows: list[SamplingState]) -> Tensor:
+    """Add logit_bias and forbid stop tokens while output is shorter than min_tokens, in place."""
+    bias_rows, bias_cols, bias_vals, ban_rows, ban_cols = [], [], [], [], []
+    for i, r in enumerate(rows):
+        p = r.params
+        if p.logit_bias:
+            bias_rows += [i] * len(p.logit_bias)
+            bias_cols += list(p.logit_bias)
+            bias_vals += list(p.logit_bias.values())
+        if p.min_tokens and len(r.output_token_ids) < p.min_tokens and r.min_tokens_stop_ids:
+            ban_rows += [i] * len(r.min_tokens_stop_ids)
+            ban_cols += r.min_tokens_stop_ids
+    device = logits.device
+    if bias_rows:
+        logits.index_put_(
+            (torch.tensor(bias_rows, device=device), torch.tensor(bias_cols, device=device)),
+            torch.tensor(bias_vals, dtype=logits.dtype, device=device), accumulate=True,
+        )
+    if ban_rows:
+        logits[torch.tensor(ban_rows, device=device), torch.tensor(ban_cols, device=device)] = -math.inf
+    return logits
+
+
+def apply_truncation(logits: Tensor, top_k: Tensor, top_p: Tensor, min_p: Tensor) -> Tensor:
+    """Mask logits (B, V) outside top_k (B,) long (V = off), then top_p (B,) of the renormalised
+    rest, then below min_p (B,) times the top probability. Masked entries become -inf."""
+    V = logits.shape[-1]
+    if bool((top_k < V).any()) or bool((top_p < 1.0).any()):
+        sorted_logits, order = logits.sort(dim=-1, descending=True)  # (B, V)
+        ranks = torch.arange(V, device=logits.device)[None]  # (1, V)
+        sorted_logits = sorted_logits.masked_fill(ranks >= top_k[:, None], -math.inf)
+        probs = sorted_logits.softmax(dim=-1)
+        mass_before = probs.cumsum(dim=-1) - probs  # exclusive cumulative mass (B, V)
+        # keep the smallest prefix whose mass reaches top_p; the first token always survives
+        drop = (mass_before >= top_p[:, None]) & (top_p[:, None] < 1.0)
+        sorted_logits = sorted_logits.masked_fill(drop, -math.inf)
+        logits = torch.empty_like(logits).scatter_(1, order, sorted_logits)
+    if bool((min_p > 0).any()):
+        probs = logits.softmax(dim=-1)
+        threshold = min_p[:, None] * probs.max(dim=-1, keepdim=True).values
+        logits = logits.masked_fill(probs < threshold, -math.inf)
+    return logits
+
+
+def process_logits(logits: Tensor, rows: list[SamplingState]) -> tuple[Tensor, Tensor]:
+    """Raw logits (B, V) -> (processed, final) float32 logits.
+
+    processed: after penalties, logit_bias and min_tokens (greedy takes its argmax).
+    final: the logits of the distribution each row samples from: processed / temperature and
+    truncated; for greedy rows simply `processed` (temperature counted as 1, no truncation)."""
+    processed = apply_bias_and_min_tokens(apply_penalties(logits.float().clone(), rows), rows)
+    if all(r.params.greedy for r in rows):
+        return processed, processed
+    B, V = processed.shape
+    device = processed.device
+    params = [r.params for r in rows]
+    temps = torch.tensor([1.0 if p.greedy else p.temperature for p in params], device=device)
+    final = processed / temps[:, None]
+    top_k = torch.tensor([p.top_k if p.top_k and not p.greedy else V for p in params], device=device)
+    top_p = torch.tensor([1.0 if p.greedy else p.top_p for p in params], device=device)
+    min_p = torch.tensor([0.0 if p.greedy else p.min_p for p in params], device=device)
+    return processed, apply_truncation(final, top_k, top_p, min_p)
+
+
+class Sampler:
+    """Chooses one token per row. Unseeded rows share `generator`; seeded rows use their own."""
+
+    def __init__(self, generator: torch.Generator | None = None) -> None:
+        self.generator = generator
+
+    def sample(self, logits: Tensor, rows: list[SamplingState]) -> SamplerOutput:
+        """logits (B, V) raw model logits, one row per entry of `rows`."""
+        raw = logits.float()
+        processed, final = process_logits(raw, rows)
+        greedy = [r.params.greedy for r in rows]
+        if all(greedy):
+            tokens = processed.argmax(dim=-1)  # (B,)
+        else:
+            tokens = self._draw(final, rows, greedy, processed)
+        out = SamplerOutput(
+            token_ids=tokens.tolist(),
+            logprobs=selective_log_softmax(final, tokens),
+            raw_logprobs=selective_log_softmax(raw, tokens),
+        )
+        k = max((r.params.logprobs for r in rows if r.params.logprobs is not None), default=None)
+        if k is not None:
+            out.top_ids, out.top_logprobs, out.ranks = _top_alternatives(final, tokens, k)
+            out.raw_top_ids, out.raw_top_logprobs, out.raw_ranks = _top_alternatives(raw, tokens, k)
+        return out
+
+    def _draw(self, final: Tensor, rows: list[SamplingState], greedy: list[bool], processed: Tensor) -> Tensor:
+        # Gumbel-style race: argmax(p / q) with q ~ Exp(1) is a draw from p, and lets every
+        # row take its noise from its own generator without a per-row multinomial call
+        B, V = final.shape
+        probs = final.softmax(dim=-1)  # (B, V)
+        noise = torch.empty_like(probs)
+        shared = [i for i, r in enumerate(rows) if r.generator is None and not greedy[i]]
+        if shared:
+            noise[shared] = torch.empty(len(shared), V, device=final.device).exponential_(
+                generator=self.generator
+            )
+        for i, r in enumerate(rows):
+            if r.generator is not None and not greedy[i]:
+                noise[i].exponential_(generator=r.generator)
+        # exponential_ can return exactly 0, and 0 / 0 would be a NaN that argmax picks
+        drawn = (probs / noise.clamp_min_(1e-20)).argmax(dim=-1)  # (B,)
+        if any(greedy):
+            is_greedy = torch.tensor(greedy, device=final.device)
+            drawn = torch.where(is_greedy, processed.argmax(dim=-1), drawn)
+        return drawn
+
+
+def _top_alternatives(logits: Tensor, tokens: Tensor, k: int) -> tuple[Tensor, Tensor, Tensor]:
+    """Top-k ids and log-probs (B, k) of each row's distribution, and the rank (B,) of `tokens`."""
+    logp = logits.log_softmax(dim=-1)  # (B, V)
+    chosen = logp.gather(1, tokens[:, None])  # (B, 1)
+    ranks = (logp > chosen).sum(dim=-1) + 1  # (B,)
+    top_lp, top_ids = logp.topk(k, dim=-1) if k else (logp[:, :0], tokens[:, None][:, :0])
+    return top_ids, top_lp, ranks
+
+
+def make_generator(seed: int, device: torch.device | str = "cpu") -> torch.Generator:
+    return torch.Generator(device=device).manual_seed(seed)

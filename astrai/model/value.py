@@ -1,0 +1,88 @@
+"""ValueModel: the PPO critic, the policy's trunk with a scalar head instead of the LM head.
+
+`online_ppo` trains it next to the policy: `ValueModel.from_policy(policy)` warm-starts the trunk
+from the policy's weights, the head starts at zero (so the first value estimates are 0 and the
+first advantages are the plain returns), and `forward` gives one value per token (B, T), which
+the GAE and value-loss functions in `train/losses.py` consume. The trunk is the same
+`Transformer` class as `CausalLM.model`, so packing, padding masks and gradient checkpointing
+behave exactly as in the policy.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+from torch import Tensor, nn
+
+from astrai.model.config import ModelConfig
+from astrai.model.transformer import CausalLM, Transformer
+
+
+class ValueModel(nn.Module):
+    def __init__(self, config: ModelConfig, seed: int | None = 0, trunk: Transformer | None = None) -> None:
+        """A critic with a freshly initialised trunk (seeded like CausalLM), or around `trunk`."""
+        super().__init__()
+        self.config = config
+        if trunk is None:
+            trunk = CausalLM(config, seed=seed).model  # same init as a policy built with `seed`
+        self.model = trunk
+        ref = next(trunk.parameters())
+        self.value_head = nn.Linear(config.hidden_size, 1, device=ref.device, dtype=ref.dtype)
+        nn.init.zeros_(self.value_head.weight)
+        nn.init.zeros_(self.value_head.bias)
+
+    @classmethod
+    def from_policy(cls, policy: CausalLM) -> ValueModel:
+        """A critic whose trunk is a copy of the policy's (same dtype and device); zero head."""
+        policy = getattr(policy, "module", policy)  # DDP wrapper
+        if not isinstance(getattr(policy, "model", None), Transformer):
+            raise TypeError(f"from_policy needs a CausalLM, got {type(policy).__name__}")
+        return cls(policy.config, trunk=copy.deepcopy(policy.model))
+
+    @property
+    def gradient_checkpointing(self) -> bool:
+        return self.model.gradient_checkpointing
+
+    @gradient_checkpointing.setter
+    def gradient_checkpointing(self, enabled: bool) -> None:
+        self.model.gradient_checkpointing = enabled
+
+    def forward(
+        self,
+        input_ids: Tensor,
+        attention_mask: Tensor | None = None,
+        position_ids: Tensor | None = None,
+        document_ids: Tensor | None = None,
+    ) -> Tensor:
+        """input_ids (B, T) -> values (B, T) in float32, one per token (the value of the state
+        after reading that token). MoE load-balancing loss of the trunk is not used."""
+        _check_shapes(input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                      document_ids=document_ids)
+        hidden, _, _ = self.model(input_ids, attention_mask, position_ids, document_ids)  # (B, T, C)
+        return self.value_head(hidden).squeeze(-1).float()  # (B, T)
+
+
+def _check_shapes(input_ids: Tensor, **others: Tensor | None) -> None:
+    if not isinstance(input_ids, Tensor) or input_ids.dim() != 2:
+        shape = tuple(input_ids.shape) if isinstance(input_ids, Tensor) else type(input_ids).__name__
+        raise ValueError(
+            f"ValueModel expects input_ids of shape (batch, seq_len), got {shape}; "
+            "add a batch dimension with input_ids[None] for a single sequence"
+        )
+    if input_ids.is_floating_point():
+        raise ValueError(f"ValueModel expects integer token ids, got dtype {input_ids.dtype}")
+    for name, t in others.items():
+        if t is not None and tuple(t.shape) != tuple(input_ids.shape):
+            raise ValueError(
+                f"ValueModel: {name} has shape {tuple(t.shape)} but input_ids has "
+                f"{tuple(input_ids.shape)}; they must match"
+            )
+
+
+@torch.no_grad()
+def trunk_parity_error(value_model: ValueModel, policy: CausalLM, input_ids: Tensor) -> float:
+    """Largest |hidden| difference between the critic's trunk and the policy's (diagnostics)."""
+    a, _, _ = value_model.model(input_ids)
+    b = policy(input_ids).hidden_states
+    return (a - b).abs().max().item()

@@ -1,0 +1,488 @@
+"""`astrai serve`: the OpenAI-compatible HTTP server (FastAPI on uvicorn).
+
+Data flow: HTTP body -> size limit -> JSON -> pydantic request (`protocol.py`) -> prompt token ids
+(chat template or plain text) -> `SamplingParams` -> `AsyncEngine.submit` (engine thread) ->
+`RequestUpdate`s -> OpenAI JSON or SSE chunks. Everything a client can get wrong is answered
+with OpenAI's error body before the request reaches the engine, so a bad request never touches
+the requests already running. The model loads in the background after the socket is bound:
+`/health` answers 503 until it is ready. SIGTERM stops accepting connections, lets in-flight
+requests finish for `--shutdown_timeout` seconds, aborts the rest and exits 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import hmac
+import json
+import logging
+import os
+import re
+import signal
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from pydantic import ValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from astrai.serve.async_engine import AsyncEngine, OutputStream
+from astrai.serve.metrics import ServerMetrics
+from astrai.serve.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    error_body,
+)
+from astrai.serve.render import ChatRenderer, CompletionRenderer, Renderer
+
+logger = logging.getLogger("astrai.serve")
+ROUTES = ("/v1/chat/completions", "/v1/completions", "/v1/models", "/health", "/metrics")
+
+
+class APIError(Exception):
+    """An error answered with OpenAI's body `{"error": {"message", "type", "param", "code"}}`."""
+
+    def __init__(self, status: int, message: str, param: str | None = None,
+                 type_: str = "invalid_request_error", code: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.param, self.type, self.code = status, message, param, type_, code
+
+    def response(self) -> JSONResponse:
+        return JSONResponse(error_body(self.message, self.type, self.param, self.code), status_code=self.status)
+
+
+@dataclass
+class ServeConfig:
+    model_dir: str
+    served_model_name: str | None = None  # default: the model directory's basename
+    api_key: str | None = None
+    max_request_bytes: int = 8 * 2**20
+    engine_kwargs: dict[str, Any] = field(default_factory=dict)  # EngineConfig fields
+
+    @property
+    def model_name(self) -> str:
+        return self.served_model_name or Path(self.model_dir).resolve().name
+
+
+def load_engine(config: ServeConfig) -> tuple[Any, Any]:
+    """Build the engine (and its tokenizer) from the model directory; runs off the event loop."""
+    from astrai.data.tokenizer import load_tokenizer
+    from astrai.infer.engine import LLMEngine
+
+    engine = LLMEngine.from_pretrained(config.model_dir, **config.engine_kwargs)
+    tokenizer = getattr(engine, "tokenizer", None) or load_tokenizer(config.model_dir)
+    return engine, tokenizer
+
+
+class ServerState:
+    """What the routes share: the engine loop, the tokenizer, limits and metrics."""
+
+    def __init__(self, config: ServeConfig):
+        self.config = config
+        self.model_name = config.model_name
+        self.metrics = ServerMetrics(self.model_name)
+        self.status, self.error = "loading", ""
+        self.engine: AsyncEngine | None = None
+        self.tokenizer: Any = None
+        self.max_model_len = 0
+        self.vocab_size = 0
+        self.created = int(time.time())
+        self._token_text: dict[int, str] = {}
+
+    def ready(self, engine: Any, tokenizer: Any) -> None:
+        self.tokenizer = tokenizer
+        self.max_model_len = int(engine.max_model_len)
+        model_config = getattr(getattr(engine, "model", None), "config", None)
+        self.vocab_size = int(getattr(model_config, "vocab_size", 0) or tokenizer.vocab_size)
+        self.engine = AsyncEngine(engine, self.metrics)
+        self.engine.start()
+        self.status = "ready"
+
+    def token_text(self, token_id: int) -> str:
+        text = self._token_text.get(token_id)
+        if text is None:
+            text = self._token_text[token_id] = self.tokenizer.decode([token_id], skip_special_tokens=False)
+        return text
+
+    # ---- checks every /v1 request goes through -------------------------------------------
+    def check_auth(self, request: Request) -> None:
+        key = self.config.api_key
+        if not key:
+            return
+        given = request.headers.get("authorization", "")
+        token = given[7:] if given[:7].lower() == "bearer " else ""
+        if not hmac.compare_digest(token.encode(), key.encode()):
+            raise APIError(401, "missing or incorrect API key; send the header 'Authorization: Bearer <key>'",
+                           code="invalid_api_key")
+
+    def check_ready(self) -> AsyncEngine:
+        if self.status != "ready" or self.engine is None:
+            detail = f": {self.error}" if self.error else "; retry when GET /health answers 200"
+            raise APIError(503, f"the model is {self.status}{detail}", type_="service_unavailable")
+        return self.engine
+
+    def check_model(self, name: str) -> None:
+        if name != self.model_name:
+            raise APIError(404, f"the model '{name}' does not exist; this server serves '{self.model_name}'",
+                           param="model", code="model_not_found")
+
+    def check_length(self, num_prompt_tokens: int, max_tokens: int | None, param: str) -> None:
+        limit = self.max_model_len
+        if num_prompt_tokens >= limit:
+            raise APIError(400, f"prompt has {num_prompt_tokens} tokens but max_model_len is {limit}; "
+                                f"shorten the {param} to fewer than {limit} tokens", param=param)
+        if max_tokens is not None and num_prompt_tokens + max_tokens > limit:
+            raise APIError(400, f"prompt has {num_prompt_tokens} tokens and max_tokens is {max_tokens}, "
+                                f"{num_prompt_tokens + max_tokens} in all, but max_model_len is {limit}; "
+                                f"lower max_tokens to at most {limit - num_prompt_tokens}",
+                           param="max_tokens")
+
+    def sampling_params(self, req: ChatCompletionRequest | CompletionRequest, max_tokens: int | None,
+                        logprobs: int | None) -> Any:
+        from astrai.infer.sampling import SamplingParams
+
+        kwargs: dict[str, Any] = dict(
+            max_tokens=max_tokens, n=req.n, seed=req.seed, stop=req.stop_list() or None,
+            stop_token_ids=req.stop_token_ids, ignore_eos=req.ignore_eos, min_tokens=req.min_tokens,
+            logprobs=logprobs, logit_bias=req.logit_bias)
+        for name in ("temperature", "top_p", "top_k", "min_p", "frequency_penalty", "presence_penalty",
+                     "repetition_penalty"):
+            if getattr(req, name) is not None:
+                kwargs[name] = getattr(req, name)
+        try:
+            params = SamplingParams(**kwargs)
+            params.check_vocab(self.vocab_size)
+        except ValueError as exc:
+            raise APIError(400, str(exc), param=_param_named_in(str(exc))) from None
+        return params
+
+
+def _param_named_in(message: str) -> str | None:
+    match = re.search(r"SamplingParams\.(\w+)", message)
+    return match.group(1) if match else None
+
+
+async def read_request(request: Request, model: type, limit: int) -> Any:
+    """Body -> JSON -> pydantic: 413 over `limit` bytes, 422 for malformed JSON, 400 for bad values."""
+    declared = request.headers.get("content-length", "")
+    too_large = declared.isdigit() and int(declared) > limit
+    body = bytearray()
+    async for chunk in request.stream():
+        if not too_large:
+            body += chunk
+            too_large = len(body) > limit
+        # past the limit the rest is read and dropped, so the client gets our 413 instead of a reset
+    if too_large:
+        raise APIError(413, f"request body is larger than the limit of {limit} bytes; send a smaller "
+                            "request or raise --max_request_bytes", code="request_too_large")
+    try:
+        data = json.loads(body)
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise APIError(422, f"request body is not valid JSON: {exc}", code="invalid_json") from None
+    try:
+        return model.model_validate(data)
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        param = _loc_to_param(first.get("loc", ()))
+        where = f"'{param}': " if param else ""
+        raise APIError(400, f"invalid value for {where}{first['msg']} (got {_short(first.get('input'))})",
+                       param=param) from None
+
+
+_TYPE_TAGS = re.compile(r"^(str|int|float|bool|list\[.*\]|dict\[.*\]|function-after\[.*\])$")
+
+
+def _loc_to_param(loc: tuple) -> str | None:
+    parts = ""
+    for item in loc:
+        if isinstance(item, int):
+            parts += f"[{item}]"
+        elif not _TYPE_TAGS.match(str(item)):  # union branch tags are not parameter names
+            parts += ("." if parts else "") + str(item)
+    return parts or None
+
+
+def _short(value: Any) -> str:
+    text = json.dumps(value, default=str) if not isinstance(value, str) else repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+# ------------------------------------------------------------------------------- responses
+class EventStream(StreamingResponse):
+    """SSE response that runs `on_close` however the response ends (done, error, disconnect)."""
+
+    def __init__(self, content: AsyncIterator[str], on_close: Callable[[], None]):
+        super().__init__(content, media_type="text/event-stream",
+                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        self._on_close = on_close
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self._on_close()
+            with contextlib.suppress(Exception):
+                await self.body_iterator.aclose()  # type: ignore[attr-defined]
+
+
+async def _respond(state: ServerState, request: Request, renderer: Renderer, stream: OutputStream,
+                   streaming: bool) -> Response:
+    engine = state.engine
+    assert engine is not None
+
+    def abort_if_unfinished() -> None:
+        if not stream.finished:
+            engine.abort(stream.request_ids)
+            state.metrics.count_disconnect()
+
+    if streaming:
+        return EventStream(renderer.sse(stream), abort_if_unfinished)
+    collect = asyncio.ensure_future(renderer.collect(stream))
+    watch = asyncio.ensure_future(_until_disconnect(request))
+    try:
+        await asyncio.wait({collect, watch}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watch.cancel()
+        if not collect.done():
+            collect.cancel()
+            abort_if_unfinished()
+    if not collect.done() or collect.cancelled():
+        return Response(status_code=499)  # client closed the request; nobody reads this
+    return JSONResponse(collect.result())
+
+
+async def _until_disconnect(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+# ------------------------------------------------------------------------------- the app
+def create_app(config: ServeConfig, loader: Callable[[ServeConfig], tuple[Any, Any]] = load_engine) -> FastAPI:
+    """The FastAPI app; `loader(config) -> (engine, tokenizer)` runs in a thread at startup."""
+    state = ServerState(config)
+
+    async def load() -> None:
+        try:
+            engine, tokenizer = await asyncio.to_thread(loader, config)
+            state.ready(engine, tokenizer)
+            logger.info("model '%s' ready (max_model_len %d)", state.model_name, state.max_model_len)
+        except Exception as exc:  # noqa: BLE001 - reported by /health, never crashes the server
+            logger.exception("loading the model failed")
+            state.status, state.error = "failed", f"{type(exc).__name__}: {exc}"
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        loading = asyncio.create_task(load())
+        yield
+        loading.cancel()
+        if state.engine is not None:
+            await state.engine.shutdown()
+
+    app = FastAPI(title="astrai", lifespan=lifespan, docs_url=None, redoc_url=None)
+    app.state.serve = state
+    app.add_middleware(_CountResponses, metrics=state.metrics)
+
+    @app.exception_handler(APIError)
+    async def _api_error(request: Request, exc: APIError) -> JSONResponse:
+        return exc.response()
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        message = (f"no route {request.method} {request.url.path}; routes: {', '.join(ROUTES)}"
+                   if exc.status_code in (404, 405) else str(exc.detail))
+        return APIError(exc.status_code, message, code="not_found" if exc.status_code == 404 else None).response()
+
+    @app.exception_handler(Exception)
+    async def _internal_error(request: Request, exc: Exception) -> JSONResponse:
+        logger.exception("unhandled error on %s", request.url.path)
+        return APIError(500, f"internal server error: {type(exc).__name__}: {exc}", type_="internal_error").response()
+
+    @app.get("/health")
+    async def health() -> Response:
+        if state.status == "ready":
+            return JSONResponse({"status": "ok"})
+        return APIError(503, f"the model is {state.status}" + (f": {state.error}" if state.error else ""),
+                        type_="service_unavailable").response()
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return PlainTextResponse(state.metrics.render(), media_type="text/plain; version=0.0.4")
+
+    @app.get("/v1/models")
+    async def models(request: Request) -> Response:
+        state.check_auth(request)
+        card = {"id": state.model_name, "object": "model", "created": state.created, "owned_by": "astrai",
+                "max_model_len": state.max_model_len or None}
+        return JSONResponse({"object": "list", "data": [card]})
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        state.check_auth(request)
+        engine = state.check_ready()
+        req = await read_request(request, ChatCompletionRequest, config.max_request_bytes)
+        state.check_model(req.model)
+        try:
+            prompt_ids = state.tokenizer.apply_chat_template(
+                [m.to_template() for m in req.messages], add_generation_prompt=True, tokenize=True)
+        except Exception as exc:  # noqa: BLE001 - template errors (e.g. role order) are the client's
+            raise APIError(400, f"the chat template cannot render these messages: {exc}", param="messages") from None
+        max_tokens = req.requested_max_tokens()
+        state.check_length(len(prompt_ids), max_tokens, "messages")
+        params = state.sampling_params(req, max_tokens, (req.top_logprobs or 0) if req.logprobs else None)
+        renderer = ChatRenderer(state, req, [prompt_ids])
+        stream = await _submit(engine, renderer, params, req.logprobs)
+        return await _respond(state, request, renderer, stream, req.stream)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        state.check_auth(request)
+        engine = state.check_ready()
+        req = await read_request(request, CompletionRequest, config.max_request_bytes)
+        state.check_model(req.model)
+        prompts = []
+        for i, prompt in enumerate(req.prompt_list()):
+            ids = state.tokenizer.encode(prompt, add_special_tokens=True) if isinstance(prompt, str) else prompt
+            bad = [t for t in ids if not 0 <= t < state.vocab_size]
+            if bad:
+                raise APIError(400, f"prompt {i} has token id {bad[0]} outside the vocabulary "
+                                    f"(ids 0..{state.vocab_size - 1})", param="prompt")
+            state.check_length(len(ids), req.max_tokens, "prompt")
+            prompts.append(ids)
+        if req.echo and req.logprobs is not None:
+            raise APIError(400, "echo together with logprobs needs prompt logprobs, which this engine does "
+                                "not return; drop one of them", param="echo")
+        params = state.sampling_params(req, req.max_tokens, req.logprobs)
+        renderer = CompletionRenderer(state, req, prompts)
+        stream = await _submit(engine, renderer, params, req.logprobs is not None)
+        return await _respond(state, request, renderer, stream, req.stream)
+
+    return app
+
+
+async def _submit(engine: AsyncEngine, renderer: Renderer, params: Any, want_logprobs: bool) -> OutputStream:
+    try:
+        return await engine.submit(renderer.engine_requests(), params, want_logprobs)
+    except ValueError as exc:  # the engine's own check of an impossible request
+        raise APIError(400, str(exc), param=_param_named_in(str(exc))) from None
+
+
+class _CountResponses:
+    """ASGI middleware: count responses by route and status (a plain wrapper, cheap on SSE)."""
+
+    def __init__(self, app: Any, metrics: ServerMetrics):
+        self.app, self.metrics = app, metrics
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        route = scope["path"] if scope["path"] in ROUTES else "other"
+
+        async def counting_send(message: Any) -> None:
+            if message["type"] == "http.response.start":
+                self.metrics.count_http(route, message["status"])
+            await send(message)
+
+        await self.app(scope, receive, counting_send)
+
+
+# ------------------------------------------------------------------------------- command line
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="astrai serve", description="OpenAI-compatible HTTP server.")
+    p.add_argument("--model", required=True, help="model directory (config.json, model.safetensors, tokenizer)")
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--api_key", default=os.environ.get("ASTRAI_API_KEY"),
+                   help="require 'Authorization: Bearer KEY' on /v1 routes (default: $ASTRAI_API_KEY)")
+    p.add_argument("--served_model_name", default=None, help="model id clients send (default: directory name)")
+    p.add_argument("--max_request_bytes", type=int, default=8 * 2**20, help="larger bodies get 413")
+    p.add_argument("--shutdown_timeout", type=float, default=30.0,
+                   help="seconds in-flight requests may run after SIGTERM before they are aborted")
+    p.add_argument("--log_level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    for name, default, help_ in _engine_fields():
+        p.add_argument(f"--{name}", type=_parse_value, default=argparse.SUPPRESS,
+                       help=f"engine setting (default: {default!r}){': ' + help_ if help_ else ''}")
+    return p
+
+
+def _engine_fields() -> list[tuple[str, Any, str]]:
+    """EngineConfig's fields become flags, so the server never lags behind the engine's knobs."""
+    import dataclasses
+
+    try:
+        from astrai.infer.engine import EngineConfig
+    except ImportError:
+        return []
+    taken = {"model", "host", "port", "api_key", "served_model_name", "max_request_bytes",
+             "shutdown_timeout", "log_level"}
+    out = []
+    for f in dataclasses.fields(EngineConfig):
+        default = f.default if f.default is not dataclasses.MISSING else None
+        if f.name not in taken and (default is None or isinstance(default, bool | int | float | str)):
+            out.append((f.name, default, str(f.metadata.get("help", ""))))
+    return out
+
+
+def _parse_value(text: str) -> Any:
+    lowered = text.lower()
+    if lowered in ("true", "false"):
+        return lowered == "true"
+    if lowered in ("none", "null"):
+        return None
+    for cast in (int, float):
+        try:
+            return cast(text)
+        except ValueError:
+            pass
+    return text
+
+
+def _graceful_server_class(state: ServerState) -> type:
+    import uvicorn
+
+    class GracefulServer(uvicorn.Server):
+        """uvicorn stops accepting and waits `timeout_graceful_shutdown` for open connections, then
+        cancels them mid-stream. Aborting the engine requests just before that deadline ends each
+        stream properly instead: a last chunk with finish_reason "abort", then [DONE]."""
+
+        async def shutdown(self, sockets: Any = None) -> None:
+            delay = max(0.0, (self.config.timeout_graceful_shutdown or 0.0) - 0.5)
+            timer = asyncio.get_running_loop().call_later(
+                delay, lambda: state.engine.abort_all() if state.engine is not None else None)
+            try:
+                await super().shutdown(sockets)
+            finally:
+                timer.cancel()
+
+    return GracefulServer
+
+
+def main(argv: list[str] | None = None) -> int:
+    import uvicorn
+
+    args = build_parser().parse_args(argv)
+    model_dir = Path(args.model)
+    if not (model_dir / "config.json").is_file():
+        print(f"error: --model '{args.model}' is not a model directory (no config.json); point it at a "
+              "directory written by astrai.save_model or a training checkpoint", file=__import__("sys").stderr)
+        return 2
+    fixed = {"model", "host", "port", "api_key", "served_model_name", "max_request_bytes", "shutdown_timeout",
+             "log_level"}
+    engine_kwargs = {k: v for k, v in vars(args).items() if k not in fixed}
+    config = ServeConfig(str(model_dir), args.served_model_name, args.api_key, args.max_request_bytes,
+                         engine_kwargs)
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    app = create_app(config)
+    server_class = _graceful_server_class(app.state.serve)
+    server = server_class(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
+                                         timeout_graceful_shutdown=args.shutdown_timeout, access_log=False))
+    # uvicorn re-raises the signal it caught once it has shut down; a no-op handler installed
+    # here is what it restores and re-raises into, so a SIGTERM ends with exit status 0.
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: None)
+    server.run()
+    return 0 if server.started else 1

@@ -1,0 +1,232 @@
+"""Engine updates -> OpenAI responses: the choice accumulator and the two response renderers.
+
+`app.py` turns a validated request into prompt token ids and a renderer; the renderer names the
+engine requests (one per prompt), folds `RequestUpdate`s from the async engine loop into one
+`_Choice` per (prompt, sample) and renders either the final JSON body or the SSE chunks. Chat
+and legacy completions differ only in chunk shape, echo and logprob format, so they share the
+accumulator and the SSE skeleton: a first chunk (role or echo), one chunk per batch of ready
+updates with the text delta of each changed choice, exactly one finish_reason per choice, an
+optional usage chunk with empty `choices`, then `data: [DONE]`.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+from astrai.serve.async_engine import OutputStream, RequestUpdate
+from astrai.serve.protocol import (
+    ChatChoice,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    ChatResponseMessage,
+    CompletionChoice,
+    CompletionRequest,
+    CompletionResponse,
+    Usage,
+    chat_chunk,
+    chat_logprobs,
+    completion_chunk,
+    completion_logprobs,
+    error_body,
+    make_usage,
+)
+
+DONE = "data: [DONE]\n\n"
+
+
+def sse(obj: Any) -> str:
+    return "data: " + json.dumps(obj, separators=(",", ":"), ensure_ascii=False) + "\n\n"
+
+
+class _Choice:
+    """Everything one sample (choice) has produced so far."""
+
+    __slots__ = ("index", "prompt_index", "text", "num_text_sent", "token_ids", "logprobs",
+                 "finish_reason", "stop_reason", "text_offset")
+
+    def __init__(self, index: int, prompt_index: int):
+        self.index, self.prompt_index = index, prompt_index
+        self.text, self.num_text_sent = "", 0
+        self.token_ids: list[int] = []
+        self.logprobs: list[Any] = []
+        self.finish_reason: str | None = None
+        self.stop_reason: int | str | None = None
+        self.text_offset = 0
+
+    def take_delta(self) -> str:
+        delta = self.text[self.num_text_sent:]
+        self.num_text_sent = len(self.text)
+        return delta
+
+
+class Renderer:
+    """Shared skeleton; subclasses set `prefix` and render chunks and the final body."""
+
+    prefix = "cmpl"
+
+    def __init__(self, state: Any, req: ChatCompletionRequest | CompletionRequest, prompts: list[list[int]]):
+        self.state, self.req, self.prompts = state, req, prompts
+        self.request_id = f"{self.prefix}-{uuid.uuid4().hex}"
+        self.created = int(time.time())
+        self.engine_ids = ([self.request_id] if len(prompts) == 1 else
+                           [f"{self.request_id}-{p}" for p in range(len(prompts))])
+        n = req.n
+        self.choices = {(rid, i): _Choice(p * n + i, p) for p, rid in enumerate(self.engine_ids) for i in range(n)}
+        self.num_cached = dict.fromkeys(self.engine_ids, 0)
+        self.include_usage = bool(req.stream and req.stream_options and req.stream_options.include_usage)
+
+    def engine_requests(self) -> list[tuple[str, list[int]]]:
+        return list(zip(self.engine_ids, self.prompts))
+
+    def apply(self, batch: list[RequestUpdate]) -> list[tuple[_Choice, list[int], list[Any], bool]]:
+        """Fold a batch of updates in; per changed choice: (choice, new ids, new logprobs, finished now)."""
+        changed: dict[int, tuple[_Choice, list[int], list[Any], list[bool]]] = {}
+        for update in batch:
+            self.num_cached[update.request_id] = max(self.num_cached[update.request_id], update.num_cached_tokens)
+            for seq in update.outputs:
+                choice = self.choices[(update.request_id, seq.index)]
+                _, new_ids, new_lps, finished = changed.setdefault(choice.index, (choice, [], [], [False]))
+                if seq.new_token_ids or seq.finish_reason != "abort":  # an abort carries no text
+                    choice.text = seq.text
+                choice.token_ids += seq.new_token_ids
+                new_ids += seq.new_token_ids
+                if seq.new_logprobs:
+                    choice.logprobs += seq.new_logprobs
+                    new_lps += seq.new_logprobs
+                if seq.finish_reason and choice.finish_reason is None:
+                    choice.finish_reason, choice.stop_reason = seq.finish_reason, seq.stop_reason
+                    finished[0] = True
+        return [(c, ids, lps, fin[0]) for c, ids, lps, fin in (changed[k] for k in sorted(changed))]
+
+    def usage(self) -> Usage:
+        return make_usage(sum(len(p) for p in self.prompts), sum(len(c.token_ids) for c in self.choices.values()),
+                          sum(self.num_cached.values()))
+
+    def ordered_choices(self) -> list[_Choice]:
+        return sorted(self.choices.values(), key=lambda c: c.index)
+
+    async def collect(self, stream: OutputStream) -> dict[str, Any]:
+        async for batch in stream.batches():
+            self.apply(batch)
+        return self.response().model_dump()
+
+    async def sse(self, stream: OutputStream) -> AsyncIterator[str]:
+        for chunk in self.first_chunks():
+            yield sse(chunk)
+        try:
+            async for batch in stream.batches():
+                rendered = [self.chunk_choice(*change) for change in self.apply(batch)]
+                choices = [c for c in rendered if c is not None]
+                if choices:
+                    yield sse(self.chunk(choices))
+        except Exception as exc:  # noqa: BLE001 - the status line is already sent; report in-band
+            yield sse(error_body(str(exc), "internal_error"))
+            yield DONE
+            return
+        if self.include_usage:
+            yield sse(self.chunk([], self.usage()))
+        yield DONE
+
+    # ---- per endpoint -------------------------------------------------------------------
+    def first_chunks(self) -> list[dict[str, Any]]:
+        raise NotImplementedError
+
+    def chunk_choice(self, choice: _Choice, new_ids: list[int], new_lps: list[Any],
+                     finished_now: bool) -> dict[str, Any] | None:
+        raise NotImplementedError
+
+    def chunk(self, choices: list[dict[str, Any]], usage: Usage | None = None) -> dict[str, Any]:
+        raise NotImplementedError
+
+    def response(self) -> Any:
+        raise NotImplementedError
+
+
+class ChatRenderer(Renderer):
+    prefix = "chatcmpl"
+    req: ChatCompletionRequest
+
+    def _logprobs(self, ids: list[int], entries: list[Any]) -> dict[str, Any] | None:
+        if not self.req.logprobs:
+            return None
+        return chat_logprobs(ids, entries, self.req.top_logprobs or 0, self.state.token_text)
+
+    def first_chunks(self) -> list[dict[str, Any]]:
+        role = [{"index": c.index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                 "finish_reason": None} for c in self.ordered_choices()]
+        return [self.chunk(role)]
+
+    def chunk_choice(self, choice: _Choice, new_ids: list[int], new_lps: list[Any],
+                     finished_now: bool) -> dict[str, Any] | None:
+        delta = choice.take_delta()
+        logprobs = self._logprobs(new_ids, new_lps) if new_ids else None
+        if not delta and logprobs is None and not finished_now:
+            return None
+        return {"index": choice.index, "delta": {"content": delta} if delta or logprobs else {},
+                "logprobs": logprobs, "finish_reason": choice.finish_reason if finished_now else None}
+
+    def chunk(self, choices: list[dict[str, Any]], usage: Usage | None = None) -> dict[str, Any]:
+        return chat_chunk(self.request_id, self.created, self.state.model_name, choices, usage, self.include_usage)
+
+    def response(self) -> ChatCompletionResponse:
+        choices = [ChatChoice(index=c.index, message=ChatResponseMessage(content=c.text),
+                              logprobs=self._logprobs(c.token_ids, c.logprobs), finish_reason=c.finish_reason,
+                              stop_reason=c.stop_reason) for c in self.ordered_choices()]
+        return ChatCompletionResponse(id=self.request_id, created=self.created, model=self.state.model_name,
+                                      choices=choices, usage=self.usage())
+
+
+class CompletionRenderer(Renderer):
+    prefix = "cmpl"
+    req: CompletionRequest
+
+    def __init__(self, state: Any, req: CompletionRequest, prompts: list[list[int]]):
+        super().__init__(state, req, prompts)
+        self.echo: list[str] = []
+        if req.echo:
+            given = req.prompt_list()
+            self.echo = [p if isinstance(p, str) else state.tokenizer.decode(ids, skip_special_tokens=False)
+                         for p, ids in zip(given, prompts)]
+            for choice in self.choices.values():
+                choice.text_offset = len(self.echo[choice.prompt_index])
+
+    def _logprobs(self, choice: _Choice, ids: list[int], entries: list[Any]) -> dict[str, Any] | None:
+        if self.req.logprobs is None:
+            return None
+        out = completion_logprobs(ids, entries, self.req.logprobs, self.state.token_text, choice.text_offset)
+        choice.text_offset += sum(len(t) for t in out["tokens"])
+        return out
+
+    def first_chunks(self) -> list[dict[str, Any]]:
+        if not self.echo:
+            return []
+        return [self.chunk([{"index": c.index, "text": self.echo[c.prompt_index], "logprobs": None,
+                             "finish_reason": None} for c in self.ordered_choices()])]
+
+    def chunk_choice(self, choice: _Choice, new_ids: list[int], new_lps: list[Any],
+                     finished_now: bool) -> dict[str, Any] | None:
+        delta = choice.take_delta()
+        logprobs = self._logprobs(choice, new_ids, new_lps) if new_ids else None
+        if not delta and logprobs is None and not finished_now:
+            return None
+        return {"index": choice.index, "text": delta, "logprobs": logprobs,
+                "finish_reason": choice.finish_reason if finished_now else None}
+
+    def chunk(self, choices: list[dict[str, Any]], usage: Usage | None = None) -> dict[str, Any]:
+        return completion_chunk(self.request_id, self.created, self.state.model_name, choices, usage,
+                                self.include_usage)
+
+    def response(self) -> CompletionResponse:
+        choices = []
+        for c in self.ordered_choices():
+            prefix = self.echo[c.prompt_index] if self.echo else ""
+            c.text_offset = len(prefix)
+            choices.append(CompletionChoice(index=c.index, text=prefix + c.text,
+                                            logprobs=self._logprobs(c, c.token_ids, c.logprobs),
+                                            finish_reason=c.finish_reason, stop_reason=c.stop_reason))
+        return CompletionResponse(id=self.request_id, created=self.created, model=self.state.model_name,
+                                  choices=choices, usage=self.usage())

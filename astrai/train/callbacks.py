@@ -1,0 +1,258 @@
+"""Callbacks: code that observes the training loop and saves things, never runs its core steps.
+
+The trainer calls the hooks in this order: ``on_train_begin``, then per epoch ``on_epoch_begin``,
+per micro-batch ``on_batch_begin`` / ``on_batch_end``, per optimizer step
+``before_optimizer_step`` / ``after_optimizer_step`` (``trainer.step_metrics`` holds the step's
+metrics there, validation ones included), ``on_epoch_end``; ``on_error`` when the loop raises and
+``on_train_end`` always. Built in: metrics log (``metrics.jsonl``), checkpoints, tqdm progress,
+early stopping and optional TensorBoard. Users pass their own objects to ``Trainer(callbacks=...)``;
+a callback implements any subset of the hooks, and may offer ``state_dict``/``load_state_dict``
+(saved in the checkpoint's trainer state).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+
+if TYPE_CHECKING:
+    from astrai.train.trainer import Trainer
+
+HOOKS = (
+    "on_train_begin", "on_epoch_begin", "on_batch_begin", "on_batch_end", "before_optimizer_step",
+    "after_optimizer_step", "on_epoch_end", "on_error", "on_train_end",
+)
+
+
+@runtime_checkable
+class Callback(Protocol):
+    """Every hook is optional; implement the ones you need with these signatures."""
+
+    def on_train_begin(self, trainer: Trainer) -> None: ...
+    def on_epoch_begin(self, trainer: Trainer) -> None: ...
+    def on_batch_begin(self, trainer: Trainer, batch: dict[str, Any]) -> None: ...
+    def on_batch_end(self, trainer: Trainer, batch: dict[str, Any], output: Any) -> None: ...
+    def before_optimizer_step(self, trainer: Trainer) -> None: ...
+    def after_optimizer_step(self, trainer: Trainer) -> None: ...
+    def on_epoch_end(self, trainer: Trainer) -> None: ...
+    def on_error(self, trainer: Trainer, error: BaseException) -> None: ...
+    def on_train_end(self, trainer: Trainer) -> None: ...
+
+
+class CallbackList:
+    """Calls one hook on every callback that has it, in list order."""
+
+    def __init__(self, callbacks: list[Any]):
+        self.callbacks = list(callbacks)
+
+    def __getattr__(self, hook: str):
+        if hook not in HOOKS:
+            raise AttributeError(hook)
+
+        def call(*args: Any) -> None:
+            for cb in self.callbacks:
+                fn = getattr(cb, hook, None)
+                if fn is not None:
+                    fn(*args)
+
+        return call
+
+    def state_dict(self) -> dict[str, Any]:
+        return {type(cb).__name__: cb.state_dict() for cb in self.callbacks if hasattr(cb, "state_dict")}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        for cb in self.callbacks:
+            if hasattr(cb, "load_state_dict") and type(cb).__name__ in state:
+                cb.load_state_dict(state[type(cb).__name__])
+
+
+# ------------------------------------------------------------------------------ metrics log
+
+
+class MetricsLogger:
+    """One JSON line per optimizer step in ``<log_dir>/metrics.jsonl`` (rank 0); validation lines too.
+
+    On resume, lines past the restored step (written after the last checkpoint by the run that
+    was stopped) are dropped, so the file reads as if the run had never been interrupted.
+    """
+
+    def __init__(self, log_dir: str | Path):
+        self.path = Path(log_dir) / "metrics.jsonl"
+
+    def on_train_begin(self, trainer: Trainer) -> None:
+        if not trainer.is_main:
+            return
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        if trainer.ctx.step == 0:
+            self.path.write_text("")
+        elif self.path.exists():
+            kept = [line for line in self.path.read_text().splitlines()
+                    if line.strip() and json.loads(line).get("step", 0) <= trainer.ctx.step]
+            self.path.write_text("".join(line + "\n" for line in kept))
+
+    def after_optimizer_step(self, trainer: Trainer) -> None:
+        if not trainer.is_main:
+            return
+        m = trainer.step_metrics
+        train = {k: v for k, v in m.items() if not k.startswith("val/")}
+        lines = [{"split": "train", **train}]
+        val = {k: v for k, v in m.items() if k.startswith("val/")}
+        if val:
+            lines.append({"split": "val", "step": m["step"], "epoch": m["epoch"], **val})
+        with self.path.open("a") as f:
+            for line in lines:
+                f.write(json.dumps(line) + "\n")
+
+
+# ------------------------------------------------------------------------------ checkpoints
+
+
+class CheckpointSaver:
+    """Publishes ``step_N`` after every ``interval`` optimizer steps, and at a stop or the end."""
+
+    def __init__(self, interval: int):
+        self.interval = interval
+        self.last_saved = -1
+        self.failed = False
+
+    def _save(self, trainer: Trainer) -> None:
+        from astrai.train.checkpoint import save_training_checkpoint
+
+        cfg = trainer.config
+        save_training_checkpoint(  # a collective: every rank calls it, rank 0 writes
+            cfg.ckpt.ckpt_dir, trainer.ctx.step, model=trainer.raw_model, tokenizer=trainer.tokenizer,
+            optimizer=trainer.optimizer, scheduler=trainer.scheduler, trainer_state=trainer.state_dict(),
+            metrics_path=Path(cfg.log.log_dir) / "metrics.jsonl", keep_last=cfg.ckpt.keep_last,
+        )
+        self.last_saved = trainer.ctx.step
+
+    def on_train_begin(self, trainer: Trainer) -> None:
+        self.last_saved = trainer.ctx.step  # a resumed run's start is already on disk
+
+    def after_optimizer_step(self, trainer: Trainer) -> None:
+        if self.interval and trainer.ctx.step % self.interval == 0:
+            self._save(trainer)
+
+    def on_error(self, trainer: Trainer, error: BaseException) -> None:
+        self.failed = True  # never publish after a failure: the last good checkpoint stays newest
+
+    def on_train_end(self, trainer: Trainer) -> None:
+        if not self.failed and trainer.ctx.step != self.last_saved:
+            self._save(trainer)
+
+
+# ------------------------------------------------------------------------------ progress
+
+
+class ProgressBar:
+    """tqdm bar on rank 0: loss, lr, tokens/s and the ETA that tqdm derives from the step rate."""
+
+    def __init__(self, total_steps: int):
+        self.total_steps = total_steps
+        self.bar = None
+
+    def on_train_begin(self, trainer: Trainer) -> None:
+        if trainer.is_main:
+            from tqdm.auto import tqdm
+
+            self.bar = tqdm(total=self.total_steps, initial=trainer.ctx.step, unit="step",
+                            file=sys.stderr, dynamic_ncols=True)
+
+    def after_optimizer_step(self, trainer: Trainer) -> None:
+        if self.bar is not None:
+            m = trainer.step_metrics
+            self.bar.set_postfix(loss=f"{m['loss']:.4f}", lr=f"{m['lr']:.2e}", tok_s=f"{m['tokens_per_s']:.0f}",
+                                 refresh=False)
+            self.bar.update(1)
+
+    def on_train_end(self, trainer: Trainer) -> None:
+        if self.bar is not None:
+            self.bar.close()
+
+
+# ------------------------------------------------------------------------------ early stopping
+
+
+class EarlyStopping:
+    """Requests a stop after ``patience`` evaluations of ``metric`` without a ``min_delta`` gain."""
+
+    def __init__(self, metric: str, patience: int = 3, min_delta: float = 0.0, mode: str = "min"):
+        if mode not in ("min", "max"):
+            raise ValueError(f"early_stopping_mode={mode!r}; expected 'min' or 'max'")
+        self.metric, self.patience, self.min_delta, self.mode = metric, patience, min_delta, mode
+        self.best: float | None = None
+        self.num_bad = 0
+
+    def _improved(self, value: float) -> bool:
+        if self.best is None:
+            return True
+        gain = self.best - value if self.mode == "min" else value - self.best
+        return gain > self.min_delta
+
+    def after_optimizer_step(self, trainer: Trainer) -> None:
+        value = trainer.step_metrics.get(self.metric)
+        if value is None or math.isnan(value):
+            return
+        if self._improved(value):
+            self.best, self.num_bad = value, 0
+        else:
+            self.num_bad += 1
+            if self.num_bad >= self.patience:
+                trainer.ctx.request_stop(f"early stopping: {self.metric} did not improve for {self.patience} evaluations")
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"best": self.best, "num_bad": self.num_bad}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.best, self.num_bad = state["best"], int(state["num_bad"])
+
+
+# ------------------------------------------------------------------------------ tensorboard
+
+
+class TensorBoardLogger:
+    """Scalars to TensorBoard event files when the ``tensorboard`` package is installed."""
+
+    def __init__(self, log_dir: str | Path):
+        self.log_dir = Path(log_dir) / "tensorboard"
+        self.writer = None
+
+    def on_train_begin(self, trainer: Trainer) -> None:
+        if not trainer.is_main:
+            return
+        try:
+            from torch.utils.tensorboard import SummaryWriter
+        except ImportError:
+            print("tensorboard=true but the tensorboard package is not installed; "
+                  "pip install tensorboard, or set --tensorboard false", file=sys.stderr)
+            return
+        self.writer = SummaryWriter(str(self.log_dir))
+
+    def after_optimizer_step(self, trainer: Trainer) -> None:
+        if self.writer is not None:
+            for k, v in trainer.step_metrics.items():
+                if isinstance(v, int | float) and k not in ("step", "epoch"):
+                    self.writer.add_scalar(k, v, trainer.ctx.step)
+
+    def on_train_end(self, trainer: Trainer) -> None:
+        if self.writer is not None:
+            self.writer.close()
+
+
+def default_callbacks(trainer: Trainer) -> list[Any]:
+    """The built-in callbacks a config asks for; metrics come before checkpoints so that a
+    checkpoint's copy of metrics.jsonl holds its own step."""
+    cfg = trainer.config
+    cbs: list[Any] = [MetricsLogger(cfg.log.log_dir)]
+    if cfg.train.early_stopping_metric:
+        cbs.append(EarlyStopping(cfg.train.early_stopping_metric, cfg.train.early_stopping_patience,
+                                 cfg.train.early_stopping_min_delta, cfg.train.early_stopping_mode))
+    if cfg.log.progress:
+        cbs.append(ProgressBar(trainer.total_steps))
+    if cfg.log.tensorboard:
+        cbs.append(TensorBoardLogger(cfg.log.log_dir))
+    cbs.append(CheckpointSaver(cfg.ckpt.ckpt_interval))
+    return cbs

@@ -1,0 +1,152 @@
+"""Train types -> objectives: a batch and the model in, ``LossOutput(loss, metrics)`` out.
+
+Sits between the trainer and ``train/losses.py``: an objective runs the model forward on a
+batch from ``astrai.data`` and hands the outputs to the pure loss functions, which hold all the
+arithmetic. The trainer normalises by the whole accumulation window, so every objective reports
+*sums* over its loss units (loss tokens for seq/sft, preference pairs for dpo): ``loss`` and
+each metric are divided by the window's unit count (all ranks) by the trainer. For MoE models
+the objective adds ``router_aux_loss_coef * aux_loss`` and reports the router statistics.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from astrai.config import Config
+from astrai.train.losses import IGNORE_INDEX, dpo_loss, sequence_logps, token_cross_entropy
+
+Batch = dict[str, Any]
+
+
+@dataclass
+class LossOutput:
+    loss: Tensor  # scalar, summed over this micro-batch's loss units (graph attached)
+    # detached scalars, each summed over the same units (the trainer turns them into window means)
+    metrics: dict[str, Tensor] = field(default_factory=dict)
+
+
+def _add_moe_terms(out: Any, loss: Tensor, units: Tensor, coef: float, metrics: dict[str, Tensor]) -> Tensor:
+    """loss + coef * aux_loss (aux is a per-micro-batch mean, so it is weighted by the units)."""
+    if out.aux_loss is None:
+        return loss
+    aux = out.aux_loss.float() * units
+    metrics["task_loss"] = loss.detach()
+    metrics["aux_loss"] = aux.detach()
+    metrics["aux_loss_weighted"] = coef * aux.detach()
+    for name, value in out.router_stats.items():
+        value = value.detach().float()
+        if value.ndim:  # per-expert loads: the busiest expert's share says how balanced routing is
+            metrics[f"router/{name}_max"] = value.max() * units
+            metrics[f"router/{name}_min"] = value.min() * units
+        else:
+            metrics[f"router/{name}"] = value * units
+    return loss + coef * aux
+
+
+def _aux_coef(cfg: Config, model: nn.Module) -> float:
+    # the model section overrides the loaded model's own config.json value
+    default = getattr(getattr(model, "config", None), "router_aux_loss_coef", 0.0)
+    return float(cfg.model.get("router_aux_loss_coef", default))
+
+
+class SeqObjective:
+    """Next-token cross entropy on every labelled token (pre-training), with label smoothing."""
+
+    def __init__(self, cfg: Config, model: nn.Module):
+        self.label_smoothing = cfg.objective.label_smoothing
+        self.aux_coef = _aux_coef(cfg, model)
+
+    def num_units(self, batch: Batch) -> Tensor:
+        return (batch["labels"] != IGNORE_INDEX).sum()
+
+    def __call__(self, model: nn.Module, batch: Batch) -> LossOutput:
+        out = model(batch["input_ids"], attention_mask=batch.get("attention_mask"),
+                    position_ids=batch.get("position_ids"))
+        loss_sum, num_tokens = token_cross_entropy(out.logits, batch["labels"], self.label_smoothing)
+        metrics: dict[str, Tensor] = {}
+        loss = _add_moe_terms(out, loss_sum, num_tokens, self.aux_coef, metrics)
+        return LossOutput(loss, metrics)
+
+
+class SFTObjective(SeqObjective):
+    """Masked cross entropy: the dataset sets labels to -100 outside assistant turns."""
+
+
+def _concat_pairs(batch: Batch) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """Chosen and rejected rows padded to one length and stacked: one forward for both."""
+    parts = []
+    for key, pad in (("input_ids", 0), ("labels", IGNORE_INDEX), ("attention_mask", 0), ("position_ids", 0)):
+        c, r = batch[f"chosen_{key}"], batch[f"rejected_{key}"]  # (B, Tc), (B, Tr)
+        T = max(c.size(1), r.size(1))
+        c = nn.functional.pad(c, (0, T - c.size(1)), value=pad)
+        r = nn.functional.pad(r, (0, T - r.size(1)), value=pad)
+        parts.append(torch.cat([c, r], dim=0))  # (2B, T)
+    return parts[0], parts[1], parts[2], parts[3]
+
+
+class DPOObjective:
+    """Direct preference optimisation against a frozen reference (or none, reference-free)."""
+
+    def __init__(self, cfg: Config, model: nn.Module, reference: nn.Module | None = None):
+        o = cfg.objective
+        self.beta, self.loss_type, self.label_smoothing = o.beta, o.loss_type, o.label_smoothing
+        self.aux_coef = _aux_coef(cfg, model)
+        self.reference: nn.Module | None = None
+        if not o.reference_free:
+            self.reference = reference if reference is not None else self._build_reference(o.ref_model_path, model)
+            self.reference.eval().requires_grad_(False)
+
+    @staticmethod
+    def _build_reference(ref_model_path: str | None, model: nn.Module) -> nn.Module:
+        if ref_model_path is None:
+            return copy.deepcopy(model)  # the initial policy, frozen
+        from astrai.model.hf import load_model
+
+        device = next(model.parameters()).device
+        return load_model(ref_model_path, device=device)
+
+    def num_units(self, batch: Batch) -> Tensor:
+        return torch.tensor(batch["chosen_input_ids"].size(0), device=batch["chosen_input_ids"].device)
+
+    def _logps(self, model: nn.Module, ids: Tensor, labels: Tensor, mask: Tensor, pos: Tensor) -> tuple[Any, Tensor]:
+        out = model(ids, attention_mask=mask, position_ids=pos)
+        # IPO compares per-token mean log-probs (its length normalisation)
+        return out, sequence_logps(out.logits, labels, average=self.loss_type == "ipo")  # (2B,)
+
+    def __call__(self, model: nn.Module, batch: Batch) -> LossOutput:
+        ids, labels, mask, pos = _concat_pairs(batch)  # (2B, T) each
+        B = ids.size(0) // 2
+        out, logps = self._logps(model, ids, labels, mask, pos)
+        ref_c = ref_r = None
+        if self.reference is not None:
+            with torch.no_grad():
+                _, ref_logps = self._logps(self.reference, ids, labels, mask, pos)
+            ref_c, ref_r = ref_logps[:B], ref_logps[B:]
+        losses, chosen_rewards, rejected_rewards = dpo_loss(
+            logps[:B], logps[B:], ref_c, ref_r, self.beta, self.loss_type, self.label_smoothing
+        )  # (B,) each
+        metrics = {
+            "rewards/chosen": chosen_rewards.sum(),
+            "rewards/rejected": rejected_rewards.sum(),
+            "rewards/margins": (chosen_rewards - rejected_rewards).sum(),
+            "rewards/accuracies": (chosen_rewards > rejected_rewards).float().sum(),
+            "logps/chosen": logps[:B].detach().sum(),
+            "logps/rejected": logps[B:].detach().sum(),
+        }
+        loss = _add_moe_terms(out, losses.sum(), torch.tensor(float(B), device=ids.device), self.aux_coef, metrics)
+        return LossOutput(loss, metrics)
+
+
+OBJECTIVES = {"seq": SeqObjective, "sft": SFTObjective, "dpo": DPOObjective}
+
+
+def build_objective(cfg: Config, model: nn.Module) -> SeqObjective | DPOObjective:
+    train_type = cfg.data.train_type
+    if train_type not in OBJECTIVES:
+        raise ValueError(f"train_type={train_type!r} has no objective here; choose one of {', '.join(OBJECTIVES)}")
+    return OBJECTIVES[train_type](cfg, model)

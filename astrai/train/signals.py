@@ -1,0 +1,93 @@
+"""SIGTERM / SIGINT -> a graceful stop request on the run's TrainContext.
+
+The first thing `astrai train` does (before the model and data are built, which can take long)
+is `install_signal_handlers`. A signal that arrives before a TrainContext is attached is
+remembered and applied by `attach`. The training loop checks the context's stop event at every
+batch boundary, publishes a checkpoint and exits 0. A second SIGINT (an impatient Ctrl-C) exits
+at once with status 130 via `os._exit`, without running cleanup that could touch the last
+published checkpoint (an unfinished save only ever lives in a hidden staging directory).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+from typing import Any, Protocol
+
+EXIT_CODE_INTERRUPTED = 130  # 128 + SIGINT, the shell's convention
+
+
+class StopTarget(Protocol):
+    def request_stop(self, reason: str = ...) -> None: ...
+
+
+class _State:
+    ctx: StopTarget | None = None
+    pending: str | None = None  # a stop reason that arrived before a context was attached
+    last_signal: int | None = None
+    num_sigint = 0
+    previous: dict[int, Any] = {}
+
+
+_state = _State()
+
+
+def _handle(signum: int, frame: Any) -> None:
+    _state.last_signal = signum
+    if signum == signal.SIGINT:
+        _state.num_sigint += 1
+        if _state.num_sigint >= 2:
+            # os.write, not print: only async-signal-safe calls before we leave
+            os.write(2, b"second SIGINT: aborting now (exit 130); the last published checkpoint is intact\n")
+            os._exit(EXIT_CODE_INTERRUPTED)
+    reason = f"signal {signal.Signals(signum).name}"
+    if _state.ctx is not None:
+        _state.ctx.request_stop(reason)
+    else:
+        _state.pending = reason
+    hint = " (Ctrl-C again to abort at once)" if signum == signal.SIGINT else ""
+    # os.write: a print here could re-enter a stderr write the main thread was in the middle of
+    os.write(2, f"{reason} received: stopping at the next batch boundary and saving a checkpoint{hint}\n".encode())
+
+
+def install_signal_handlers(ctx: StopTarget | None = None) -> bool:
+    """Route SIGTERM and SIGINT to a stop request; returns False off the main thread (no-op).
+
+    Safe to call more than once; `ctx` is attached at once when given.
+    """
+    if threading.current_thread() is not threading.main_thread():
+        return False  # Python only lets the main thread install handlers (e.g. a Trainer in a thread)
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        current = signal.getsignal(signum)
+        if current is not _handle:
+            _state.previous[signum] = current
+            signal.signal(signum, _handle)
+    if ctx is not None:
+        attach(ctx)
+    return True
+
+
+def attach(ctx: StopTarget) -> None:
+    """Make `ctx` the target of stop requests; a signal received earlier stops it now."""
+    _state.ctx = ctx
+    if _state.pending is not None:
+        ctx.request_stop(_state.pending)
+        _state.pending = None
+
+
+def last_signal() -> int | None:
+    """The last signal handled (the launcher forwards it to ranks it starts afterwards)."""
+    return _state.last_signal
+
+
+def uninstall_signal_handlers() -> None:
+    """Restore the handlers found at install time and forget the context (tests, embedding)."""
+    if threading.current_thread() is threading.main_thread():
+        for signum, handler in _state.previous.items():
+            signal.signal(signum, handler)
+    _state.previous = {}
+    _state.ctx = None
+    _state.pending = None
+    _state.last_signal = None
+    _state.num_sigint = 0

@@ -1,0 +1,38 @@
+"""SmolLM2-135M-Instruct (converted by `make real-model` into .cache/smollm2): astrai's logits
+against transformers' on the same directory. Skips when the folder has not been made."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from astrai.model.hf import load_model
+
+MODEL_DIR = Path(__file__).resolve().parents[2] / ".cache" / "smollm2"
+
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(not (MODEL_DIR / "config.json").exists(),
+                       reason=f"{MODEL_DIR} not found; run `make real-model` to create it"),
+]
+
+
+def test_logits_match_transformers_on_real_model():
+    from transformers import AutoModelForCausalLM
+
+    gen = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, 49152, (2, 24), generator=gen)
+    mask = torch.ones_like(ids)
+    mask[1, 17:] = 0
+    with torch.no_grad():
+        hf = AutoModelForCausalLM.from_pretrained(MODEL_DIR, dtype=torch.float32).eval()
+        expected = hf(input_ids=ids, attention_mask=mask).logits
+        del hf
+        model = load_model(MODEL_DIR).eval()
+        got = model(ids, attention_mask=mask).logits
+    keep = mask.bool()
+    scale = expected[keep].abs().max().item()
+    assert (got[keep] - expected[keep]).abs().max().item() < 1e-4 * max(scale, 1.0)
+    assert torch.equal(got[keep].argmax(-1), expected[keep].argmax(-1))

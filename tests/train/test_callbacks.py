@@ -1,0 +1,88 @@
+"""Built-in callbacks: metrics log lines (train + validation), resume truncation, early stopping."""
+
+from __future__ import annotations
+
+import json
+
+from astrai.train.callbacks import EarlyStopping, MetricsLogger
+from astrai.train.context import TrainContext
+from astrai.train.trainer import Trainer
+from tests.train.toydata import ToySeqDataset
+from tests.train.trainer_utils import tiny_config, tiny_model, without_checkpoints
+
+
+def read(path):
+    return [json.loads(x) for x in path.read_text().splitlines()]
+
+
+def test_metrics_lines_and_validation(tmp_path):
+    cfg = tiny_config(tmp_path, "--batch_per_device", "4", "--max_steps", "4", "--val_interval", "2")
+    t = Trainer(cfg, model=tiny_model(), train_dataset=ToySeqDataset(16), val_dataset=ToySeqDataset(8, seed=1))
+    without_checkpoints(t)
+    t.train()
+    lines = read(tmp_path / "log" / "metrics.jsonl")
+    train = [x for x in lines if x["split"] == "train"]
+    val = [x for x in lines if x["split"] == "val"]
+    assert [x["step"] for x in train] == [1, 2, 3, 4]
+    for key in ("step", "epoch", "lr", "loss", "grad_norm", "tokens_per_s"):
+        assert key in train[0]
+    assert [x["step"] for x in val] == [2, 4]
+    assert val[0]["val/loss"] > 0
+
+
+def test_val_split_holds_out_rows(tmp_path, monkeypatch):
+    import astrai.data.datasets as datasets
+    from astrai.train.trainer import build_datasets
+
+    monkeypatch.setattr(datasets, "build_dataset", lambda *a, **k: ToySeqDataset(16))
+    (tmp_path / "d.jsonl").write_text("{}\n")
+    cfg = tiny_config(tmp_path, "--val_split", "0.25", "--data_path", str(tmp_path / "d.jsonl"))
+    train, val = build_datasets(cfg, tokenizer=object())
+    assert (len(train), len(val)) == (12, 4)
+    assert not set(train.indices) & set(val.indices)
+    assert train.collate is not None and val[0] == ToySeqDataset(16)[val.indices[0]]
+    again = build_datasets(cfg, tokenizer=object())[1]
+    assert again.indices == val.indices  # seeded: the same rows every run (and on resume)
+
+
+class FakeTrainer:
+    def __init__(self, step):
+        self.ctx = TrainContext(step=step)
+        self.is_main = True
+        self.step_metrics = {}
+
+
+def test_metrics_log_truncates_lines_after_resumed_step(tmp_path):
+    log = tmp_path / "metrics.jsonl"
+    log.write_text("".join(json.dumps({"split": "train", "step": s}) + "\n" for s in range(1, 6)))
+    MetricsLogger(tmp_path).on_train_begin(FakeTrainer(step=3))
+    assert [x["step"] for x in read(log)] == [1, 2, 3]
+    MetricsLogger(tmp_path).on_train_begin(FakeTrainer(step=0))
+    assert log.read_text() == ""
+
+
+def test_early_stopping_patience_and_state():
+    es = EarlyStopping("val/loss", patience=2, min_delta=0.01, mode="min")
+    t = FakeTrainer(step=1)
+    for value in (1.0, 0.995, 0.999):  # best 1.0; then two evaluations without a 0.01 gain
+        t.step_metrics = {"val/loss": value}
+        es.after_optimizer_step(t)
+    assert t.ctx.stop_requested and "val/loss" in t.ctx.stop_reason
+    restored = EarlyStopping("val/loss", patience=2)
+    restored.load_state_dict(json.loads(json.dumps(es.state_dict())))
+    assert restored.best == 1.0 and restored.num_bad == 2
+    t2 = FakeTrainer(step=1)
+    t2.step_metrics = {"loss": 3.0}  # no evaluation this step: nothing changes
+    es2 = EarlyStopping("val/loss", patience=1)
+    es2.after_optimizer_step(t2)
+    assert not t2.ctx.stop_requested and es2.best is None
+
+
+def test_early_stopping_stops_training(tmp_path):
+    cfg = tiny_config(tmp_path, "--batch_per_device", "4", "--n_epoch", "20", "--val_interval", "1",
+                      "--early_stopping_metric", "val/loss", "--early_stopping_patience", "1",
+                      "--early_stopping_min_delta", "100")
+    t = Trainer(cfg, model=tiny_model(), train_dataset=ToySeqDataset(8), val_dataset=ToySeqDataset(4, seed=1))
+    without_checkpoints(t)
+    t.train()
+    assert t.ctx.step == 2 and t.ctx.stop_reason.startswith("early stopping")

@@ -1,0 +1,174 @@
+"""The checkpoint file layer: atomic publish, manifest, verify, latest lookup, retention, cleanup, CLI."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from pathlib import Path
+
+import pytest
+
+from astrai.train import checkpoint as C
+
+
+def _writer(payload: bytes = b"weights", extra: bool = True):
+    def write(d: Path) -> None:
+        (d / "model.safetensors").write_bytes(payload)
+        (d / "trainer_state.json").write_text('{"step": 1}')
+        if extra:
+            (d / "sub").mkdir()
+            (d / "sub" / "x.bin").write_bytes(b"\x00" * 10)
+
+    return write
+
+
+def _hidden(ckpt_dir: Path) -> list[str]:
+    return sorted(p.name for p in ckpt_dir.iterdir() if p.name.startswith("."))
+
+
+def test_publish_writes_manifest_with_sizes_and_sha256(tmp_path):
+    path = C.publish(tmp_path, 7, _writer(b"abc"))
+    assert path == tmp_path / "step_00000007"
+    manifest = json.loads((path / "manifest.json").read_text())
+    assert manifest["format"] == "astrai-checkpoint" and manifest["version"] == 1 and manifest["step"] == 7
+    assert sorted(manifest["files"]) == ["model.safetensors", "sub/x.bin", "trainer_state.json"]
+    assert manifest["files"]["model.safetensors"] == {"size": 3, "sha256": hashlib.sha256(b"abc").hexdigest()}
+    assert manifest["files"]["sub/x.bin"]["size"] == 10
+    assert _hidden(tmp_path) == []
+    C.verify_checkpoint(path)
+    assert C.read_manifest(path) == manifest
+
+
+def test_republish_replaces_and_leaves_nothing_hidden(tmp_path):
+    C.publish(tmp_path, 3, _writer(b"old", extra=True))
+    path = C.publish(tmp_path, 3, _writer(b"new!", extra=False))
+    assert (path / "model.safetensors").read_bytes() == b"new!"
+    assert not (path / "sub").exists()  # nothing of the old directory survives
+    assert _hidden(tmp_path) == []
+    C.verify_checkpoint(path)
+
+
+def test_failed_writer_publishes_nothing(tmp_path):
+    C.publish(tmp_path, 1, _writer())
+
+    def broken(d: Path) -> None:
+        (d / "model.safetensors").write_bytes(b"half")
+        raise OSError("disk full")
+
+    with pytest.raises(OSError, match="disk full"):
+        C.publish(tmp_path, 2, broken)
+    assert [p.name for p in tmp_path.iterdir()] == ["step_00000001"]
+    assert C.latest_checkpoint(tmp_path) == tmp_path / "step_00000001"
+
+
+def test_keep_last_retention_after_publish(tmp_path):
+    (tmp_path / "step_00000000").mkdir()  # legacy directory without manifest: never deleted
+    for step in range(1, 6):
+        C.publish(tmp_path, step, _writer(), keep_last=2)
+    names = sorted(p.name for p in tmp_path.iterdir())
+    assert names == ["step_00000000", "step_00000004", "step_00000005"]
+    # republishing an old step keeps it even though it is not among the newest two
+    C.publish(tmp_path, 2, _writer(), keep_last=2)
+    assert sorted(p.name for p in tmp_path.iterdir())[1:] == ["step_00000002", "step_00000004", "step_00000005"]
+    with pytest.raises(ValueError, match="keep_last"):
+        C.publish(tmp_path, 9, _writer(), keep_last=0)
+
+
+def test_latest_checkpoint_skips_incomplete_and_hidden(tmp_path):
+    assert C.latest_checkpoint(tmp_path / "missing") is None
+    C.publish(tmp_path, 2, _writer())
+    C.publish(tmp_path, 4, _writer())
+    (tmp_path / "step_00000009").mkdir()  # no manifest
+    (tmp_path / ".step_00000010.staging-123").mkdir()  # hidden staging
+    C.publish(tmp_path, 6, _writer())
+    (tmp_path / "step_00000006" / "model.safetensors").write_bytes(b"x")  # truncated after publish
+    assert C.latest_checkpoint(tmp_path) == tmp_path / "step_00000004"
+    assert [s for s, _ in C.list_checkpoints(tmp_path)] == [2, 4]
+
+
+def test_verify_names_corrupt_truncated_and_missing_file(tmp_path):
+    path = C.publish(tmp_path, 1, _writer(b"0123456789"))
+    f = path / "model.safetensors"
+    f.write_bytes(b"0123456780")  # one byte changed, same size
+    with pytest.raises(C.CheckpointError, match="model.safetensors.*sha256"):
+        C.verify_checkpoint(path)
+    C.verify_checkpoint(path, checksums=False)  # sizes still agree
+    f.write_bytes(b"01234")
+    with pytest.raises(C.CheckpointError, match="model.safetensors has 5 bytes"):
+        C.verify_checkpoint(path, checksums=False)
+    (path / "sub" / "x.bin").unlink()
+    f.write_bytes(b"0123456789")
+    with pytest.raises(C.CheckpointError, match="x.bin is listed"):
+        C.verify_checkpoint(path)
+
+
+@pytest.mark.parametrize(
+    "text, match",
+    [
+        (None, "no manifest.json"),
+        ("{not json", "not valid JSON"),
+        ('{"format": "other", "version": 1, "step": 1, "files": {}}', "'format' must be"),
+        ('{"format": "astrai-checkpoint", "version": 2, "step": 1, "files": {}}', "version 2"),
+        ('{"format": "astrai-checkpoint", "version": 1, "step": 1, "files": {"a": {}}}', "entry for 'a'"),
+        ('{"format": "astrai-checkpoint", "version": 1, "step": 5, "files": {}}', "records step 5"),
+    ],
+)
+def test_bad_manifests_are_errors(tmp_path, text, match):
+    path = tmp_path / "step_00000001"
+    path.mkdir()
+    if text is not None:
+        (path / "manifest.json").write_text(text)
+    with pytest.raises(C.CheckpointError, match=match):
+        C.verify_checkpoint(path)
+    assert C.latest_checkpoint(tmp_path) is None
+
+
+def test_cleanup_restores_interrupted_republish_and_removes_leftovers(tmp_path):
+    # a crash between retiring step 3 and renaming its new copy: only hidden copies remain
+    good = C.publish(tmp_path, 3, _writer(b"new"))
+    os.replace(good, tmp_path / ".step_00000003.staging-2")  # another (dead) process
+    C.publish(tmp_path, 3, _writer(b"old"))
+    os.replace(tmp_path / "step_00000003", tmp_path / ".step_00000003.retired-1")
+    # a half-written staging directory of step 4 and a half-deleted step 1
+    (tmp_path / ".step_00000004.staging-1").mkdir()
+    C.publish(tmp_path, 1, _writer())
+    os.replace(tmp_path / "step_00000001", tmp_path / ".step_00000001.deleting-1")
+    assert C.latest_checkpoint(tmp_path) is None
+
+    restored = C.cleanup_leftovers(tmp_path)
+    assert restored == [tmp_path / "step_00000003"]
+    assert (tmp_path / "step_00000003" / "model.safetensors").read_bytes() == b"new"  # staged copy wins
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step_00000003"]
+    C.verify_checkpoint(tmp_path / "step_00000003")
+
+
+def test_cleanup_restores_retired_when_staging_is_incomplete(tmp_path):
+    C.publish(tmp_path, 5, _writer(b"old"))
+    os.replace(tmp_path / "step_00000005", tmp_path / ".step_00000005.retired-1")
+    (tmp_path / ".step_00000005.staging-1").mkdir()
+    assert C.cleanup_leftovers(tmp_path) == [tmp_path / "step_00000005"]
+    assert (tmp_path / "step_00000005" / "model.safetensors").read_bytes() == b"old"
+    assert _hidden(tmp_path) == []
+
+
+def test_manifest_cannot_be_written_by_writer(tmp_path):
+    with pytest.raises(C.CheckpointError, match="manifest"):
+        C.publish(tmp_path, 1, lambda d: (d / "manifest.json").write_text("{}"))
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_cli_list_and_verify(tmp_path, capsys):
+    C.publish(tmp_path, 1, _writer())
+    path = C.publish(tmp_path, 2, _writer(b"0123"))
+    (tmp_path / ".step_00000003.staging-1").mkdir()
+    assert C.main(["list", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "step_00000001" in out and "complete" in out and "leftover" in out
+    assert "latest complete: step_00000002" in out
+    assert C.main(["verify", str(tmp_path)]) == 0
+    assert capsys.readouterr().out.count("OK") == 2
+    (path / "model.safetensors").write_bytes(b"0124")
+    assert C.main(["verify", str(path)]) == 1
+    assert "model.safetensors" in capsys.readouterr().out
+    assert C.main(["verify", str(tmp_path / "nothing")]) == 2

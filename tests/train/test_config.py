@@ -1,0 +1,103 @@
+"""Config: YAML sections + flags, precedence, strict keys and types, clear errors."""
+
+from __future__ import annotations
+
+import pytest
+
+from astrai.config import AVAILABLE_TRAIN_TYPES, Config, ConfigError, load_config
+
+
+def write(tmp_path, text: str):
+    p = tmp_path / "run.yaml"
+    p.write_text(text)
+    return p
+
+
+def test_defaults_yaml_and_flag_precedence(tmp_path):
+    p = write(tmp_path, "optim:\n  max_lr: 1.0e-3\n  schedule: wsd\ntrain:\n  batch_per_device: 8\n")
+    cfg = load_config(p, ["--max_lr", "3e-4", "--train.n_epoch", "5"])
+    assert cfg.optim.max_lr == pytest.approx(3e-4)  # flag beats YAML
+    assert cfg.optim.schedule == "wsd"  # YAML beats default
+    assert cfg.train.batch_per_device == 8
+    assert cfg.train.n_epoch == 5  # section prefix accepted on the command line
+    assert cfg.train.grad_accum_steps == 1  # default
+
+
+def test_model_section_uses_model_config_fields(tmp_path):
+    p = write(tmp_path, "model:\n  vocab_size: 300\n  hidden_size: 64\n")
+    cfg = load_config(p, ["--num_hidden_layers", "3"])
+    assert cfg.model == {"vocab_size": 300, "hidden_size": 64, "num_hidden_layers": 3}
+
+
+def test_flat_yaml_keys_and_pyyaml_exponent(tmp_path):
+    # PyYAML reads 1e-3 (no dot) as a string; float fields accept it
+    p = write(tmp_path, "max_lr: 1e-3\nresume: true\n")
+    cfg = load_config(p)
+    assert cfg.optim.max_lr == pytest.approx(1e-3) and cfg.train.resume is True
+
+
+def test_bool_flag_without_value_and_null():
+    cfg = load_config(None, ["--resume", "--max_steps", "null", "--bf16=true"])
+    assert cfg.train.resume is True and cfg.train.max_steps is None and cfg.train.bf16 is True
+
+
+def test_unknown_key_did_you_mean(tmp_path):
+    p = write(tmp_path, "optim:\n  warmup_ratoi: 0.1\n")
+    with pytest.raises(ConfigError, match="unknown config key 'warmup_ratoi' in section 'optim'; did you mean 'warmup_ratio'"):
+        load_config(p)
+
+
+def test_unknown_model_key_did_you_mean(tmp_path):
+    p = write(tmp_path, "model:\n  hiden_size: 64\n")
+    with pytest.raises(ConfigError, match="did you mean 'hidden_size'"):
+        load_config(p)
+
+
+def test_unknown_flag_did_you_mean():
+    with pytest.raises(ConfigError, match=r"unknown flag --max_lrr; did you mean 'max_lr'"):
+        load_config(None, ["--max_lrr", "1"])
+
+
+def test_key_in_wrong_section(tmp_path):
+    p = write(tmp_path, "train:\n  max_lr: 0.1\n")
+    with pytest.raises(ConfigError, match="'max_lr' belongs to section 'optim'"):
+        load_config(p)
+
+
+def test_wrong_types_name_field_value_and_type(tmp_path):
+    p = write(tmp_path, "train:\n  batch_per_device: four\n")
+    with pytest.raises(ConfigError, match=r"'batch_per_device'.*'four'.*expected int"):
+        load_config(p)
+    with pytest.raises(ConfigError, match=r"--max_lr has value 'fast'; expected float"):
+        load_config(None, ["--max_lr", "fast"])
+    with pytest.raises(ConfigError, match="expected bool"):
+        load_config(write(tmp_path, "train:\n  resume: 3\n"))
+
+
+def test_choices_and_ranges():
+    with pytest.raises(ConfigError, match="schedule='linear' is not one of constant, cosine, wsd"):
+        load_config(None, ["--schedule", "linear"])
+    with pytest.raises(ConfigError, match="grad_accum_steps=0 must be >= 1"):
+        load_config(None, ["--grad_accum_steps", "0"])
+
+
+@pytest.mark.parametrize("train_type", ["grpo", "online_dpo", "online_ppo"])
+def test_later_train_types_say_what_is_available(train_type):
+    with pytest.raises(ConfigError) as e:
+        load_config(None, ["--train_type", train_type])
+    msg = str(e.value)
+    assert train_type in msg and "not available in this version" in msg
+    assert all(t in msg for t in AVAILABLE_TRAIN_TYPES)
+
+
+def test_bad_yaml_and_missing_file(tmp_path):
+    with pytest.raises(ConfigError, match="not valid YAML"):
+        load_config(write(tmp_path, "train: [unclosed\n"))
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_config(tmp_path / "nope.yaml")
+
+
+def test_round_trip_through_dict():
+    cfg = load_config(None, ["--max_lr", "0.01", "--hidden_size", "48"])
+    again = Config.from_dict(cfg.to_dict())
+    assert again == cfg

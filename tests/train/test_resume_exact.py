@@ -1,0 +1,118 @@
+"""Exact resume: 2N steps straight == N steps, SIGTERM, resume, N more (bitwise weights, same losses).
+
+Runs the real `astrai train` entry point in this process. A tiny callback sends SIGTERM to this
+process at a chosen micro-batch, so the stop goes through the real signal handler and lands at
+a known place: inside an epoch and inside a gradient-accumulation window (the partial window is
+dropped and redone after the resume).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from astrai.cli import main as astrai_main
+from astrai.train import signals
+from astrai.train import trainer as trainer_mod
+from astrai.train.checkpoint import latest_checkpoint, verify_checkpoint
+from tests.train.resume_data import read_metrics, write_run, write_tokenizer
+
+COMPARED = ("step", "epoch", "lr", "loss", "grad_norm", "num_loss_units")
+
+
+@pytest.fixture(scope="module")
+def tok_dir(tmp_path_factory):
+    return write_tokenizer(tmp_path_factory.mktemp("tok"))
+
+
+@pytest.fixture(autouse=True)
+def _restore_signal_handlers():
+    yield
+    signals.uninstall_signal_handlers()
+
+
+class SigtermAt:
+    """Sends SIGTERM to this process at the start of micro-batch number `at` (0-based)."""
+
+    def __init__(self, at: int):
+        self.at, self.seen = at, 0
+
+    def on_batch_begin(self, trainer, batch) -> None:
+        if self.seen == self.at:
+            os.kill(os.getpid(), signal.SIGTERM)
+        self.seen += 1
+
+
+def _train(config, *flags, kill_at=None, monkeypatch=None) -> int:
+    if kill_at is not None:
+        original = trainer_mod.default_callbacks
+        monkeypatch.setattr(trainer_mod, "default_callbacks", lambda t: [*original(t), SigtermAt(kill_at)])
+    try:
+        return astrai_main(["train", "--config", str(config), *flags])
+    finally:
+        monkeypatch.undo()
+        signals.uninstall_signal_handlers()
+
+
+def _weights(ckpt):
+    return load_file(str(ckpt / "model.safetensors"))
+
+
+# (train_type, micro-batch to stop at): with grad_accum 2 an even micro-batch opens a window; it
+# runs, the stop comes before the window's second half, so the half-done window is dropped.
+# Every stop is inside the first epoch.
+CASES = [("seq", 4), ("sft", 6), ("dpo", 8)]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("train_type, kill_at", CASES)
+def test_sigterm_resume_is_exact(tmp_path, tok_dir, monkeypatch, train_type, kill_at):
+    flags = {"grad_accum_steps": 2, "batch_per_device": 2}
+    straight = write_run(tmp_path / "straight", tok_dir, train_type, **flags)
+    stopped = write_run(tmp_path / "stopped", tok_dir, train_type, **flags)
+
+    assert _train(straight, monkeypatch=monkeypatch) == 0
+    full = read_metrics(tmp_path / "straight")
+    total = full[-1]["step"]
+
+    assert _train(stopped, kill_at=kill_at, monkeypatch=monkeypatch) == 0
+    first = latest_checkpoint(tmp_path / "stopped" / "ckpt")
+    verify_checkpoint(first)
+    # the signal came during micro-batch `kill_at`: that micro-batch finished, the next did not run
+    # and the window it belonged to was dropped, so the checkpoint holds the windows before it
+    stop_step = kill_at // 2
+    assert first.name == f"step_{stop_step:08d}"
+    assert 0 < stop_step < total // 2  # mid-epoch (2 epochs)
+    assert [m["step"] for m in read_metrics(tmp_path / "stopped")] == list(range(1, stop_step + 1))
+
+    assert _train(stopped, "--resume", monkeypatch=monkeypatch) == 0
+    resumed = read_metrics(tmp_path / "stopped")
+    assert [{k: m[k] for k in COMPARED} for m in resumed] == [{k: m[k] for k in COMPARED} for m in full]
+    a = _weights(latest_checkpoint(tmp_path / "straight" / "ckpt"))
+    b = _weights(latest_checkpoint(tmp_path / "stopped" / "ckpt"))
+    assert a.keys() == b.keys()
+    for name in a:
+        assert torch.equal(a[name], b[name]), f"{name} differs after resume"
+
+
+@pytest.mark.slow
+def test_resume_across_epoch_boundary_is_exact(tmp_path, tok_dir, monkeypatch):
+    # 24 records / batch 4 = 6 micro-batches per epoch; with grad_accum 4 the second window holds
+    # micro-batches 4, 5 (epoch 0) and 6, 7 (epoch 1). A stop at 6 drops that window across the boundary.
+    flags = {"grad_accum_steps": 4, "batch_per_device": 4}
+    straight = write_run(tmp_path / "straight", tok_dir, "sft", **flags)
+    stopped = write_run(tmp_path / "stopped", tok_dir, "sft", **flags)
+    assert _train(straight, monkeypatch=monkeypatch) == 0
+    full = read_metrics(tmp_path / "straight")
+    assert _train(stopped, kill_at=6, monkeypatch=monkeypatch) == 0
+    assert latest_checkpoint(tmp_path / "stopped" / "ckpt").name == "step_00000001"
+    assert _train(stopped, "--resume", monkeypatch=monkeypatch) == 0
+    resumed = read_metrics(tmp_path / "stopped")
+    assert [{k: m[k] for k in COMPARED} for m in resumed] == [{k: m[k] for k in COMPARED} for m in full]
+    a = _weights(latest_checkpoint(tmp_path / "straight" / "ckpt"))
+    b = _weights(latest_checkpoint(tmp_path / "stopped" / "ckpt"))
+    assert all(torch.equal(a[k], b[k]) for k in a)

@@ -1,0 +1,122 @@
+"""`astrai train` CLI: dry run, clear errors with non-zero exits, a tiny end-to-end run and resume."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import yaml
+
+from astrai.train import signals
+from astrai.train.cli import main
+
+
+@pytest.fixture(autouse=True)
+def _restore_signal_handlers():
+    yield
+    signals.uninstall_signal_handlers()
+
+
+@pytest.fixture(scope="module")
+def workdir(tmp_path_factory):
+    """A tokenizer trained on the fly and a small SFT JSONL file."""
+    from astrai.data.tokenizer import train_tokenizer
+
+    d = tmp_path_factory.mktemp("cli")
+    rows = [{"messages": [{"role": "user", "content": f"add {i} and {i + 1}"},
+                          {"role": "assistant", "content": f"{i} plus {i + 1} is {2 * i + 1}"}]} for i in range(24)]
+    (d / "sft.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    train_tokenizer([d / "sft.jsonl"], vocab_size=300, out_dir=d / "tok")
+    return d
+
+
+def write_config(d, **train):
+    cfg = {
+        "model": {"vocab_size": 320, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1,
+                  "num_attention_heads": 2, "max_position_embeddings": 128},
+        "data": {"train_type": "sft", "data_path": str(d / "sft.jsonl"), "tokenizer_path": str(d / "tok"),
+                 "max_seq_len": 64},
+        "train": {"batch_per_device": 4, "max_steps": 2, **train},
+        "optim": {"max_lr": 1.0e-3},
+        "ckpt": {"ckpt_dir": str(d / "ckpt"), "ckpt_interval": 1, "keep_last": 2},
+        "log": {"log_dir": str(d / "log"), "progress": False},
+    }
+    path = d / "run.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    return path
+
+
+def test_dry_run_prints_resolved_config(workdir, capsys):
+    path = write_config(workdir)
+    assert main(["--config", str(path), "--max_lr", "5e-4", "--dry_run"]) == 0
+    out = yaml.safe_load(capsys.readouterr().out)
+    assert out["optim"]["max_lr"] == pytest.approx(5e-4)  # flag over YAML
+    assert out["train"]["batch_per_device"] == 4  # YAML over default
+    assert out["optim"]["schedule"] == "cosine"  # default
+    assert out["model"]["hidden_size"] == 32
+
+
+@pytest.mark.parametrize(
+    ("yaml_text", "flags", "message"),
+    [
+        ("train: [broken\n", [], "is not valid YAML"),
+        ("train:\n  n_epcoh: 2\n", [], "unknown config key 'n_epcoh' in section 'train'; did you mean 'n_epoch'?"),
+        ("train:\n  batch_per_device: 2.5\n", [], "'batch_per_device' in section 'train' has value 2.5"),
+        ("{}\n", ["--lr", "0.1"], "unknown flag --lr"),
+        ("{}\n", ["--train_type", "grpo"], "not available in this version"),
+    ],
+)
+def test_bad_input_gives_clear_message_and_nonzero_exit(tmp_path, capsys, yaml_text, flags, message):
+    path = tmp_path / "bad.yaml"
+    path.write_text(yaml_text)
+    assert main(["--config", str(path), *flags]) != 0
+    assert message in capsys.readouterr().err
+
+
+def test_missing_config_and_data_files(workdir, tmp_path, capsys):
+    assert main(["--config", str(tmp_path / "nope.yaml")]) != 0
+    assert "nope.yaml" in capsys.readouterr().err
+    path = write_config(workdir)
+    code = main(["--config", str(path), "--data_path", str(tmp_path / "missing.jsonl"),
+                 "--log_dir", str(tmp_path / "log"), "--ckpt_dir", str(tmp_path / "ckpt")])
+    assert code != 0
+    err = capsys.readouterr().err
+    assert "data_path" in err and "missing.jsonl" in err
+
+
+def test_train_then_resume_continues(workdir):
+    path = write_config(workdir)
+    assert main(["--config", str(path)]) == 0
+    ckpts = sorted(p.name for p in (workdir / "ckpt").iterdir() if not p.name.startswith("."))
+    assert ckpts == ["step_00000001", "step_00000002"]
+    assert main(["--config", str(path), "--resume", "--max_steps", "3"]) == 0
+    lines = [json.loads(x) for x in (workdir / "log" / "metrics.jsonl").read_text().splitlines()]
+    assert [x["step"] for x in lines] == [1, 2, 3]  # one log, continued
+    state = json.loads((workdir / "ckpt" / "step_00000003" / "trainer_state.json").read_text())
+    assert state["step"] == 3 and state["policy_version"] == 3
+
+
+def test_param_path_loads_weights_only(workdir, tmp_path, capsys):
+    path = write_config(workdir)
+    assert main(["--config", str(path), "--max_steps", "1"]) == 0
+    ckpt = workdir / "ckpt" / "step_00000001"
+    # a model section together with param_path is ambiguous
+    assert main(["--config", str(path), "--param_path", str(ckpt)]) != 0
+    assert "param_path" in capsys.readouterr().err
+    cfg = yaml.safe_load(path.read_text())
+    del cfg["model"]
+    cfg["ckpt"]["ckpt_dir"], cfg["log"]["log_dir"] = str(tmp_path / "ckpt"), str(tmp_path / "log")
+    path.write_text(yaml.safe_dump(cfg))
+    assert main(["--config", str(path), "--param_path", str(ckpt), "--max_steps", "1"]) == 0
+    state = json.loads((tmp_path / "ckpt" / "step_00000001" / "trainer_state.json").read_text())
+    assert state["step"] == 1  # counted from 0 again: weights only, fresh optimizer and counters
+
+
+@pytest.mark.parametrize("name", ["pretrain", "sft", "dpo"])
+def test_example_configs_resolve(name, capsys):
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    assert main(["--config", str(root / "configs" / f"{name}.yaml"), "--dry_run"]) == 0
+    out = yaml.safe_load(capsys.readouterr().out)
+    assert out["data"]["train_type"] == {"pretrain": "seq", "sft": "sft", "dpo": "dpo"}[name]

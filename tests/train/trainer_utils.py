@@ -1,0 +1,28 @@
+"""Helpers for trainer tests: a tiny model, a config from flags, checkpoints switched off."""
+
+from __future__ import annotations
+
+from astrai.config import Config, load_config
+from astrai.model import CausalLM, ModelConfig
+
+
+def tiny_model(vocab: int = 32, seed: int = 0, **kw) -> CausalLM:
+    cfg = dict(vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+               num_attention_heads=2, max_position_embeddings=64)
+    cfg.update(kw)
+    return CausalLM(ModelConfig(**cfg), seed=seed)
+
+
+def tiny_config(tmp_path, *flags: str) -> Config:
+    """Flags on top of test defaults; checkpoints only when a test asks (ckpt_interval 0 and
+    the end-of-run save is disabled by passing no_ckpt_callbacks)."""
+    base = ["--log_dir", str(tmp_path / "log"), "--ckpt_dir", str(tmp_path / "ckpt"), "--ckpt_interval", "0",
+            "--progress", "false", "--schedule", "constant"]
+    return load_config(None, base + list(flags))
+
+
+def without_checkpoints(trainer) -> None:
+    """Drop the built-in checkpoint callback (tests of the loop, not of checkpoint files)."""
+    from astrai.train.callbacks import CheckpointSaver
+
+    trainer.callbacks.callbacks = [cb for cb in trainer.callbacks.callbacks if not isinstance(cb, CheckpointSaver)]
