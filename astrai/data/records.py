@@ -34,13 +34,15 @@ def iter_jsonl(paths: Iterable[str | Path]) -> Iterator[tuple[str, Any]]:
         path = Path(path)
         if not path.is_file():
             raise FileNotFoundError(f"input file '{path}' does not exist")
-        with path.open(encoding="utf-8") as f:
-            for lineno, line in enumerate(f, 1):
-                if not line.strip():
+        with path.open("rb") as f:
+            for lineno, raw in enumerate(f, 1):
+                if not raw.strip():
                     continue
                 where = f"{path.name}:{lineno}"
                 try:
-                    yield where, json.loads(line)
+                    yield where, json.loads(raw.decode("utf-8"))
+                except UnicodeDecodeError as e:
+                    yield where, RecordError(f"line is not valid UTF-8 (byte {e.start}); re-encode the file as UTF-8")
                 except json.JSONDecodeError as e:
                     yield where, RecordError(f"invalid JSON ({e.msg} at column {e.colno})")
 

@@ -44,7 +44,7 @@ class EngineConfig:
     max_num_batched_tokens: int = 2048  # token budget of one step
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True
-    seed: int = 0  # for unseeded sampling
+    engine_seed: int = 0  # generator of unseeded sampling (SamplingParams.seed is per request)
     device: str | None = None  # None = where the model is (from_pretrained: cuda if available)
     dtype: str | None = None  # from_pretrained only: weights dtype (None = the checkpoint's)
 
@@ -131,7 +131,7 @@ class LLMEngine:
         self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, batched, config.enable_chunked_prefill)
         self.runner = ModelRunner(model, num_blocks, config.block_size, dtype=dtype, device=device)
-        self.sampler = Sampler(make_generator(config.seed, device))
+        self.sampler = Sampler(make_generator(config.engine_seed, device))
         self.device = device
         self.policy_version = 0
         self._requests: dict[str, _Request] = {}
@@ -278,6 +278,10 @@ class LLMEngine:
         self.scheduler.preempt_all()
         self.block_manager.set_policy_version(version)
         self.policy_version = version
+
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached prefix (blocks in use are untouched); e.g. between benchmark runs."""
+        self.block_manager.set_policy_version(self.policy_version)
 
     # -- the step -------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:

@@ -259,22 +259,50 @@ def read_safetensors(path: str | Path) -> dict[str, Tensor]:
     return tensors
 
 
-def state_dict_from_hf(tensors: dict[str, Tensor], config: ModelConfig) -> dict[str, Tensor]:
-    """Map HF tensor names/layouts onto CausalLM's: split fused experts, drop zero o_proj biases
-    and the duplicate lm_head of tied embeddings."""
+def split_experts(tensors: dict[str, Tensor]) -> dict[str, Tensor]:
+    """Fused expert tensors (transformers 5's in-memory layout: gate_up_proj (E, 2I, C) with
+    gate rows first, down_proj (E, C, I)) -> per-expert `experts.{e}.*_proj.weight` keys, the
+    layout of checkpoint files. Other keys pass through."""
     out: dict[str, Tensor] = {}
     for key, t in tensors.items():
         fused = _FUSED.match(key)
-        if fused and t.dim() == 3:
-            prefix, kind = fused.groups()
-            for e in range(t.shape[0]):
-                if kind == "gate_up_proj":  # (E, 2I, C): gate rows first, then up
-                    gate, up = t[e].chunk(2, dim=0)
-                    out[f"{prefix}.{e}.gate_proj.weight"] = gate
-                    out[f"{prefix}.{e}.up_proj.weight"] = up
-                else:  # (E, C, I)
-                    out[f"{prefix}.{e}.down_proj.weight"] = t[e]
-        elif _O_BIAS.match(key) and FAMILIES[config.model_type].bias_on_o:
+        if not (fused and t.dim() == 3):
+            out[key] = t
+            continue
+        prefix, kind = fused.groups()
+        for e in range(t.shape[0]):
+            if kind == "gate_up_proj":
+                gate, up = t[e].chunk(2, dim=0)  # (I, C) each
+                out[f"{prefix}.{e}.gate_proj.weight"] = gate
+                out[f"{prefix}.{e}.up_proj.weight"] = up
+            else:
+                out[f"{prefix}.{e}.down_proj.weight"] = t[e]
+    return out
+
+
+def fuse_experts(tensors: dict[str, Tensor], expected: dict[str, Tensor]) -> dict[str, Tensor]:
+    """The inverse of split_experts for every fused key the model expects (per-expert -> 3D)."""
+    out = dict(tensors)
+    for key, ref in expected.items():
+        fused = _FUSED.match(key)
+        if not (fused and ref.dim() == 3 and key not in out):
+            continue
+        prefix, kind = fused.groups()
+        names = ("gate_proj", "up_proj") if kind == "gate_up_proj" else ("down_proj",)
+        parts = [f"{prefix}.{e}.{n}.weight" for e in range(ref.shape[0]) for n in names]
+        if all(p in out for p in parts):
+            per_expert = [torch.cat([out.pop(p) for p in parts[i:i + len(names)]])
+                          for i in range(0, len(parts), len(names))]
+            out[key] = torch.stack(per_expert)  # (E, 2I, C) or (E, C, I)
+    return out
+
+
+def state_dict_from_hf(tensors: dict[str, Tensor], config: ModelConfig) -> dict[str, Tensor]:
+    """Map HF tensors onto CausalLM names (per-expert layout): drop zero o_proj biases and the
+    duplicate lm_head of tied embeddings."""
+    out: dict[str, Tensor] = {}
+    for key, t in split_experts(tensors).items():
+        if _O_BIAS.match(key) and FAMILIES[config.model_type].bias_on_o:
             if bool(t.any()):
                 raise HFFormatError(
                     f"weight '{key}' is nonzero but astrai's attention has no output bias; "
@@ -288,9 +316,10 @@ def state_dict_from_hf(tensors: dict[str, Tensor], config: ModelConfig) -> dict[
 
 
 def state_dict_to_hf(state: dict[str, Tensor], config: ModelConfig, model_type: str) -> dict[str, Tensor]:
-    """CausalLM state dict -> the tensors transformers expects for `model_type` (CPU, contiguous)."""
+    """CausalLM state dict -> the tensors transformers expects for `model_type` (CPU, contiguous,
+    per-expert keys as transformers' save_pretrained writes them)."""
     out: dict[str, Tensor] = {}
-    for key, t in state.items():
+    for key, t in split_experts(state).items():
         if key == "lm_head.weight" and config.tie_word_embeddings:
             continue  # safetensors refuses shared storage; transformers re-ties on load
         out[key] = t.detach().to("cpu").contiguous()
@@ -372,9 +401,9 @@ def build_model(
     dtype = resolve_dtype(dtype, config)
     device = torch.device(device or "cpu")
     model = CausalLM(config, seed=None, device="meta")
-    tensors = state_dict_from_hf(tensors, config)
     expected = {k: v for k, v in model.state_dict().items()
                 if not (k == "lm_head.weight" and config.tie_word_embeddings)}
+    tensors = fuse_experts(state_dict_from_hf(tensors, config), expected)
     _check_keys(tensors, expected, where)
     # assign=True adopts the loaded tensors: no second copy, no random init to overwrite
     tensors = {k: t.to(device=device, dtype=dtype if t.is_floating_point() else t.dtype)
@@ -465,6 +494,9 @@ def _write_shards(tensors: dict[str, Tensor], path: Path, max_shard_bytes: int) 
 # -- astrai convert --gguf ----------------------------------------------------------------------
 def convert_gguf(gguf_file: str | Path, out: str | Path, dtype: str = "float32") -> Path:
     """Dequantise a GGUF checkpoint through transformers + gguf into an astrai model directory."""
+    gguf_file = Path(gguf_file)
+    if not gguf_file.is_file():
+        raise FileNotFoundError(f"--gguf {gguf_file}: no such file")
     missing = [name for name in ("transformers", "gguf") if importlib.util.find_spec(name) is None]
     if missing:
         raise RuntimeError(
@@ -473,9 +505,6 @@ def convert_gguf(gguf_file: str | Path, out: str | Path, dtype: str = "float32")
         )
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    gguf_file = Path(gguf_file)
-    if not gguf_file.is_file():
-        raise FileNotFoundError(f"--gguf {gguf_file}: no such file")
     out = Path(out)
     torch_dtype = resolve_dtype(dtype, ModelConfig())
     hf_model = AutoModelForCausalLM.from_pretrained(

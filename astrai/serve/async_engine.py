@@ -175,7 +175,8 @@ class AsyncEngine:
         added: list[str] = []
         try:
             for rid, prompt_ids in requests:
-                self.engine.add_request(rid, prompt_ids, params)
+                # without logprobs the engine skips copying per-token logprob lists every step
+                self.engine.add_request(rid, prompt_ids, params, with_logprobs=want_logprobs)
                 added.append(rid)
         except Exception as exc:  # noqa: BLE001 - any rejection goes back to the handler
             for rid in added:

@@ -125,3 +125,28 @@ def test_dataset_errors(tok, tok_dir, tmp_path):
         build_dataset("seq", short, tok, 64)
     with pytest.raises(ValueError, match="rows of \\d+ tokens but max_seq_len is 4"):
         build_dataset("sft", tmp_path / "sft", tok, 4)
+
+
+def test_chunked_writes_and_many_shards_read_back(tok, tok_dir, tmp_path, monkeypatch):
+    # Small flush and shard sizes exercise the buffered-write path that large inputs take.
+    from astrai.data import shards
+
+    monkeypatch.setattr(shards, "_FLUSH_ITEMS", 7)
+    chats = [{"messages": [{"role": "user", "content": f"{i}+{i}"}, {"role": "assistant", "content": str(2 * i)}]}
+             for i in range(40)]
+    src = _write(tmp_path / "m.jsonl", chats)
+    info = preprocess([src], tmp_path / "out", tok_dir, "sft", 64, max_shard_tokens=90)
+    assert len(info["shards"]) > 2
+    from_shards = build_dataset("sft", tmp_path / "out", tok, 64)
+    from_jsonl = build_dataset("sft", src, tok, 64)
+    assert len(from_shards) == len(from_jsonl) == 40
+    for i in range(40):
+        for key in ("input_ids", "labels", "position_ids"):
+            assert from_shards[i][key].tolist() == from_jsonl[i][key].tolist()
+
+
+def test_non_utf8_line_is_a_bad_record(tok_dir, tmp_path):
+    src = tmp_path / "u.jsonl"
+    src.write_bytes(b'{"text": "fine"}\n{"text": "\xff\xfe"}\n')
+    info = preprocess([src], tmp_path / "out", tok_dir, "seq", 16)
+    assert info["num_bad_records"] == 1 and "u.jsonl:2: line is not valid UTF-8" in info["bad_record_reasons"][0]

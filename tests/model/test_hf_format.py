@@ -10,7 +10,14 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from astrai.model.config import ModelConfig
-from astrai.model.hf import HFFormatError, load_model, pick_model_type, save_model
+from astrai.model.hf import (
+    HFFormatError,
+    fuse_experts,
+    load_model,
+    pick_model_type,
+    save_model,
+    split_experts,
+)
 from astrai.model.transformer import CausalLM
 
 TINY = dict(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
@@ -173,3 +180,15 @@ def test_generation_config_and_tokenizer_files(tmp_path):
     loaded = load_model(tmp_path, dtype="auto")
     assert (loaded.config.bos_token_id, loaded.config.eos_token_id) == (5, 3)
     assert loaded.lm_head.weight.dtype == torch.float32
+
+
+def test_split_and_fuse_experts_are_inverse():
+    gen = torch.Generator().manual_seed(0)
+    fused = {"model.layers.0.mlp.experts.gate_up_proj": torch.randn(3, 8, 5, generator=gen),
+             "model.layers.0.mlp.experts.down_proj": torch.randn(3, 5, 4, generator=gen),
+             "model.norm.weight": torch.randn(5, generator=gen)}
+    split = split_experts(fused)
+    assert split["model.layers.0.mlp.experts.2.up_proj.weight"].equal(fused["model.layers.0.mlp.experts.gate_up_proj"][2, 4:])
+    assert len(split) == 3 * 3 + 1
+    again = fuse_experts(split, fused)  # a model whose state dict holds the fused layout
+    assert again.keys() == fused.keys() and all(again[k].equal(v) for k, v in fused.items())

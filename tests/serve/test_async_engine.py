@@ -39,7 +39,7 @@ class FakeEngine:
         self.num_steps = 0
         self.fail_at_step = fail_at_step
 
-    def add_request(self, rid, prompt_ids, params):
+    def add_request(self, rid, prompt_ids, params, with_logprobs=True):
         self.threads.add(threading.current_thread().name)
         if len(prompt_ids) >= self.max_model_len:
             raise ValueError(f"prompt has {len(prompt_ids)} tokens but max_model_len is {self.max_model_len}")

@@ -61,8 +61,10 @@ def _check_public_dirs(ckpt_dir: Path) -> list[str]:
 def drive(config: Path, straight_config: Path, trials: int, seed: int) -> dict:
     """Run in a separate process (see the test): the fork server and the kill loop."""
     import torch
+    import torch._dynamo  # noqa: F401 - the optimizer imports it lazily (seconds); once here, not per trial
 
-    import astrai.train.trainer  # noqa: F401 - import once here, so forked trials start fast
+    import astrai.data.datasets  # noqa: F401 - import once here, so forked trials start fast
+    import astrai.train.trainer  # noqa: F401
     from astrai.train.checkpoint import latest_checkpoint, verify_checkpoint
 
     torch.set_num_threads(1)
@@ -76,7 +78,7 @@ def drive(config: Path, straight_config: Path, trials: int, seed: int) -> dict:
             _wait_for_staging(ckpt_dir, timeout=5.0)
             time.sleep(rng.uniform(0, 0.03))
         else:
-            time.sleep(rng.uniform(0.05, 0.8))
+            time.sleep(rng.uniform(0.1, 1.5))
         staging_now = ckpt_dir.is_dir() and any(".staging-" in p.name for p in ckpt_dir.iterdir())
         os.kill(pid, signal.SIGKILL)
         _, status = os.waitpid(pid, 0)

@@ -1,0 +1,109 @@
+"""`astrai generate`: offline generation from the command line.
+
+Loads a model directory into an `LLM` (the engine of engine.py) and either completes one
+`--prompt`, printing the result, or reads `--input_jsonl` (one record per line with a "prompt"
+string or a "messages" conversation) and writes each record back to `--output_jsonl` with the
+generated "completion" (and every sample under "outputs"), with a progress bar. `--chat` applies
+the model's chat template to plain prompts. The sampling flags are SamplingParams' fields.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from dataclasses import fields
+from pathlib import Path
+
+from astrai.infer.engine import LLM, EngineConfig
+from astrai.infer.sampling import SamplingParams
+
+SAMPLING_FLAGS = {  # flag -> type; names and defaults are SamplingParams'
+    "temperature": float, "top_p": float, "top_k": int, "min_p": float, "frequency_penalty": float,
+    "presence_penalty": float, "repetition_penalty": float, "max_tokens": int, "min_tokens": int,
+    "seed": int, "n": int, "logprobs": int,
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="astrai generate", description=__doc__.split("\n\n")[0], allow_abbrev=False)
+    p.add_argument("--model", required=True, help="model directory (config.json, weights, tokenizer)")
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--prompt", help="one prompt; the completion is printed")
+    src.add_argument("--input_jsonl", help="records with a 'prompt' or 'messages' field")
+    p.add_argument("--output_jsonl", help="where the records go with their completions (with --input_jsonl)")
+    p.add_argument("--chat", action="store_true", help="wrap prompts in the chat template as a user turn")
+    defaults = SamplingParams()
+    sampling = p.add_argument_group("sampling")
+    for name, kind in SAMPLING_FLAGS.items():
+        sampling.add_argument(f"--{name}", type=kind, default=getattr(defaults, name))
+    sampling.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
+    sampling.add_argument("--stop_token_ids", type=int, nargs="+", default=None)
+    sampling.add_argument("--ignore_eos", action="store_true")
+    engine = p.add_argument_group("engine")
+    for f in fields(EngineConfig):
+        kind = {"int": int, "float": float, "str": str, "bool": _bool}[str(f.type).split(" |")[0]]
+        engine.add_argument(f"--{f.name}", type=kind, default=f.default)
+    return p
+
+
+def _bool(text: str) -> bool:
+    if text.lower() not in ("true", "false", "1", "0"):
+        raise argparse.ArgumentTypeError(f"expected true or false, got {text!r}")
+    return text.lower() in ("true", "1")
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.input_jsonl and not args.output_jsonl:
+        print("astrai generate: --input_jsonl needs --output_jsonl", file=sys.stderr)
+        return 2
+    try:
+        params = SamplingParams(**{k: getattr(args, k) for k in SAMPLING_FLAGS},
+                                stop=args.stop, stop_token_ids=args.stop_token_ids, ignore_eos=args.ignore_eos)
+        llm = LLM(args.model, **{f.name: getattr(args, f.name) for f in fields(EngineConfig)})
+        if args.prompt is not None:
+            outs = _generate(llm, [{"prompt": args.prompt}], params, args.chat, use_tqdm=False)
+            for c in outs[0].outputs:
+                print(c.text)
+            return 0
+        records = _read_jsonl(Path(args.input_jsonl))
+        outs = _generate(llm, records, params, args.chat, use_tqdm=True)
+        with open(args.output_jsonl, "w", encoding="utf-8") as f:
+            for record, out in zip(records, outs):
+                samples = [{"index": c.index, "text": c.text, "finish_reason": c.finish_reason,
+                            "num_tokens": len(c.token_ids)} for c in out.outputs]
+                f.write(json.dumps({**record, "completion": out.outputs[0].text, "outputs": samples},
+                                   ensure_ascii=False) + "\n")
+    except (ValueError, FileNotFoundError) as exc:
+        print(f"astrai generate: {exc}", file=sys.stderr)
+        return 2
+    return 0
+
+
+def _read_jsonl(path: Path) -> list[dict]:
+    records = []
+    for lineno, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+        if not line.strip():
+            continue
+        record = json.loads(line)
+        if not isinstance(record, dict) or not ("prompt" in record or "messages" in record):
+            raise ValueError(f"{path}:{lineno}: each line needs a 'prompt' string or a 'messages' list")
+        records.append(record)
+    return records
+
+
+def _generate(llm: LLM, records: list[dict], params: SamplingParams, chat: bool, use_tqdm: bool) -> list:
+    tok = llm.get_tokenizer()
+    prompts: list = []
+    for record in records:
+        messages = record.get("messages")
+        if messages is None and chat:
+            messages = [{"role": "user", "content": record["prompt"]}]
+        if messages is not None:
+            if tok is None:
+                raise ValueError("chat prompts need a tokenizer in the model directory")
+            prompts.append(tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True))
+        else:
+            prompts.append(record["prompt"])
+    return llm.generate(prompts, params, use_tqdm=use_tqdm)

@@ -1,0 +1,210 @@
+"""Generation throughput of astrai's engine against peers, measured in one process.
+
+Rows (ratios are astrai / peer, medians over interleaved repeats):
+1. offline throughput on a tiny random Llama: prompts of 32-256 tokens, greedy, fixed number of
+   new tokens; astrai `run_batch` vs transformers `generate` on padded static batches, and vs
+   transformers' continuous batching (`generate_batch`) when this version has it;
+2. `run_batch` vs naive generation that re-runs the whole sequence for every new token;
+3. KV bytes per cached token vs the theoretical 2 * layers * kv_heads * head_dim * dtype size;
+4. the same throughput rows on a converted SmolLM2 directory when `.cache/smollm2` exists.
+Both sides use the same weights (a transformers model saved and loaded with `load_model`) and
+the same thread count. Run: `python benchmarks/bench_generate.py [--quick]`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+import torch  # noqa: E402
+
+from astrai.infer.block_manager import kv_bytes_per_token  # noqa: E402
+from astrai.infer.engine import LLMEngine  # noqa: E402
+from astrai.infer.sampling import SamplingParams  # noqa: E402
+from astrai.model.hf import load_model  # noqa: E402
+
+TINY = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024)
+
+
+def make_prompts(num: int, lo: int, hi: int, vocab: int, seed: int = 0) -> list[list[int]]:
+    gen = torch.Generator().manual_seed(seed)
+    lens = torch.randint(lo, hi + 1, (num,), generator=gen).tolist()
+    return [torch.randint(3, vocab, (n,), generator=gen).tolist() for n in lens]
+
+
+def timed(fn: Callable[[], object]) -> float:
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+
+
+def interleaved(fns: dict[str, Callable[[], object]], repeats: int) -> dict[str, float]:
+    """Median seconds of each function, run in turns so machine noise hits all alike."""
+    times: dict[str, list[float]] = {k: [] for k in fns}
+    for _ in range(repeats):
+        for name, fn in fns.items():
+            times[name].append(timed(fn))
+    return {k: statistics.median(v) for k, v in times.items()}
+
+
+def hf_static(model, prompts: list[list[int]], new_tokens: int, batch_size: int, pad_id: int) -> None:
+    """transformers generate on left-padded static batches, greedy, exactly new_tokens each."""
+    for i in range(0, len(prompts), batch_size):
+        chunk = prompts[i : i + batch_size]
+        width = max(map(len, chunk))
+        ids = torch.tensor([[pad_id] * (width - len(p)) + p for p in chunk])
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in chunk])
+        with torch.no_grad():
+            model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new_tokens,
+                           min_new_tokens=new_tokens, do_sample=False, pad_token_id=pad_id)
+
+
+def hf_continuous(model, prompts: list[list[int]], new_tokens: int) -> Callable[[], object] | None:
+    """transformers' own continuous batching, or None when this version lacks it or fails."""
+    if not hasattr(model, "generate_batch"):
+        return None
+    from transformers import GenerationConfig
+
+    config = GenerationConfig(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
+                              eos_token_id=None, pad_token_id=0)
+
+    def run() -> object:
+        return model.generate_batch(prompts, generation_config=config, progress_bar=False)
+
+    try:
+        out = run()
+        assert len(out) == len(prompts)
+    except Exception as exc:  # noqa: BLE001 - a peer that cannot run here is reported, not fatal
+        print(f"(transformers generate_batch unavailable here: {type(exc).__name__}: {str(exc)[:120]})")
+        return None
+    return run
+
+
+def naive_generate(model, prompts: list[list[int]], new_tokens: int) -> None:
+    """Argmax decoding that re-runs the full (equal-length) sequences for every token."""
+    ids = torch.tensor(prompts)
+    with torch.no_grad():
+        for _ in range(new_tokens):
+            nxt = model(ids).logits[:, -1].argmax(-1, keepdim=True)
+            ids = torch.cat([ids, nxt], dim=1)
+
+
+def throughput_rows(name: str, hf_model, model, prompts, new_tokens: int, args) -> list[tuple]:
+    greedy = SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True)
+    engine = LLMEngine(model, None, max_num_seqs=len(prompts), max_num_batched_tokens=args.batched_tokens,
+                       kv_cache_tokens=len(prompts) * (max(map(len, prompts)) + new_tokens + 16))
+    engine.run_batch(prompts[:2], SamplingParams(temperature=0, max_tokens=2))  # warm-up
+
+    def astrai_run() -> None:
+        engine.reset_prefix_cache()  # no prefix hits between repeats
+        engine.run_batch(prompts, greedy)
+
+    fns = {"astrai": astrai_run,
+           "hf_static": lambda: hf_static(hf_model, prompts, new_tokens, args.hf_batch_size, 0)}
+    continuous = hf_continuous(hf_model, prompts, new_tokens) if not args.skip_continuous else None
+    if continuous is not None:
+        fns["hf_continuous"] = continuous
+    t = interleaved(fns, args.repeats)
+    tokens = len(prompts) * new_tokens
+    rows = [(f"{name}: offline tok/s vs transformers generate (padded batches of {args.hf_batch_size})",
+             tokens / t["astrai"], tokens / t["hf_static"], t["hf_static"] / t["astrai"], 3.0)]
+    if "hf_continuous" in t:
+        rows.append((f"{name}: offline tok/s vs transformers generate_batch (continuous)",
+                     tokens / t["astrai"], tokens / t["hf_continuous"], t["hf_continuous"] / t["astrai"], 1.5))
+    return rows
+
+
+def naive_row(model, args) -> tuple:
+    prompts = make_prompts(args.naive_prompts, 64, 64, model.config.vocab_size, seed=1)
+    new_tokens = args.naive_tokens
+    engine = LLMEngine(model, None, kv_cache_tokens=len(prompts) * (64 + new_tokens + 16))
+    greedy = SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True)
+    engine.run_batch(prompts[:1], SamplingParams(temperature=0, max_tokens=2))
+
+    def astrai_run() -> None:
+        engine.reset_prefix_cache()
+        engine.run_batch(prompts, greedy)
+
+    t = interleaved({"astrai": astrai_run, "naive": lambda: naive_generate(model, prompts, new_tokens)},
+                    max(1, args.repeats - 1))
+    tokens = len(prompts) * new_tokens
+    return (f"run_batch vs naive full recompute ({len(prompts)} x 64-token prompts, {new_tokens} new)",
+            tokens / t["astrai"], tokens / t["naive"], t["naive"] / t["astrai"], 10.0)
+
+
+def kv_row(model) -> tuple:
+    engine = LLMEngine(model, None, kv_cache_tokens=1024)
+    caches = engine.runner.kv_caches
+    total = sum(k.numel() * k.element_size() + v.numel() * v.element_size() for k, v in caches)
+    per_token = total / (engine.block_manager.num_blocks * engine.block_manager.block_size)
+    cfg = model.config
+    dtype = next(model.parameters()).dtype
+    theory = kv_bytes_per_token(cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, dtype)
+    return ("KV bytes per cached token (measured vs theoretical)", per_token, theory, theory / per_token, 1.0)
+
+
+def tiny_models(tmp: Path):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    hf_model = LlamaForCausalLM(LlamaConfig(**TINY, bos_token_id=1, eos_token_id=2, pad_token_id=0)).eval()
+    hf_model.save_pretrained(tmp)
+    return hf_model, load_model(tmp).eval()
+
+
+def smollm_models(path: Path):
+    from transformers import AutoModelForCausalLM
+
+    hf_model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    return hf_model, load_model(path, dtype="float32").eval()
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--quick", action="store_true", help="fewer prompts and tokens, one repeat")
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--threads", type=int, default=None, help="torch threads for both sides")
+    p.add_argument("--hf_batch_size", type=int, default=16)
+    p.add_argument("--batched_tokens", type=int, default=2048, help="astrai token budget per step")
+    p.add_argument("--skip_continuous", action="store_true")
+    p.add_argument("--smollm_dir", default=".cache/smollm2")
+    args = p.parse_args(argv)
+    num_prompts, new_tokens = (16, 32) if args.quick else (64, 128)
+    args.naive_prompts, args.naive_tokens = (2, 64) if args.quick else (8, 256)
+    if args.quick:
+        args.repeats = 1
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        hf_model, model = tiny_models(Path(tmp))
+        prompts = make_prompts(num_prompts, 32, 256, TINY["vocab_size"])
+        rows += throughput_rows("tiny llama", hf_model, model, prompts, new_tokens, args)
+        rows.append(naive_row(model, args))
+        rows.append(kv_row(model))
+    smol = Path(args.smollm_dir)
+    if (smol / "config.json").exists():
+        hf_model, model = smollm_models(smol)
+        n, k = (4, 16) if args.quick else (16, 64)
+        prompts = make_prompts(n, 32, 256, model.config.vocab_size, seed=2)
+        rows += throughput_rows("SmolLM2", hf_model, model, prompts, k, args)
+        rows.append(kv_row(model))
+    print(f"\ntorch threads: {torch.get_num_threads()}, repeats: {args.repeats} (median)\n")
+    print("| measure | astrai | peer | ratio | target |")
+    print("|---|---:|---:|---:|---:|")
+    for name, ours, peer, ratio, target in rows:
+        print(f"| {name} | {ours:,.1f} | {peer:,.1f} | {ratio:.2f}x | >= {target:g}x |")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
