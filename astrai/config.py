@@ -46,7 +46,7 @@ class TrainSection:
     param_path: str | None = None  # weights-only init (model dir or checkpoint dir)
     resume: bool = False  # restore the full training state
     n_epoch: int = 1
-    max_steps: int | None = None  # optimizer steps; None = n_epoch over the data
+    max_steps: int | None = None  # optimizer steps (overrides n_epoch); None = n_epoch over the data
     batch_per_device: int = 4
     grad_accum_steps: int = 1
     max_grad_norm: float = 1.0  # 0 disables clipping (the norm is still measured)

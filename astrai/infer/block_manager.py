@@ -136,6 +136,14 @@ class BlockManager:
         needed += sum(1 for b in prefix_hits if self.blocks[b].ref_count == 0)
         return needed
 
+    def needs_allocation(self, seq: BlockSequence, num_tokens: int) -> bool:
+        """False when seq's blocks already hold num_tokens and it alone owns those it writes
+        (the common decode step, checked without building lists)."""
+        table, bs = seq.block_table, self.block_size
+        if num_tokens > len(table) * bs:
+            return True
+        return any(self.blocks[table[i]].ref_count > 1 for i in range(seq.num_computed_tokens // bs, len(table)))
+
     def can_allocate(self, seq: BlockSequence, num_tokens: int, prefix_hits: list[int] = ()) -> bool:
         return self.num_new_blocks_needed(seq, num_tokens, prefix_hits) <= self.num_free_blocks
 

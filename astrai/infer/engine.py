@@ -223,6 +223,11 @@ class LLMEngine:
                 f"{self.max_model_len - 1} tokens or raise max_model_len"
             )
         params.check_vocab(self.vocab_size)
+        if params.n > self.config.max_num_seqs:
+            raise ValueError(
+                f"SamplingParams.n is {params.n} but max_num_seqs is {self.config.max_num_seqs}; "
+                f"lower n or raise max_num_seqs"
+            )
         longest = min(n + (params.max_tokens or self.max_model_len), self.max_model_len)
         need = self.block_manager.num_blocks_for(longest)
         if need > self.block_manager.num_blocks:

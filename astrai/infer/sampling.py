@@ -238,7 +238,9 @@ def process_logits(logits: Tensor, rows: list[SamplingState]) -> tuple[Tensor, T
     processed: after penalties, logit_bias and min_tokens (greedy takes its argmax).
     final: the logits of the distribution each row samples from: processed / temperature and
     truncated; for greedy rows simply `processed` (temperature counted as 1, no truncation)."""
-    processed = apply_bias_and_min_tokens(apply_penalties(logits.float().clone(), rows), rows)
+    processed = logits.float()
+    if any(_changes_logits(r) for r in rows):  # else skip the copy: plain rows are the common case
+        processed = apply_bias_and_min_tokens(apply_penalties(processed.clone(), rows), rows)
     if all(r.params.greedy for r in rows):
         return processed, processed
     B, V = processed.shape
@@ -250,6 +252,12 @@ def process_logits(logits: Tensor, rows: list[SamplingState]) -> tuple[Tensor, T
     top_p = torch.tensor([1.0 if p.greedy else p.top_p for p in params], device=device)
     min_p = torch.tensor([0.0 if p.greedy else p.min_p for p in params], device=device)
     return processed, apply_truncation(final, top_k, top_p, min_p)
+
+
+def _changes_logits(row: SamplingState) -> bool:
+    p = row.params
+    return bool(p.frequency_penalty or p.presence_penalty or p.repetition_penalty != 1.0 or p.logit_bias
+                or (p.min_tokens and len(row.output_token_ids) < p.min_tokens))
 
 
 class Sampler:
@@ -267,11 +275,10 @@ class Sampler:
             tokens = processed.argmax(dim=-1)  # (B,)
         else:
             tokens = self._draw(final, rows, greedy, processed)
-        out = SamplerOutput(
-            token_ids=tokens.tolist(),
-            logprobs=selective_log_softmax(final, tokens),
-            raw_logprobs=selective_log_softmax(raw, tokens),
-        )
+        logprobs = selective_log_softmax(final, tokens)
+        # greedy rows without processing sample from the raw model itself: one log-softmax serves
+        raw_logprobs = logprobs if final is raw else selective_log_softmax(raw, tokens)
+        out = SamplerOutput(token_ids=tokens.tolist(), logprobs=logprobs, raw_logprobs=raw_logprobs)
         k = max((r.params.logprobs for r in rows if r.params.logprobs is not None), default=None)
         if k is not None:
             out.top_ids, out.top_logprobs, out.ranks = _top_alternatives(final, tokens, k)

@@ -133,15 +133,16 @@ class Scheduler:
             seq = self.running[i]
             num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
             end = seq.num_computed_tokens + num_new
-            while not bm.can_allocate(seq, end):
-                victim = self.running[-1]  # the latest arrival gives way
-                self.preempt(victim)
-                out.preempted.append(victim)
-                if victim is seq:
-                    break
-            if seq.status is not SequenceStatus.RUNNING:
-                break  # seq preempted itself: everything behind it is gone too
-            bm.allocate(seq, end)
+            if bm.needs_allocation(seq, end):
+                while not bm.can_allocate(seq, end):
+                    victim = self.running[-1]  # the latest arrival gives way
+                    self.preempt(victim)
+                    out.preempted.append(victim)
+                    if victim is seq:
+                        break
+                if seq.status is not SequenceStatus.RUNNING:
+                    break  # seq preempted itself: everything behind it is gone too
+                bm.allocate(seq, end)
             out.scheduled.append((seq, num_new))
             budget -= num_new
             i += 1

@@ -47,7 +47,7 @@ class Family:
     bias_fixed: bool = False  # the bias setting when bias_key is None or absent from config.json
     bias_on_o: bool = False  # the family's bias also covers o_proj (astrai's does not)
     shared_expert: bool = False  # the family has a (gated) shared expert
-    extra: tuple[tuple[str, Any], ...] = ()  # keys written on export, checked on import
+    extra: tuple[tuple[str, Any], ...] = ()  # fixed keys written on export
 
 
 FAMILIES: dict[str, Family] = {
@@ -58,8 +58,8 @@ FAMILIES: dict[str, Family] = {
                     extra=(("use_sliding_window", False), ("sliding_window", None))),
     "qwen3": Family("Qwen3ForCausalLM", qk_norm=True, bias_key="attention_bias", bias_on_o=True,
                     extra=(("use_sliding_window", False), ("sliding_window", None))),
-    "qwen2_moe": Family("Qwen2MoeForCausalLM", moe=True, bias_key="qkv_bias", bias_fixed=True, shared_expert=True,
-                        extra=(("use_sliding_window", False), ("sliding_window", None))),
+    "qwen2_moe": Family("Qwen2MoeForCausalLM", moe=True, bias_key="qkv_bias", bias_fixed=True,
+                        shared_expert=True, extra=(("use_sliding_window", False), ("sliding_window", None))),
     "qwen3_moe": Family("Qwen3MoeForCausalLM", moe=True, qk_norm=True, bias_key="attention_bias",
                         bias_on_o=True, extra=(("use_sliding_window", False), ("sliding_window", None))),
 }
@@ -113,7 +113,8 @@ def config_from_hf(raw: dict[str, Any]) -> ModelConfig:
         if fields["num_experts"] <= 0:
             _unsupported("num_experts", fields["num_experts"], "a MoE family needs num_experts >= 1")
     fields["qk_norm"] = family.qk_norm
-    fields["attention_bias"] = bool(raw.pop(family.bias_key, family.bias_fixed)) if family.bias_key else family.bias_fixed
+    bias = raw.pop(family.bias_key, family.bias_fixed) if family.bias_key else family.bias_fixed
+    fields["attention_bias"] = bool(bias)
     fields["rope_theta"], fields["rope_scaling"] = _rope_from_hf(raw)
     dtype = raw.pop("dtype", None) or raw.pop("torch_dtype", None)
     raw.pop("torch_dtype", None)
@@ -139,10 +140,9 @@ def _check_inert_features(raw: dict[str, Any], model_type: str, max_len: int | N
     dropout = raw.pop("attention_dropout", 0.0)
     if dropout not in (0, 0.0, None):
         _unsupported("attention_dropout", dropout, "astrai has no attention dropout; set it to 0.0")
-    for key, neutral in (("mlp_bias", False), ("pretraining_tp", 1), ("use_sliding_window", False)):
+    raw.pop("pretraining_tp", None)  # a split matmul, mathematically the same; transformers 5 ignores it
+    for key, neutral in (("mlp_bias", False), ("use_sliding_window", False)):
         value = raw.pop(key, neutral)
-        if key == "pretraining_tp":
-            continue  # transformers 5 ignores it: the split matmul is mathematically the same
         if value != neutral:
             _unsupported(key, value, f"astrai supports only {key}={neutral}")
     window = raw.pop("sliding_window", None)
@@ -235,6 +235,7 @@ def config_to_hf(config: ModelConfig, model_type: str | None = None) -> dict[str
 # -- weights ------------------------------------------------------------------------------------
 _FUSED = re.compile(r"^(.*\.mlp\.experts)\.(gate_up_proj|down_proj)$")
 _O_BIAS = re.compile(r"^.*\.self_attn\.o_proj\.bias$")
+_SHARED = re.compile(r"^.*\.mlp\.shared_expert(_gate|\.\w+_proj)\.weight$")
 
 
 def read_safetensors(path: str | Path) -> dict[str, Tensor]:
@@ -308,6 +309,8 @@ def state_dict_from_hf(tensors: dict[str, Tensor], config: ModelConfig) -> dict[
                     f"weight '{key}' is nonzero but astrai's attention has no output bias; "
                     "this checkpoint cannot be loaded exactly"
                 )
+        elif _SHARED.match(key) and config.num_experts and not config.shared_expert_intermediate_size:
+            continue  # the empty shared expert of a qwen2_moe written without one: adds zero
         elif key == "lm_head.weight" and config.tie_word_embeddings:
             continue  # transformers ties it to the embedding as well
         else:
@@ -322,11 +325,16 @@ def state_dict_to_hf(state: dict[str, Tensor], config: ModelConfig, model_type: 
     for key, t in split_experts(state).items():
         if key == "lm_head.weight" and config.tie_word_embeddings:
             continue  # safetensors refuses shared storage; transformers re-ties on load
-        out[key] = t.detach().to("cpu").contiguous()
+        t = out[key] = t.detach().to("cpu").contiguous()
+        # what the family's architecture has and astrai's lacks is written as zeros that add 0
         if key.endswith("self_attn.v_proj.bias") and FAMILIES[model_type].bias_on_o:
-            # the family's attention_bias also puts a bias on o_proj: zero keeps the maths
-            o_key = key.replace("v_proj.bias", "o_proj.bias")
-            out[o_key] = torch.zeros(config.hidden_size, dtype=t.dtype)
+            out[key.replace("v_proj.bias", "o_proj.bias")] = torch.zeros(config.hidden_size, dtype=t.dtype)
+        if key.endswith("mlp.gate.weight") and FAMILIES[model_type].shared_expert \
+                and not config.shared_expert_intermediate_size:
+            mlp, C = key.removesuffix("gate.weight"), config.hidden_size
+            for name, shape in (("gate_proj", (0, C)), ("up_proj", (0, C)), ("down_proj", (C, 0))):
+                out[f"{mlp}shared_expert.{name}.weight"] = torch.zeros(shape, dtype=t.dtype)
+            out[f"{mlp}shared_expert_gate.weight"] = torch.zeros(1, C, dtype=t.dtype)
     return out
 
 
@@ -435,11 +443,11 @@ def save_model(
     hf_config = config_to_hf(config, model_type)
     ids = _special_ids(config, tokenizer)
     hf_config.update(ids)
-    if state_dict is None and any(k.endswith(".lora_A") for k in model.state_dict()):
+    state = state_dict if state_dict is not None else model.state_dict()
+    if any(k.endswith(".lora_A") for k in state):
         from astrai.model.lora import merged_state_dict  # a LoRA run's checkpoint: fold adapters
 
-        state_dict = merged_state_dict(model)
-    state = state_dict if state_dict is not None else model.state_dict()
+        state = merged_state_dict(model)
     tensors = state_dict_to_hf(state, config, model_type)
     floats = [t.dtype for t in tensors.values() if t.is_floating_point()]
     if floats:

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import copy
 
-import torch
 from torch import Tensor, nn
 
 from astrai.model.config import ModelConfig
@@ -79,10 +78,3 @@ def _check_shapes(input_ids: Tensor, **others: Tensor | None) -> None:
                 f"{tuple(input_ids.shape)}; they must match"
             )
 
-
-@torch.no_grad()
-def trunk_parity_error(value_model: ValueModel, policy: CausalLM, input_ids: Tensor) -> float:
-    """Largest |hidden| difference between the critic's trunk and the policy's (diagnostics)."""
-    a, _, _ = value_model.model(input_ids)
-    b = policy(input_ids).hidden_states
-    return (a - b).abs().max().item()

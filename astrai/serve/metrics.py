@@ -46,7 +46,7 @@ class ServerMetrics:
     """All counters, gauges and histograms of one server process."""
 
     def __init__(self, model_name: str):
-        self.model_name = model_name
+        self.model_name = model_name.replace("\\", "\\\\").replace('"', '\\"')  # label escaping
         self._lock = threading.Lock()
         self.http_requests: dict[tuple[str, int], int] = {}
         self.finished_requests: dict[str, int] = {}

@@ -101,7 +101,8 @@ def run(cfg: Config, ctx: TrainContext) -> int:
 
         dist.cleanup()
     if ctx.stop_requested and trainer.is_main:
-        print(f"stopped at step {ctx.step} ({ctx.stop_reason}); checkpoint published", file=sys.stderr)
+        saved = "checkpoint published" if ctx.step > 0 else "no optimizer step completed, nothing to save"
+        print(f"stopped at step {ctx.step} ({ctx.stop_reason}); {saved}", file=sys.stderr)
     return 0
 
 

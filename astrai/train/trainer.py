@@ -58,9 +58,9 @@ class Trainer:
         self.raw_model.gradient_checkpointing = cfg.train.gradient_checkpointing
         # objective first: DPO's frozen reference is a copy of the unwrapped initial policy
         self.objective = objective if objective is not None else build_objective(cfg, self.raw_model)
-        self.model = dist.wrap_model(self.raw_model, cfg.dist.parallel_mode, self.dist)
         if cfg.train.compile:
-            self.model = torch.compile(self.model)
+            self.raw_model.compile()  # in place: parameter names (and checkpoints) stay unprefixed
+        self.model = dist.wrap_model(self.raw_model, cfg.dist.parallel_mode, self.dist)
         if train_dataset is None:
             train_dataset, built_val = build_datasets(cfg, self.tokenizer)
             val_dataset = val_dataset if val_dataset is not None else built_val
@@ -89,7 +89,9 @@ class Trainer:
         cbs.on_train_begin(self)
         try:
             stopping = False
-            while self._data_epoch < self.config.train.n_epoch and ctx.step < self.total_steps:
+            t = self.config.train
+            # max_steps, when set, decides alone (as many epochs as it takes); else n_epoch does
+            while ctx.step < self.total_steps and (t.max_steps is not None or self._data_epoch < t.n_epoch):
                 cbs.on_epoch_begin(self)
                 for batch in self._epoch_batches():  # this rank's micro-batches, from the resume point on
                     stopping = self._should_stop()
@@ -107,7 +109,7 @@ class Trainer:
                         self._optimizer_step()
                         if ctx.step >= self.total_steps:
                             break
-                data_done = self.config.train.max_steps is None and ctx.step >= self.total_steps  # tail < 1 window
+                data_done = t.max_steps is None and ctx.step >= self.total_steps  # only a tail < 1 window left
                 if self._data_consumed >= self.sampler.total_size or data_done:  # the epoch's data is used up
                     cbs.on_epoch_end(self)
                     self._next_epoch()
@@ -256,8 +258,7 @@ class Trainer:
         sampler = ResumableSampler(len(ds), rank=self.dist.rank, world_size=self.dist.world_size, shuffle=False)
         order = list(sampler)
         bs = cfg.train.batch_per_device
-        units = torch.zeros((), device=self.device)
-        loss = torch.zeros((), device=self.device)
+        sums: dict[str, Tensor] = {}  # "units", "loss" and the objective's metrics, summed over units
         self.raw_model.eval()
         try:
             for n, start in enumerate(range(0, len(order), bs)):
@@ -266,12 +267,14 @@ class Trainer:
                 batch = self._to_device(ds.collate([ds[i] for i in order[start:start + bs]]))
                 with self._autocast():
                     out = self.objective(self.raw_model, batch)
-                units += self.objective.num_units(batch)
-                loss += out.loss.float()
+                for k, v in {"units": self.objective.num_units(batch), "loss": out.loss, **out.metrics}.items():
+                    sums[k] = sums.get(k, 0.0) + v.detach().float()
         finally:
             self.raw_model.train()
-        totals = dist.all_reduce_sum(torch.stack([loss, units]))
-        return {"val/loss": (totals[0] / totals[1].clamp(min=1)).item()}
+        names = sorted(sums)
+        totals = dict(zip(names, dist.all_reduce_sum(torch.stack([sums[k] for k in names])).tolist()))
+        units = max(totals.pop("units"), 1.0)
+        return {f"val/{k}": v / units for k, v in totals.items()}
 
     # ------------------------------------------------------------------------- state
 

@@ -43,6 +43,8 @@ def test_impossible_requests_raise_clear_errors(model):
         engine.add_request("a", "hello", SamplingParams())
     with pytest.raises(ValueError, match="logit_bias has token id 500"):
         engine.add_request("a", [5], SamplingParams(logit_bias={500: 1.0}))
+    with pytest.raises(ValueError, match="n is 300 but max_num_seqs is 256"):
+        engine.add_request("a", [5], SamplingParams(n=300, max_tokens=1))
     engine.add_request("a", [5, 6], SamplingParams(max_tokens=2))
     with pytest.raises(ValueError, match="already in use"):
         engine.add_request("a", [5, 6], SamplingParams())

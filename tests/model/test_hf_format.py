@@ -192,3 +192,23 @@ def test_split_and_fuse_experts_are_inverse():
     assert len(split) == 3 * 3 + 1
     again = fuse_experts(split, fused)  # a model whose state dict holds the fused layout
     assert again.keys() == fused.keys() and all(again[k].equal(v) for k, v in fused.items())
+
+
+@pytest.mark.filterwarnings("ignore:Initializing zero-element tensors")
+@pytest.mark.parametrize("features", [
+    {"num_experts": 4, "moe_intermediate_size": 16},  # qwen2_moe with an empty shared expert
+    {"qk_norm": True, "attention_bias": True},  # qwen3 with a zero o_proj bias
+])
+def test_padded_families_load_in_transformers(tmp_path, features):
+    transformers = pytest.importorskip("transformers")
+    model = tiny(**features)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("bias"):
+                p.normal_(0, 0.1)
+    save_model(model, tmp_path)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32).eval()
+    ids = torch.randint(0, 64, (2, 7))
+    with torch.no_grad():
+        torch.testing.assert_close(hf(input_ids=ids).logits, model(ids).logits, atol=1e-5, rtol=0)
+    assert same_logits(model, load_model(tmp_path))

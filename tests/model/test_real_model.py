@@ -36,3 +36,17 @@ def test_logits_match_transformers_on_real_model():
     scale = expected[keep].abs().max().item()
     assert (got[keep] - expected[keep]).abs().max().item() < 1e-4 * max(scale, 1.0)
     assert torch.equal(got[keep].argmax(-1), expected[keep].argmax(-1))
+
+
+def test_converted_tokenizer_matches_transformers_chat_ids():
+    from transformers import AutoTokenizer
+
+    from astrai.data.tokenizer import load_tokenizer
+
+    messages = [{"role": "user", "content": "What is 2 + 3?"}]
+    expected = AutoTokenizer.from_pretrained(MODEL_DIR).apply_chat_template(
+        messages, add_generation_prompt=True, tokenize=True, return_dict=False
+    )
+    tok = load_tokenizer(MODEL_DIR)
+    assert tok.apply_chat_template(messages, add_generation_prompt=True) == list(expected)
+    assert tok.eos_token_id == 2 and tok.decode([2], skip_special_tokens=False) == "<|im_end|>"

@@ -129,7 +129,22 @@ def test_sigterm_aborts_in_flight_and_exits_0(model_dir):
     assert time.monotonic() - started < 10
     assert events[-1] == "data: [DONE]"
     last = json.loads(events[-2][len("data: "):])
-    print("sigterm last chunk", last, len(events))
     assert last["choices"][0]["finish_reason"] in ("abort", "length")
     with pytest.raises(httpx.TransportError):
         httpx.get(proc.base_url + "/health", timeout=2)
+
+
+def test_non_streaming_client_that_gives_up_aborts_its_request(server):
+    before = _metric(server.base_url, "astrai_requests_aborted_by_disconnect_total")
+    body = {"model": "tiny-model", "messages": [{"role": "user", "content": "wait"}], "max_tokens": 900,
+            "ignore_eos": True}
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(server.base_url + "/v1/chat/completions", json=body, headers=AUTH, timeout=0.3)
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and not (
+            _metric(server.base_url, "astrai_requests_aborted_by_disconnect_total") == before + 1
+            and _metric(server.base_url, "astrai_kv_cache_usage_perc") == 0):
+        time.sleep(0.05)
+    assert _metric(server.base_url, "astrai_requests_aborted_by_disconnect_total") == before + 1
+    assert _metric(server.base_url, "astrai_num_requests_running") == 0
+    assert _metric(server.base_url, "astrai_kv_cache_usage_perc") == 0

@@ -78,7 +78,7 @@ def drive(config: Path, straight_config: Path, trials: int, seed: int) -> dict:
             _wait_for_staging(ckpt_dir, timeout=5.0)
             time.sleep(rng.uniform(0, 0.03))
         else:
-            time.sleep(rng.uniform(0.1, 1.5))
+            time.sleep(rng.uniform(0.05, 0.7))
         staging_now = ckpt_dir.is_dir() and any(".staging-" in p.name for p in ckpt_dir.iterdir())
         os.kill(pid, signal.SIGKILL)
         _, status = os.waitpid(pid, 0)
@@ -114,9 +114,9 @@ def test_kill9_fuzz_never_loses_a_checkpoint(tmp_path):
 
     tok = write_tokenizer(tmp_path / "tok")
     # a checkpoint after every optimizer step, so many kills land inside a save
-    flags = {"grad_accum_steps": 2, "batch_per_device": 2, "n_epoch": 2}
-    config = write_run(tmp_path / "fuzz", tok, "sft", num_records=20, **flags)
-    straight = write_run(tmp_path / "straight", tok, "sft", num_records=20, **flags)
+    flags = {"grad_accum_steps": 2, "batch_per_device": 2, "n_epoch": 3}
+    config = write_run(tmp_path / "fuzz", tok, "sft", num_records=40, **flags)
+    straight = write_run(tmp_path / "straight", tok, "sft", num_records=40, **flags)
     for cfg in (config, straight):
         cfg.write_text(cfg.read_text().replace("ckpt_interval: 0", "ckpt_interval: 1"))
 

@@ -4,6 +4,7 @@ windows spanning epochs, stop requests at batch boundaries."""
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
 import torch
@@ -159,6 +160,16 @@ def test_stop_request_at_batch_boundary_drops_partial_window(tmp_path):
     assert t.ctx.stop_reason == "test"
 
 
+def test_resume_with_other_batch_size_is_reported(tmp_path, capsys):
+    t = make_trainer(tmp_path, ToySeqDataset(16), "--batch_per_device", "4", "--max_steps", "1")
+    t.train()
+    state = t.state_dict()
+    t2 = make_trainer(tmp_path / "b", ToySeqDataset(16), "--batch_per_device", "2", "--random_seed", "3")
+    t2.load_state_dict(state)
+    err = capsys.readouterr().err
+    assert "batch_per_device=2" in err and "batch_per_device=4" in err and "random_seed=3" in err
+
+
 def test_state_dict_is_json_and_round_trips(tmp_path):
     t = make_trainer(tmp_path, ToySeqDataset(16), "--batch_per_device", "4", "--max_steps", "2")
     t.train()
@@ -169,3 +180,31 @@ def test_state_dict_is_json_and_round_trips(tmp_path):
     t2.load_state_dict(state)
     assert (t2.ctx.step, t2.ctx.consumed_samples, t2.ctx.epoch) == (2, 8, 0)
     assert torch.equal(torch.get_rng_state(), torch.tensor(state["rng"]["torch"], dtype=torch.uint8))
+
+
+def test_gradient_checkpointing_same_gradients_and_bf16_runs(tmp_path):
+    captured = {}
+
+    class Capture:
+        def before_optimizer_step(self, t):
+            captured.update({n: p.grad.clone() for n, p in t.raw_model.named_parameters()})
+
+    t = make_trainer(tmp_path / "gc", ToySeqDataset(16), "--batch_per_device", "8", "--max_steps", "1",
+                     "--max_grad_norm", "0", "--gradient_checkpointing", callbacks=[Capture()])
+    assert t.raw_model.gradient_checkpointing
+    t.train()
+    ref8, _ = grads_after_one_step(tmp_path / "plain8", 8, 1)
+    for name, g in ref8.items():
+        if name != "_norm":
+            torch.testing.assert_close(captured[name], g, rtol=1e-5, atol=1e-7)
+    t = make_trainer(tmp_path / "bf16", ToySeqDataset(16), "--batch_per_device", "8", "--max_steps", "2", "--bf16")
+    t.train()
+    line = json.loads((tmp_path / "bf16" / "log" / "metrics.jsonl").read_text().splitlines()[-1])
+    assert math.isfinite(line["loss"]) and line["loss"] > 0
+    assert all(p.dtype == torch.float32 for p in t.raw_model.parameters())  # fp32 master weights
+
+
+def test_max_steps_overrides_n_epoch(tmp_path):
+    t = make_trainer(tmp_path, ToySeqDataset(8), "--batch_per_device", "4", "--max_steps", "5", "--n_epoch", "1")
+    t.train()
+    assert t.ctx.step == 5 and t.ctx.epoch == 2  # 2 steps per epoch: the fifth is in the third epoch

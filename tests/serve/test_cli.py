@@ -1,0 +1,28 @@
+"""`astrai serve` flags: loopback by default, the API key from the environment, engine flags."""
+
+from __future__ import annotations
+
+from astrai.serve.app import ServeConfig, build_parser, main
+
+
+def test_defaults_bind_loopback_and_read_the_key_from_env(monkeypatch):
+    monkeypatch.setenv("ASTRAI_API_KEY", "from-env")
+    args = build_parser().parse_args(["--model", "m"])
+    assert (args.host, args.port, args.api_key) == ("127.0.0.1", 8000, "from-env")
+    monkeypatch.delenv("ASTRAI_API_KEY")
+    assert build_parser().parse_args(["--model", "m"]).api_key is None
+
+
+def test_engine_config_fields_are_flags():
+    args = build_parser().parse_args(["--model", "m", "--max_model_len", "64", "--enable_prefix_caching", "false"])
+    assert args.max_model_len == 64 and args.enable_prefix_caching is False
+
+
+def test_model_name_is_the_directory_basename_unless_given(tmp_path):
+    assert ServeConfig(str(tmp_path / "my-model")).model_name == "my-model"
+    assert ServeConfig(str(tmp_path / "my-model"), served_model_name="alias").model_name == "alias"
+
+
+def test_missing_model_directory_is_a_clear_error(tmp_path, capsys):
+    assert main(["--model", str(tmp_path / "nowhere")]) == 2
+    assert "no config.json" in capsys.readouterr().err

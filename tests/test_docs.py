@@ -1,0 +1,242 @@
+"""The docs describe the code that exists: config tables, modules and commands are checked both ways.
+
+Reference tables in docs/ have the header ``| field | section | type | default | meaning |``. Every
+field of the documented dataclasses must have exactly one row with its section, type and default,
+and every row must name a field that exists. Every ``astrai <command>`` shown in code in README.md
+or docs/ must be a command of ``astrai/cli.py`` (and its sub-command and ``--flags`` must exist),
+and the module table of docs/architecture.md must list exactly the modules under ``astrai/``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import io
+import re
+import typing
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from astrai import config as run_config
+from astrai.cli import COMMANDS
+from astrai.infer.engine import EngineConfig
+from astrai.infer.sampling import SamplingParams
+from astrai.model.config import ModelConfig
+
+ROOT = Path(__file__).resolve().parent.parent
+DOCS = ROOT / "docs"
+DOC_FILES = [ROOT / "README.md", *sorted(DOCS.glob("*.md"))]
+
+# which dataclass each (file, section) of a reference table documents
+DOCUMENTED: dict[str, dict[str, type]] = {
+    "training.md": {"model": ModelConfig, **run_config.SECTIONS},
+    "inference.md": {"engine": EngineConfig, "sampling": SamplingParams},
+}
+TABLE_HEADER = re.compile(r"^\|\s*field\s*\|\s*section\s*\|\s*type\s*\|\s*default\s*\|\s*meaning\s*\|\s*$")
+
+
+@dataclasses.dataclass(frozen=True)
+class Row:
+    field: str
+    section: str
+    type: str
+    default: str
+    line: int
+
+
+def _cells(line: str) -> list[str]:
+    """Cells of a table row; a '|' inside a cell is escaped as '\\|' (GitHub's rule)."""
+    inner = line.strip().removeprefix("|").removesuffix("|")
+    return [c.strip().replace("\\|", "|") for c in re.split(r"(?<!\\)\|", inner)]
+
+
+def _unquote(cell: str) -> str:
+    return cell.strip().strip("`").strip()
+
+
+def reference_rows(path: Path) -> list[Row]:
+    """Rows of every ``| field | section | type | default | meaning |`` table in a file."""
+    rows: list[Row] = []
+    in_table = False
+    for n, line in enumerate(path.read_text().splitlines(), 1):
+        if TABLE_HEADER.match(line):
+            in_table = True
+            continue
+        if not in_table:
+            continue
+        if not line.startswith("|"):
+            in_table = False
+            continue
+        cells = _cells(line)
+        if set("".join(cells)) <= set("-: "):  # the |---| separator
+            continue
+        assert len(cells) == 5, (f"{path.name}:{n}: a reference row needs 5 cells (escape a '|' inside a "
+                                 f"cell as '\\|'), got {len(cells)}: {line!r}")
+        rows.append(Row(*(_unquote(c) for c in cells[:4]), n))
+    return rows
+
+
+def type_name(tp: Any) -> str:
+    """How a field's type is written in the docs: `int | None`, `dict[str, Any] | None`."""
+    text = tp.__name__ if isinstance(tp, type) else str(tp)
+    return text.replace("typing.", "")
+
+
+def code_fields(cls: type) -> dict[str, tuple[str, Any]]:
+    """name -> (type as documented, default) of a dataclass's public fields."""
+    hints = typing.get_type_hints(cls)
+    out = {}
+    for f in dataclasses.fields(cls):
+        if f.name.startswith("_"):
+            continue
+        default = f.default if f.default is not dataclasses.MISSING else f.default_factory()  # type: ignore[misc]
+        out[f.name] = (type_name(hints[f.name]), default)
+    return out
+
+
+@pytest.mark.parametrize("doc", sorted(DOCUMENTED))
+def test_every_field_is_documented_and_every_documented_field_exists(doc: str) -> None:
+    rows = reference_rows(DOCS / doc)
+    assert rows, f"docs/{doc} has no '| field | section | type | default | meaning |' table"
+    documented = {}
+    for row in rows:
+        key = (row.section, row.field)
+        assert key not in documented, f"docs/{doc}:{row.line}: {row.section}.{row.field} is documented twice"
+        documented[key] = row
+    expected = {(section, name) for section, cls in DOCUMENTED[doc].items() for name in code_fields(cls)}
+    missing = sorted(expected - set(documented))
+    unknown = sorted(set(documented) - expected)
+    assert not missing, f"fields without a row in docs/{doc}: {[f'{s}.{n}' for s, n in missing]}"
+    assert not unknown, (f"docs/{doc} documents fields that do not exist (or sit in another section): "
+                         f"{[f'{s}.{n} (line {documented[(s, n)].line})' for s, n in unknown]}")
+
+
+@pytest.mark.parametrize("doc", sorted(DOCUMENTED))
+def test_documented_types_and_defaults_match_the_code(doc: str) -> None:
+    for row in reference_rows(DOCS / doc):
+        cls = DOCUMENTED[doc].get(row.section)
+        if cls is None or row.field not in code_fields(cls):
+            continue  # reported by the test above
+        tp, default = code_fields(cls)[row.field]
+        where = f"docs/{doc}:{row.line} ({row.section}.{row.field})"
+        assert row.type == tp, f"{where}: type is {tp!r} in the code, {row.type!r} in the docs"
+        # defaults are written as YAML: null, true, 0.001, 1.0e-8, out/ckpt, []
+        assert yaml.safe_load(row.default) == default, (
+            f"{where}: default is {default!r} in the code, {row.default!r} in the docs"
+        )
+
+
+def test_reference_parser_reads_escaped_pipes(tmp_path: Path) -> None:
+    """A row whose cells hold escaped '|' gives the right cells (the parser is not vacuous)."""
+    probe = tmp_path / "probe.md"
+    probe.write_text("| field | section | type | default | meaning |\n|---|---|---|---|---|\n"
+                     "| `max_steps` | train | `int \\| None` | `null` | steps; `a \\| b` |\n\nprose\n| x | y |\n")
+    assert reference_rows(probe) == [Row("max_steps", "train", "int | None", "null", 3)]
+
+
+# ---------------------------------------------------------------------------- commands
+
+
+def code_snippets(text: str) -> list[str]:
+    """Lines of fenced code blocks and inline code spans: where commands are shown."""
+    snippets, fenced = [], False
+    for line in text.splitlines():
+        if line.lstrip().startswith("```"):
+            fenced = not fenced
+            continue
+        if fenced:
+            snippets.append(line.split(" #")[0])  # a trailing shell comment is prose
+        else:
+            snippets += [s.replace("\\|", "|") for s in re.findall(r"`([^`]+)`", line)]
+    return snippets
+
+
+COMMAND_USE = re.compile(r"(?:^|[\s(\"'$])astrai ([a-z][\w-]*)(.*)$")
+
+
+def command_uses() -> list[tuple[str, str, str]]:
+    """(file, command, rest of the line) for every `astrai <command>` shown in code."""
+    uses = []
+    for path in DOC_FILES:
+        for snippet in code_snippets(path.read_text()):
+            for m in COMMAND_USE.finditer(snippet):
+                uses.append((path.name, m.group(1), m.group(2)))
+    return uses
+
+
+def help_text(command: str, *sub: str) -> str:
+    """The --help output of `astrai <command> [sub]`, run in-process."""
+    from astrai.cli import main
+
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.suppress(SystemExit):
+        main([command, *sub, "--help"])
+    return out.getvalue()
+
+
+def known_flags(command: str, sub: str | None) -> set[str]:
+    if command == "train":  # every config field is a flag, on top of the parser's own
+        return set(run_config.field_table()) | {"config", "dry_run", "help"}
+    text = help_text(command, *([sub] if sub else []))
+    return set(re.findall(r"--([a-z][\w-]*)", text)) | {"help"}
+
+
+def subcommands(command: str) -> set[str]:
+    usage = help_text(command).split("\n\n")[0]
+    m = re.search(r"\{([\w,]+)\}", usage)
+    return set(m.group(1).split(",")) if m else set()
+
+
+def test_docs_show_commands_at_all() -> None:
+    commands = {c for _, c, _ in command_uses()}
+    assert {"train", "serve", "generate", "ckpt"} <= commands, f"commands shown in the docs: {sorted(commands)}"
+
+
+def test_every_command_in_the_docs_exists() -> None:
+    unknown = sorted({(f, c) for f, c, _ in command_uses() if c not in COMMANDS})
+    assert not unknown, f"commands shown in the docs but missing from astrai/cli.py COMMANDS: {unknown}"
+
+
+def test_sub_commands_and_flags_in_the_docs_exist() -> None:
+    problems = []
+    cache: dict[tuple[str, str | None], set[str]] = {}
+    subs: dict[str, set[str]] = {}
+    for doc, command, rest in command_uses():
+        if command not in COMMANDS:
+            continue  # reported by test_every_command_in_the_docs_exists
+        if command not in subs:
+            subs[command] = subcommands(command) if command != "train" else set()
+        sub = None
+        words = rest.split()
+        if subs[command]:
+            if words and not words[0].startswith("-"):
+                shown = set(words[0].split("|"))  # `astrai ckpt list|verify`
+                problems += [f"{doc}: astrai {command} {s}" for s in sorted(shown - subs[command])]
+                sub = sorted(shown & subs[command])[0] if shown & subs[command] else None
+        key = (command, sub)
+        if key not in cache:
+            cache[key] = known_flags(command, sub)
+        flags = set(re.findall(r"(?:^|\s|\[)--([a-z][\w-]*)", rest))
+        problems += [f"{doc}: astrai {command}{' ' + sub if sub else ''} --{f}" for f in sorted(flags - cache[key])]
+    assert not problems, f"sub-commands or flags shown in the docs that the CLI does not have: {problems}"
+
+
+# ---------------------------------------------------------------------------- modules
+
+
+def test_architecture_module_table_matches_the_package() -> None:
+    """docs/architecture.md names every module under astrai/ (in backticks), and only those."""
+    text = (DOCS / "architecture.md").read_text()
+    table = [line for line in text.splitlines() if line.startswith("|")]
+    named = set(re.findall(r"`(astrai/[\w/]+\.py)`", "\n".join(table)))
+    package = ROOT / "astrai"
+    actual = {
+        p.relative_to(ROOT).as_posix() for p in package.rglob("*.py")
+        if p.name not in ("__init__.py", "__main__.py") and "__pycache__" not in p.parts
+    }
+    assert actual, "no modules found under astrai/"
+    assert not sorted(actual - named), f"modules missing from the docs/architecture.md table: {sorted(actual - named)}"
+    assert not sorted(named - actual), f"docs/architecture.md names modules that do not exist: {sorted(named - actual)}"
