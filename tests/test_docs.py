@@ -154,7 +154,8 @@ def code_snippets(text: str) -> list[str]:
     return snippets
 
 
-COMMAND_USE = re.compile(r"(?:^|[\s(\"'$])astrai ([a-z][\w-]*)(.*)$")
+# `astrai <command>` in a shell line; `from astrai import X` is Python, not a command
+COMMAND_USE = re.compile(r"(?:^|[\s(\"'$])(?<!from )astrai ([a-z][\w-]*)(.*)$")
 
 
 def command_uses() -> list[tuple[str, str, str]]:
@@ -186,7 +187,7 @@ def known_flags(command: str, sub: str | None) -> set[str]:
 
 def subcommands(command: str) -> set[str]:
     usage = help_text(command).split("\n\n")[0]
-    m = re.search(r"\{([\w,]+)\}", usage)
+    m = re.search(r"\{([\w,]+)\} \.\.\.", usage)  # argparse sub-parsers: `{list,verify} ...`
     return set(m.group(1).split(",")) if m else set()
 
 
@@ -240,3 +241,39 @@ def test_architecture_module_table_matches_the_package() -> None:
     assert actual, "no modules found under astrai/"
     assert not sorted(actual - named), f"modules missing from the docs/architecture.md table: {sorted(actual - named)}"
     assert not sorted(named - actual), f"docs/architecture.md names modules that do not exist: {sorted(named - actual)}"
+
+
+def import_rules() -> dict[str, set[str]]:
+    """layer -> layers it must not import, from the 'must not import' table of architecture.md."""
+    rules = {}
+    for line in (DOCS / "architecture.md").read_text().splitlines():
+        m = re.match(r"^\|\s*`astrai/(\w+)`\s*\|[^|]*\|([^|]*)\|\s*$", line)
+        if m:
+            rules[m.group(1)] = {w.strip() for w in m.group(2).split(",") if w.strip()}
+    return rules
+
+
+def imported_layers(path: Path) -> set[str]:
+    """The astrai sub-packages a module imports anywhere (top level or inside functions)."""
+    import ast
+
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        names = [node.module or ""] if isinstance(node, ast.ImportFrom) else (
+            [a.name for a in node.names] if isinstance(node, ast.Import) else [])
+        for name in names:
+            parts = name.split(".")
+            if parts[0] == "astrai" and len(parts) > 1:
+                found.add(parts[1])
+    return found
+
+
+def test_import_direction_matches_architecture() -> None:
+    rules = import_rules()
+    assert set(rules) == {"model", "data", "infer", "serve", "train"}, f"import table rows: {sorted(rules)}"
+    violations = []
+    for layer, forbidden in rules.items():
+        for path in sorted((ROOT / "astrai" / layer).rglob("*.py")):
+            bad = imported_layers(path) & forbidden
+            violations += [f"{path.relative_to(ROOT)} imports astrai.{b}" for b in sorted(bad)]
+    assert not violations, f"imports against docs/architecture.md: {violations}"

@@ -45,7 +45,7 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True
     engine_seed: int = 0  # generator of unseeded sampling (SamplingParams.seed is per request)
-    device: str | None = None  # None = where the model is (from_pretrained: cuda if available)
+    device: str | None = None  # from_pretrained: where to load (None: cuda if available); else the model's
     dtype: str | None = None  # from_pretrained only: weights dtype (None = the checkpoint's)
 
 
@@ -122,7 +122,10 @@ class LLMEngine:
         model_cfg = model.config
         self.vocab_size = model_cfg.vocab_size
         self.max_model_len = config.max_model_len or model_cfg.max_position_embeddings
-        device = torch.device(config.device) if config.device else next(model.parameters()).device
+        device = next(model.parameters()).device  # the engine runs the model where it is, never copies it
+        if config.device and torch.device(config.device).type != device.type:
+            raise ValueError(f"EngineConfig.device is {config.device!r} but the model is on {device}; "
+                             f"move the model first or leave device unset")
         dtype = next(model.parameters()).dtype
         num_blocks = self._num_blocks(model_cfg, dtype, device)
         batched = config.max_num_batched_tokens

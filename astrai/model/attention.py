@@ -129,58 +129,49 @@ class PagedAttentionMetadata:
         kv_caches: list[tuple[Tensor, Tensor]],
         device: torch.device | str = "cpu",
     ) -> PagedAttentionMetadata:
-        def slots_of(table: list[int], start: int, end: int) -> Tensor:
-            pos = torch.arange(start, end)
-            return torch.tensor(table, dtype=torch.long)[pos // block_size] * block_size + pos % block_size
-
-        slot_parts, prefills, decodes = [], [], []
-        offset = 0
-        for i, (q_len, ctx_len) in enumerate(zip(query_lens, context_lens)):
-            if q_len <= 0 or ctx_len < q_len:
-                raise ValueError(f"sequence {i}: query_len {q_len} and context_len {ctx_len} are inconsistent")
-            if ctx_len > len(block_tables[i]) * block_size:
-                raise ValueError(
-                    f"sequence {i}: context_len {ctx_len} exceeds its {len(block_tables[i])} blocks "
-                    f"of {block_size} tokens"
-                )
-            slot_parts.append(slots_of(block_tables[i], ctx_len - q_len, ctx_len))
-            if q_len == 1 and ctx_len > 1:
-                decodes.append(i)
-            elif ctx_len == q_len:  # whole prompt in this step: attend over the fresh keys
-                prefills.append(PrefillSegment(offset, offset + q_len, None, None))
+        # built once per engine step and shared by every layer: vectorised over sequences,
+        # since a Python loop here costs more than the attention itself for tiny models
+        S = len(query_lens)
+        q = torch.tensor(query_lens, dtype=torch.long)  # (S,)
+        ctx = torch.tensor(context_lens, dtype=torch.long)  # (S,)
+        num_blocks = torch.tensor([len(t) for t in block_tables], dtype=torch.long)  # (S,)
+        bad = ((q <= 0) | (ctx < q)).nonzero()
+        if len(bad):
+            i = int(bad[0])
+            raise ValueError(f"sequence {i}: query_len {query_lens[i]} and context_len {context_lens[i]} "
+                             "are inconsistent")
+        bad = (ctx > num_blocks * block_size).nonzero()
+        if len(bad):
+            i = int(bad[0])
+            raise ValueError(f"sequence {i}: context_len {context_lens[i]} exceeds its {len(block_tables[i])} "
+                             f"blocks of {block_size} tokens")
+        width = int(num_blocks.max())
+        tables = torch.tensor([t + [0] * (width - len(t)) for t in block_tables], dtype=torch.long)  # (S, W)
+        starts = q.cumsum(0) - q  # (S,) first flat index of each sequence
+        seq_of = torch.repeat_interleave(torch.arange(S), q)  # (N,)
+        pos = torch.arange(int(q.sum())) - starts[seq_of] + (ctx - q)[seq_of]  # (N,) absolute positions
+        slot_mapping = tables[seq_of, pos // block_size] * block_size + pos % block_size  # (N,)
+        is_decode = (q == 1) & (ctx > 1)
+        prefills = []
+        for i in (~is_decode).nonzero()[:, 0].tolist():
+            start, q_len, ctx_len = int(starts[i]), query_lens[i], context_lens[i]
+            if ctx_len == q_len:  # whole prompt in this step: attend over the fresh keys
+                prefills.append(PrefillSegment(start, start + q_len, None, None))
             else:  # a chunk after cached context
-                cached = ctx_len - q_len
-                key_pos = torch.arange(ctx_len)[None, :]
-                query_pos = (cached + torch.arange(q_len))[:, None]
-                prefills.append(
-                    PrefillSegment(
-                        offset, offset + q_len, slots_of(block_tables[i], 0, ctx_len).to(device),
-                        (key_pos <= query_pos).to(device),
-                    )
-                )
-            offset += q_len
-        starts = torch.tensor(query_lens).cumsum(0) - torch.tensor(query_lens)
+                key_pos = torch.arange(ctx_len)
+                slots = tables[i, key_pos // block_size] * block_size + key_pos % block_size
+                mask = key_pos[None, :] <= (ctx_len - q_len + torch.arange(q_len))[:, None]
+                prefills.append(PrefillSegment(start, start + q_len, slots.to(device), mask.to(device)))
         dec_idx = dec_slots = dec_mask = None
-        if decodes:
-            dec = torch.tensor(decodes)
-            ctx = torch.tensor(context_lens)[dec]  # (Sd,)
-            max_blocks = max(len(block_tables[i]) for i in decodes)
-            tables = torch.zeros(len(decodes), max_blocks, dtype=torch.long)
-            for row, i in enumerate(decodes):
-                tables[row, : len(block_tables[i])] = torch.tensor(block_tables[i])
-            l_max = int(ctx.max())
-            pos = torch.arange(l_max)
-            dec_slots = (tables[:, pos // block_size] * block_size + pos % block_size).to(device)
-            dec_mask = (pos[None, :] < ctx[:, None])[:, None, None, :].to(device)
+        dec = is_decode.nonzero()[:, 0]
+        if len(dec):
+            ctx_d = ctx[dec]  # (Sd,)
+            key_pos = torch.arange(int(ctx_d.max()))  # (Lmax,)
+            dec_slots = (tables[dec][:, key_pos // block_size] * block_size + key_pos % block_size).to(device)
+            dec_mask = (key_pos[None, :] < ctx_d[:, None])[:, None, None, :].to(device)
             dec_idx = starts[dec].to(device)
-        return cls(
-            kv_caches=kv_caches,
-            slot_mapping=torch.cat(slot_parts).to(device),
-            decode_token_idx=dec_idx,
-            decode_slots=dec_slots,
-            decode_mask=dec_mask,
-            prefills=prefills,
-        )
+        return cls(kv_caches=kv_caches, slot_mapping=slot_mapping.to(device), decode_token_idx=dec_idx,
+                   decode_slots=dec_slots, decode_mask=dec_mask, prefills=prefills)
 
 
 # -- the attention module ----------------------------------------------------------------------

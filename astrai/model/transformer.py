@@ -143,7 +143,7 @@ class CausalLM(nn.Module):
             elif name.endswith(".bias"):
                 p.zero_()
             else:
-                s = residual_std if name.endswith(("o_proj.weight", "down_proj.weight")) else std
+                s = residual_std if name.endswith(("o_proj.weight", "down_proj.weight", "experts.down_proj")) else std
                 p.copy_(torch.randn(p.shape, generator=gen) * s)
         self.model.inv_freq = rope_inv_freq(self.config).to(self.model.inv_freq.device)
 

@@ -31,7 +31,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response, Streami
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from astrai.serve.async_engine import AsyncEngine, OutputStream
+from astrai.serve.async_engine import AsyncEngine, EngineDeadError, OutputStream
 from astrai.serve.metrics import ServerMetrics
 from astrai.serve.protocol import (
     ChatCompletionRequest,
@@ -369,6 +369,8 @@ async def _submit(engine: AsyncEngine, renderer: Renderer, params: Any, want_log
         return await engine.submit(renderer.engine_requests(), params, want_logprobs)
     except ValueError as exc:  # the engine's own check of an impossible request
         raise APIError(400, str(exc), param=_param_named_in(str(exc))) from None
+    except EngineDeadError as exc:
+        raise APIError(503, str(exc), type_="service_unavailable") from None
 
 
 class _CountResponses:

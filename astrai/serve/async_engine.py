@@ -103,7 +103,8 @@ class AsyncEngine:
         self._tracked: dict[str, _Tracked] = {}  # engine thread only
         self._thread: threading.Thread | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._stop = False
+        self._stop = False  # engine thread: leave the loop
+        self._closed = False  # event loop: accept no more requests
         self._last_stats = 0.0
 
     # ------------------------------------------------------------------ event-loop side
@@ -117,9 +118,15 @@ class AsyncEngine:
         """Add one engine request per (request_id, prompt_ids); raise ValueError if the engine
         rejects any of them (then none of them runs)."""
         assert self._loop is not None, "AsyncEngine.start() was not called"
+        if self._closed:
+            raise EngineDeadError("the server is shutting down; retry on another replica")
         stream = OutputStream(self._loop, [rid for rid, _ in requests])
         self._send(("add", list(requests), params, want_logprobs, stream, time.perf_counter()))
-        await stream.accepted
+        try:
+            await stream.accepted
+        except asyncio.CancelledError:  # the client left while the engine thread was adding it
+            self.abort(stream.request_ids)
+            raise
         return stream
 
     def abort(self, request_ids: Sequence[str]) -> None:
@@ -132,6 +139,7 @@ class AsyncEngine:
 
     async def shutdown(self) -> None:
         """Abort whatever is still running, then stop and join the engine thread."""
+        self._closed = True
         if self._thread is None:
             return
         self._send(("stop",))
@@ -172,6 +180,9 @@ class AsyncEngine:
 
     def _add(self, requests: list[tuple[str, list[int]]], params: Any, want_logprobs: bool,
              stream: OutputStream, arrival: float) -> None:
+        if self._stop:
+            self._call_loop(_set_exception, stream.accepted, EngineDeadError("the server is shutting down"))
+            return
         added: list[str] = []
         try:
             for rid, prompt_ids in requests:

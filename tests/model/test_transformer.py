@@ -164,3 +164,22 @@ def test_config_errors_name_the_field():
         ModelConfig(rope_scaling={"rope_type": "yarn", "factor": 2.0})
     with pytest.raises(ValueError, match="input_ids must be"):
         CausalLM(tiny())(torch.zeros(3, dtype=torch.long))
+
+
+def test_fused_experts_grouped_mm_and_fallback_match_per_expert_mlps(monkeypatch):
+    from astrai.model.moe import Experts
+
+    experts = Experts(3, 8, 8)  # 32-byte rows: the grouped_mm path applies
+    assert experts._can_group(torch.zeros(1, 8)) == hasattr(F, "grouped_mm")
+    assert not Experts(3, 8, 6)._can_group(torch.zeros(1, 8))  # 24-byte rows: the loop applies
+    torch.nn.init.normal_(experts.gate_up_proj)
+    torch.nn.init.normal_(experts.down_proj)
+    x, counts = torch.randn(10, 8), torch.tensor([4, 0, 6])
+    expected = []
+    for e, xe in enumerate(x.split(counts.tolist())):
+        gate, up = experts.gate_up_proj[e][:8], experts.gate_up_proj[e][8:]
+        expected.append((F.silu(xe @ gate.T) * (xe @ up.T)) @ experts.down_proj[e].T)
+    expected = torch.cat(expected)
+    torch.testing.assert_close(experts(x, counts), expected, atol=1e-4, rtol=1e-4)
+    monkeypatch.delattr(F, "grouped_mm", raising=False)
+    torch.testing.assert_close(experts(x, counts), expected, atol=1e-4, rtol=1e-4)

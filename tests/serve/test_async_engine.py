@@ -172,3 +172,14 @@ def test_engine_failure_fails_running_requests_and_the_loop_survives():
         return tokens
 
     assert asyncio.run(main())[("after", 0)] == [0, 1]
+
+
+def test_submit_after_shutdown_is_refused():
+    async def main():
+        loop_engine = AsyncEngine(FakeEngine())
+        loop_engine.start()
+        await loop_engine.shutdown()
+        with pytest.raises(EngineDeadError, match="shutting down"):
+            await loop_engine.submit([("late", [1])], _params())
+
+    asyncio.run(main())

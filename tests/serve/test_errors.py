@@ -80,3 +80,24 @@ def test_413_body_too_large(server):
 def test_422_malformed_json(server, raw):
     response = _post(server, "/v1/chat/completions", content=raw, headers={**AUTH, "Content-Type": "application/json"})
     assert _error(response, 422)["code"] == "invalid_json"
+
+
+def test_bad_requests_do_not_disturb_a_running_stream(server, client):
+    import threading
+
+    kwargs = dict(model="tiny-model", messages=[{"role": "user", "content": "steady"}], max_tokens=200,
+                  temperature=0, extra_body={"ignore_eos": True})
+    reference = client.chat.completions.create(**kwargs).choices[0].message.content
+    streamed: list[str] = []
+    thread = threading.Thread(target=lambda: streamed.extend(
+        c.choices[0].delta.content or "" for c in client.chat.completions.create(stream=True, **kwargs)
+        if c.choices))
+    thread.start()
+    statuses = set()
+    while thread.is_alive():
+        statuses.add(_post(server, "/v1/chat/completions", json={**CHAT, "n": -1}).status_code)
+        statuses.add(_post(server, "/v1/completions", content=b"{oops").status_code)
+        statuses.add(_post(server, "/v1/completions", json={"model": "tiny-model", "prompt": [10**7]}).status_code)
+    thread.join()
+    assert statuses == {400, 422}
+    assert "".join(streamed) == reference

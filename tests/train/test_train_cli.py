@@ -120,3 +120,17 @@ def test_example_configs_resolve(name, capsys):
     assert main(["--config", str(root / "configs" / f"{name}.yaml"), "--dry_run"]) == 0
     out = yaml.safe_load(capsys.readouterr().out)
     assert out["data"]["train_type"] == {"pretrain": "seq", "sft": "sft", "dpo": "dpo"}[name]
+
+
+def test_resume_from_truncated_optimizer_names_the_file(workdir, tmp_path, capsys):
+    import shutil
+
+    path = write_config(workdir, max_steps=1)
+    assert main(["--config", str(path), "--ckpt_dir", str(tmp_path / "ckpt")]) == 0
+    ckpt = tmp_path / "ckpt" / "step_00000001"
+    data = (ckpt / "optimizer.pt").read_bytes()
+    (ckpt / "optimizer.pt").write_bytes(data[: len(data) // 2])
+    shutil.rmtree(workdir / "log", ignore_errors=True)
+    code = main(["--config", str(path), "--resume", "--param_path", str(ckpt), "--max_steps", "2"])
+    assert code != 0
+    assert "optimizer.pt" in capsys.readouterr().err
