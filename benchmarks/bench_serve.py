@@ -192,6 +192,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max_tokens", type=int, default=None)
     p.add_argument("--repeats", type=int, default=None)
     p.add_argument("--max_model_len", type=int, default=1024)
+    p.add_argument("--num_requests", type=int, default=None, help="per concurrency level (default: from it)")
     args = p.parse_args(argv)
     levels = [int(c) for c in args.concurrency.split(",")]
     max_tokens = args.max_tokens or (32 if args.quick else 128)
@@ -204,12 +205,14 @@ def main(argv: list[str] | None = None) -> int:
                 asyncio.run(run_load(s, 2, 2, 8))
             rows = {}
             for c in levels:
-                num_requests = max(2 * c, 8) if args.quick else max(4 * c, 16)
+                num_requests = args.num_requests or (max(2 * c, 8) if args.quick else max(4 * c, 16))
                 runs: dict[str, list[dict[str, float]]] = {s.name: [] for s in servers}
                 for rep in range(repeats):
                     order = servers if rep % 2 == 0 else servers[::-1]
                     for s in order:
                         runs[s.name].append(asyncio.run(run_load(s, c, num_requests, max_tokens)))
+                        print(f"  c={c} repeat {rep + 1}: {s.name} {runs[s.name][-1]['tok_s']:.1f} tok/s",
+                              file=sys.stderr, flush=True)
                 rows[c] = {name: median_of(r) for name, r in runs.items()}
                 print(f"concurrency {c}: " + ", ".join(f"{n} {v['tok_s']:.0f} tok/s" for n, v in rows[c].items()),
                       file=sys.stderr)

@@ -3,8 +3,9 @@
 Reference tables in docs/ have the header ``| field | section | type | default | meaning |``. Every
 field of the documented dataclasses must have exactly one row with its section, type and default,
 and every row must name a field that exists. Every ``astrai <command>`` shown in code in README.md
-or docs/ must be a command of ``astrai/cli.py`` (and its sub-command and ``--flags`` must exist),
-and the module table of docs/architecture.md must list exactly the modules under ``astrai/``.
+or docs/ must be a command of ``astrai/cli.py`` (and its sub-command and ``--flags`` must exist).
+The module table of docs/architecture.md must list exactly the modules under ``astrai/``, and its
+import table's "must not import" rules must hold in the source.
 """
 
 from __future__ import annotations
@@ -154,8 +155,10 @@ def code_snippets(text: str) -> list[str]:
     return snippets
 
 
-# `astrai <command>` in a shell line; `from astrai import X` is Python, not a command
-COMMAND_USE = re.compile(r"(?:^|[\s(\"'$])(?<!from )astrai ([a-z][\w-]*)(.*)$")
+# `astrai <command>` where a shell command starts: at the start of a snippet (after an optional
+# `$ ` prompt), after `python -m` / `torchrun -m`, `;`, `&&`, `|`, `(`, or a path (`.venv/bin/astrai`).
+# Not `ruff check astrai tests` (a path argument) or `from astrai import X` (Python).
+COMMAND_USE = re.compile(r"(?:^\s*(?:\$\s+)?|-m\s+|[;&|(]\s*|/)astrai ([a-z][\w-]*)(.*)$")
 
 
 def command_uses() -> list[tuple[str, str, str]]:
@@ -166,6 +169,15 @@ def command_uses() -> list[tuple[str, str, str]]:
             for m in COMMAND_USE.finditer(snippet):
                 uses.append((path.name, m.group(1), m.group(2)))
     return uses
+
+
+def test_command_pattern_finds_shell_commands_only() -> None:
+    shown = ["astrai train --config x.yaml", "$ astrai serve --model m", "python -m astrai demo",
+             "torchrun --nproc_per_node 2 -m astrai train", "make setup && astrai ckpt list d",
+             ".venv/bin/astrai eval --model m"]
+    prose = ["ruff check astrai tests benchmarks", "from astrai import LLM", "import astrai", "astrai.load_model"]
+    assert [COMMAND_USE.search(s).group(1) for s in shown] == ["train", "serve", "demo", "train", "ckpt", "eval"]
+    assert [COMMAND_USE.search(s) for s in prose] == [None] * len(prose)
 
 
 def help_text(command: str, *sub: str) -> str:
@@ -220,7 +232,9 @@ def test_sub_commands_and_flags_in_the_docs_exist() -> None:
         key = (command, sub)
         if key not in cache:
             cache[key] = known_flags(command, sub)
-        flags = set(re.findall(r"(?:^|\s|\[)--([a-z][\w-]*)", rest))
+        flags = set(re.findall(r"(?:^|\s|\[)--([a-z][\w.-]*)", rest))
+        if command == "train":  # the trainer also reads --max-lr and --optim.max_lr as max_lr
+            flags = {f.split(".")[-1].replace("-", "_") for f in flags}
         problems += [f"{doc}: astrai {command}{' ' + sub if sub else ''} --{f}" for f in sorted(flags - cache[key])]
     assert not problems, f"sub-commands or flags shown in the docs that the CLI does not have: {problems}"
 

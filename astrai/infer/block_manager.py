@@ -120,6 +120,10 @@ class BlockManager:
     def set_policy_version(self, version: int) -> None:
         """New weights: forget every cached block so no KV of the old weights is reused."""
         self.policy_version = version
+        self.reset_prefix_cache()
+
+    def reset_prefix_cache(self) -> None:
+        """Drop every hash; free cached blocks become plain free blocks."""
         for block_id in self._hash_to_block.values():
             self.blocks[block_id].hash = self.blocks[block_id].token_ids = None
         self._hash_to_block.clear()

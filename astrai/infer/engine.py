@@ -289,7 +289,7 @@ class LLMEngine:
 
     def reset_prefix_cache(self) -> None:
         """Forget every cached prefix (blocks in use are untouched); e.g. between benchmark runs."""
-        self.block_manager.set_policy_version(self.policy_version)
+        self.block_manager.reset_prefix_cache()
 
     # -- the step -------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:

@@ -76,13 +76,23 @@ def initial_config(cfg: Config, ckpt: Path) -> Config:
 
 
 def run(cfg: Config, ctx: TrainContext) -> int:
+    from astrai.train import dist
+    from astrai.train.checkpoint import cleanup_leftovers
     from astrai.train.trainer import Trainer
 
-    if os.environ.get("RANK", "0") == "0":
-        from astrai.train.checkpoint import cleanup_leftovers
-
+    info = dist.init_distributed(cfg.train.device)
+    found: tuple[str | None, str | None] = (None, None)  # (checkpoint path, error), decided by rank 0
+    if info.rank == 0:
         cleanup_leftovers(cfg.ckpt.ckpt_dir)  # staging dirs of a killed save; half-done republishes
-    resume_from = resume_path(cfg) if cfg.train.resume else None
+        if cfg.train.resume:
+            try:
+                found = (str(resume_path(cfg)), None)
+            except FileNotFoundError as e:
+                found = (None, str(e))
+    found = dist.broadcast_object(found)  # every rank resumes from the same checkpoint
+    if found[1] is not None:
+        raise FileNotFoundError(found[1])
+    resume_from = Path(found[0]) if found[0] is not None else None
     build_cfg = initial_config(cfg, resume_from) if resume_from else cfg
     trainer = Trainer(build_cfg, ctx=ctx)
     if resume_from is not None:
@@ -97,8 +107,6 @@ def run(cfg: Config, ctx: TrainContext) -> int:
     try:
         trainer.train()
     finally:
-        from astrai.train import dist
-
         dist.cleanup()
     if ctx.stop_requested and trainer.is_main:
         saved = "checkpoint published" if ctx.step > 0 else "no optimizer step completed, nothing to save"

@@ -48,6 +48,19 @@ def _add_moe_terms(out: Any, loss: Tensor, units: Tensor, coef: float, metrics: 
     return loss + coef * aux
 
 
+def labelled_positions(labels: Tensor) -> Tensor | None:
+    """Positions (K,) where at least one row has a label, or None when that is every position.
+
+    Logits are only needed there: SFT prompts (and DPO prompts) carry no loss, so skipping their
+    LM-head projection and softmax over the vocabulary saves work without changing the loss or
+    its gradient.
+    """
+    keep = (labels != IGNORE_INDEX).any(dim=0)  # (T,)
+    if bool(keep.all()):
+        return None
+    return keep.nonzero().squeeze(1)
+
+
 def _aux_coef(cfg: Config, model: nn.Module) -> float:
     # the model section overrides the loaded model's own config.json value
     default = getattr(getattr(model, "config", None), "router_aux_loss_coef", 0.0)
@@ -65,9 +78,13 @@ class SeqObjective:
         return (batch["labels"] != IGNORE_INDEX).sum()
 
     def __call__(self, model: nn.Module, batch: Batch) -> LossOutput:
+        labels = batch["labels"]  # (B, T)
+        idx = labelled_positions(labels)
         out = model(batch["input_ids"], attention_mask=batch.get("attention_mask"),
-                    position_ids=batch.get("position_ids"))
-        loss_sum, num_tokens = token_cross_entropy(out.logits, batch["labels"], self.label_smoothing)
+                    position_ids=batch.get("position_ids"), logits_indices=idx)  # logits (B, K, V)
+        if idx is not None:
+            labels = labels[:, idx]  # (B, K)
+        loss_sum, num_tokens = token_cross_entropy(out.logits, labels, self.label_smoothing)
         metrics: dict[str, Tensor] = {}
         loss = _add_moe_terms(out, loss_sum, num_tokens, self.aux_coef, metrics)
         return LossOutput(loss, metrics)
@@ -114,7 +131,10 @@ class DPOObjective:
         return torch.tensor(batch["chosen_input_ids"].size(0), device=batch["chosen_input_ids"].device)
 
     def _logps(self, model: nn.Module, ids: Tensor, labels: Tensor, mask: Tensor, pos: Tensor) -> tuple[Any, Tensor]:
-        out = model(ids, attention_mask=mask, position_ids=pos)
+        idx = labelled_positions(labels)
+        out = model(ids, attention_mask=mask, position_ids=pos, logits_indices=idx)  # logits (2B, K, V)
+        if idx is not None:
+            labels = labels[:, idx]  # (2B, K)
         # IPO compares per-token mean log-probs (its length normalisation)
         return out, sequence_logps(out.logits, labels, average=self.loss_type == "ipo")  # (2B,)
 

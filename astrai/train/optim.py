@@ -145,6 +145,7 @@ class LRSchedule:
         return {"step_count": self.step_count, "total_steps": self.total_steps}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        # the schedule's length comes from this run's config (a resumed run may extend max_steps);
+        # the trainer reports when it differs from the checkpoint's
         self.step_count = int(state["step_count"])
-        self.total_steps = int(state["total_steps"])
         self._apply()

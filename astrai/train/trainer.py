@@ -291,7 +291,7 @@ class Trainer:
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        report_mismatches(state, self.config, self.dist.world_size)
+        report_mismatches(state, self.config, self.dist.world_size, self.total_steps)
         self.ctx.load_state_dict(state)
         self._data_epoch, self._data_consumed = self.ctx.epoch, self.ctx.consumed_samples
         self.sampler.set_epoch(self.ctx.epoch)
@@ -338,7 +338,7 @@ def set_rng_state(state: dict[str, Any]) -> None:
         torch.cuda.set_rng_state_all([torch.tensor(s, dtype=torch.uint8) for s in state["cuda"]])
 
 
-def report_mismatches(state: dict[str, Any], cfg: Config, world_size: int) -> None:
+def report_mismatches(state: dict[str, Any], cfg: Config, world_size: int, total_steps: int) -> None:
     """Settings that change the sample order or the update break exact resume: say so."""
     saved = state.get("config", {})
     pairs = [
@@ -346,6 +346,7 @@ def report_mismatches(state: dict[str, Any], cfg: Config, world_size: int) -> No
         ("grad_accum_steps", saved.get("train", {}).get("grad_accum_steps"), cfg.train.grad_accum_steps),
         ("random_seed", saved.get("train", {}).get("random_seed"), cfg.train.random_seed),
         ("world_size", state.get("world_size"), world_size),
+        ("total_steps", state.get("total_steps"), total_steps),  # the LR schedule's length
     ]
     for name, old, new in pairs:
         if old is not None and old != new:

@@ -161,3 +161,14 @@ def test_llm_chat_and_prompt_order(text_model, tok):
     outs = llm.generate(prompts, [SamplingParams(max_tokens=k, **GREEDY) for k in (3, 1, 2)])
     assert [o.prompt for o in outs] == prompts
     assert [len(o.outputs[0].token_ids) for o in outs] == [3, 1, 2]
+
+
+def test_streaming_holds_back_a_partial_stop_string(text_model, tok):
+    params = dict(max_tokens=30, **GREEDY)
+    full = LLM(text_model, tok, kv_cache_tokens=512).generate("Hello", SamplingParams(**params))[0].outputs[0].text
+    stop = full[12:16]
+    engine = LLMEngine(text_model, tok, kv_cache_tokens=512)
+    engine.add_request("s", "Hello", SamplingParams(stop=[stop], **params))
+    texts = [o.outputs[0].text for o in drain(engine)["s"]]
+    assert texts[-1] == full[: full.find(stop)]
+    assert all(texts[-1].startswith(t) for t in texts)  # nothing shown was later taken back

@@ -144,7 +144,6 @@ def test_ddp_and_fsdp_2x4_match_1x8(tmp_path, tok_dir):
         assert losses == pytest.approx(ref_losses, rel=1e-5), name
     # the FSDP checkpoint holds full (unsharded) tensors, loadable by one process
     import astrai
-
     from astrai.train.checkpoint import latest_checkpoint
 
     model = astrai.load_model(latest_checkpoint(tmp_path / "fsdp" / "ckpt"))

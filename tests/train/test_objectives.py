@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from astrai.train.objectives import OBJECTIVES, DPOObjective, SeqObjective
+from astrai.train.objectives import OBJECTIVES, DPOObjective, SeqObjective, SFTObjective, labelled_positions
 from astrai.train.trainer import Trainer
 from tests.train.toydata import ToyPairDataset, ToySeqDataset
 from tests.train.trainer_utils import tiny_config, tiny_model, without_checkpoints
@@ -102,3 +102,27 @@ def test_moe_training_logs_aux_metrics(tmp_path):
     _, lines = run(tmp_path, ToySeqDataset(16), "--train_type", "seq", "--batch_per_device", "8",
                    "--max_steps", "2", model=model)
     assert {"task_loss", "aux_loss", "aux_loss_weighted", "router/dead_fraction"} <= set(lines[-1])
+
+
+def test_logits_only_where_labelled_gives_the_same_loss_and_gradient(tmp_path):
+    from astrai.train.losses import token_cross_entropy
+
+    ds = ToySeqDataset(8, prompt_len=6)
+    batch = ds.collate([ds[i] for i in range(8)])
+    model = tiny_model()
+    out = SFTObjective(tiny_config(tmp_path), model)(model, batch)
+    out.loss.backward()
+    fast = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad()
+    full = model(batch["input_ids"], attention_mask=batch["attention_mask"], position_ids=batch["position_ids"])
+    ref, _ = token_cross_entropy(full.logits, batch["labels"])
+    ref.backward()
+    torch.testing.assert_close(out.loss, ref)
+    for g, p in zip(fast, model.parameters()):
+        torch.testing.assert_close(g, p.grad, rtol=1e-5, atol=1e-7)
+
+
+def test_labelled_positions():
+    labels = torch.tensor([[-100, -100, 3, 4], [-100, 5, 6, -100]])
+    assert labelled_positions(labels).tolist() == [1, 2, 3]
+    assert labelled_positions(torch.tensor([[1, 2], [3, -100]])) is None
