@@ -191,6 +191,7 @@ def main(argv: list[str] | None = None) -> int:
         rows += throughput_rows("tiny llama", hf_model, model, prompts, new_tokens, args)
         rows.append(naive_row(model, args))
         rows.append(kv_row(model))
+        _print_table(rows, args.repeats)  # the tiny-model rows, before the slower real-model run
     smol = Path(args.smollm_dir)
     if (smol / "config.json").exists():
         hf_model, model = smollm_models(smol)
@@ -198,12 +199,16 @@ def main(argv: list[str] | None = None) -> int:
         prompts = make_prompts(n, 32, 256, model.config.vocab_size, seed=2)
         rows += throughput_rows("SmolLM2", hf_model, model, prompts, k, args)
         rows.append(kv_row(model))
-    print(f"\ntorch threads: {torch.get_num_threads()}, repeats: {args.repeats} (median)\n")
+        _print_table(rows, args.repeats)
+    return 0
+
+
+def _print_table(rows: list[tuple], repeats: int) -> None:
+    print(f"\ntorch threads: {torch.get_num_threads()}, repeats: {repeats} (median)\n", flush=True)
     print("| measure | astrai | peer | ratio | target |")
     print("|---|---:|---:|---:|---:|")
     for name, ours, peer, ratio, target in rows:
-        print(f"| {name} | {ours:,.1f} | {peer:,.1f} | {ratio:.2f}x | >= {target:g}x |")
-    return 0
+        print(f"| {name} | {ours:,.1f} | {peer:,.1f} | {ratio:.2f}x | >= {target:g}x |", flush=True)
 
 
 if __name__ == "__main__":

@@ -229,16 +229,23 @@ class Attention(nn.Module):
                 ks = k[seg.start : seg.end].transpose(0, 1)[None]  # (1, Hkv, Tq, D)
                 vs = v[seg.start : seg.end].transpose(0, 1)[None]
             else:
-                ks = flat_k[seg.slots].transpose(0, 1)[None].to(q.dtype)  # (1, Hkv, Tctx, D)
-                vs = flat_v[seg.slots].transpose(0, 1)[None].to(q.dtype)
+                ks = torch.index_select(flat_k, 0, seg.slots).transpose(0, 1)[None].to(q.dtype)  # (1, Hkv, Tctx, D)
+                vs = torch.index_select(flat_v, 0, seg.slots).transpose(0, 1)[None].to(q.dtype)
             o = F.scaled_dot_product_attention(
                 qs, ks, vs, attn_mask=seg.mask, is_causal=seg.mask is None, enable_gqa=gqa
             )
             out[seg.start : seg.end] = o[0].transpose(0, 1)
         if meta.decode_token_idx is not None:
-            qd = q[meta.decode_token_idx][:, :, None]  # (Sd, H, 1, D)
-            kd = flat_k[meta.decode_slots].transpose(1, 2).to(q.dtype)  # (Sd, Hkv, Lmax, D)
-            vd = flat_v[meta.decode_slots].transpose(1, 2).to(q.dtype)
-            o = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=meta.decode_mask, enable_gqa=gqa)
-            out[meta.decode_token_idx] = o[:, :, 0]
+            Sd, L = meta.decode_slots.shape
+            G = self.num_heads // self.num_kv_heads
+            # one query per sequence: the G query heads of a kv head attend like G query positions,
+            # so keys and values are never repeated for GQA
+            qd = q[meta.decode_token_idx].view(Sd, self.num_kv_heads, G, self.head_dim)  # (Sd, Hkv, G, D)
+            slots = meta.decode_slots.flatten()
+            kd = torch.index_select(flat_k, 0, slots).view(Sd, L, self.num_kv_heads, self.head_dim)
+            vd = torch.index_select(flat_v, 0, slots).view(Sd, L, self.num_kv_heads, self.head_dim)
+            o = F.scaled_dot_product_attention(
+                qd, kd.transpose(1, 2).to(q.dtype), vd.transpose(1, 2).to(q.dtype), attn_mask=meta.decode_mask
+            )  # (Sd, Hkv, G, D)
+            out[meta.decode_token_idx] = o.reshape(Sd, self.num_heads, self.head_dim)
         return out

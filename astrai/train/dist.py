@@ -14,6 +14,8 @@ from __future__ import annotations
 import contextlib
 import datetime
 import os
+import time
+from collections import deque
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -34,6 +36,10 @@ PARALLEL_MODES = ("none", "ddp", "fsdp")
 DEFAULT_TIMEOUT_S = 1800
 
 _device = torch.device("cpu")  # where collectives put their tensors (cuda for nccl)
+# Gloo frees a finished collective's tensors on its own worker thread. If Python has already
+# dropped such a tensor, that free needs the GIL, and destroy_process_group (which joins the
+# worker while holding the GIL) deadlocks. Keeping the last buffers referenced here avoids it.
+_recent_buffers: deque[Tensor] = deque(maxlen=16)
 
 
 @dataclass(frozen=True)
@@ -163,7 +169,9 @@ def cleanup() -> None:
     """Leave the process group; the barrier first, so no rank tears down while others still talk."""
     if is_distributed():
         dist.barrier()
+        time.sleep(0.05)  # let gloo's worker threads finish freeing the barrier's work (see above)
         dist.destroy_process_group()
+    _recent_buffers.clear()
 
 
 def all_reduce_sum(t: Tensor) -> Tensor:
@@ -171,6 +179,7 @@ def all_reduce_sum(t: Tensor) -> Tensor:
     if not is_distributed():
         return t
     buf = t.detach().to(_device, copy=True)
+    _recent_buffers.append(buf)
     dist.all_reduce(buf, op=dist.ReduceOp.SUM)
     return buf.to(t.device)
 
@@ -181,6 +190,7 @@ def all_reduce_metrics(metrics: dict[str, float]) -> dict[str, float]:
         return dict(metrics)
     keys = sorted(metrics)
     buf = torch.tensor([float(metrics[k]) for k in keys], dtype=torch.float64, device=_device)
+    _recent_buffers.append(buf)
     dist.all_reduce(buf, op=dist.ReduceOp.SUM)
     buf /= dist.get_world_size()
     return dict(zip(keys, buf.tolist()))
@@ -191,6 +201,7 @@ def any_rank(flag: bool) -> bool:
     if not is_distributed():
         return bool(flag)
     buf = torch.tensor([1 if flag else 0], dtype=torch.int32, device=_device)
+    _recent_buffers.append(buf)
     dist.all_reduce(buf, op=dist.ReduceOp.MAX)
     return bool(buf.item())
 

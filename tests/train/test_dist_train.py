@@ -8,6 +8,7 @@ saves a torch import per rank on a 2-core machine.
 
 from __future__ import annotations
 
+import ctypes
 import json
 import os
 import shutil
@@ -33,6 +34,7 @@ def _run_ranks(argv: list[str], nprocs: int) -> list[int]:
         if pid == 0:
             code = 1
             try:
+                ctypes.CDLL("libc.so.6").prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG: no orphans on timeout
                 if nprocs > 1:
                     os.environ.update(_rank_env(rank, nprocs, port))
                 code = main(["train", *argv])
@@ -45,7 +47,7 @@ def _run_ranks(argv: list[str], nprocs: int) -> list[int]:
 def _fork_server(runs: list[tuple[list[str], int]], cwd: Path) -> list[list[int]]:
     env = {**os.environ, "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
     r = subprocess.run([sys.executable, __file__, json.dumps(runs)], capture_output=True, text=True,
-                       timeout=400, env=env, cwd=cwd)
+                       timeout=240, env=env, cwd=cwd)
     assert r.returncode == 0, r.stderr[-3000:]
     return json.loads(r.stdout.strip().splitlines()[-1])
 
