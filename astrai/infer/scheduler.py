@@ -166,9 +166,9 @@ class Scheduler:
                 seq.num_computed_tokens = 0
                 break
             bm.allocate(seq, num_cached + num_new, hits)
-            bm.record_prefix_lookup(seq.num_tokens, num_cached)
-            if seq.num_cached_tokens is None:
+            if seq.num_cached_tokens is None:  # first admission: count its prompt for the hit rate
                 seq.num_cached_tokens = num_cached
+                bm.record_prefix_lookup(seq.num_prompt_tokens, num_cached)
             self.waiting.popleft()
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)

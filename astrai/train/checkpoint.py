@@ -56,18 +56,14 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def _hash_and_fsync(path: Path) -> dict[str, Any]:
-    """sha256 and size of a file, read once; the same descriptor is fsynced so its data is durable."""
-    digest = hashlib.sha256()
-    size = 0
+def _fsync_file(path: Path) -> None:
     with open(path, "rb") as f:
-        buf = bytearray(_CHUNK)
-        view = memoryview(buf)
-        while n := f.readinto(buf):
-            digest.update(view[:n])  # hashlib drops the GIL on large buffers: files hash in parallel
-            size += n
         os.fsync(f.fileno())
-    return {"size": size, "sha256": digest.hexdigest()}
+
+
+def _file_entry(path: Path) -> dict[str, Any]:
+    digest, size = _hash_file(path)
+    return {"size": size, "sha256": digest}
 
 
 def _file_names(root: Path) -> list[str]:
@@ -131,8 +127,13 @@ def _seal(staging: Path, step: int) -> None:
     if (staging / MANIFEST).exists():
         raise CheckpointError(f"write_fn wrote {MANIFEST} into {staging}; the manifest is publish's own file")
     names = _file_names(staging)
-    with ThreadPoolExecutor(max_workers=min(4, max(1, len(names)))) as pool:
-        entries = dict(zip(names, pool.map(_hash_and_fsync, [staging / n for n in names])))
+    paths = [staging / n for n in names]
+    # hashing (CPU, from the page cache) and fsync (disk) overlap; both release the GIL
+    with ThreadPoolExecutor(max_workers=min(8, max(2, 2 * len(names)))) as pool:
+        synced = [pool.submit(_fsync_file, p) for p in paths]
+        entries = dict(zip(names, pool.map(_file_entry, paths)))
+        for future in synced:
+            future.result()
     for sub in {(staging / n).parent for n in names}:
         _fsync_dir(sub)
     manifest = {"format": FORMAT, "version": VERSION, "step": step, "files": entries}
@@ -196,7 +197,7 @@ def verify_checkpoint(path: str | os.PathLike, checksums: bool = True) -> None:
                 f"{fpath} has {size} bytes, the manifest says {entry['size']}; the file is truncated or altered"
             )
         if checksums:
-            digest = _hash_file(fpath)
+            digest, _ = _hash_file(fpath)
             if digest != entry["sha256"]:
                 raise CheckpointError(
                     f"{fpath} fails its sha256 check (manifest {entry['sha256'][:12]}..., file {digest[:12]}...); "
@@ -204,12 +205,16 @@ def verify_checkpoint(path: str | os.PathLike, checksums: bool = True) -> None:
                 )
 
 
-def _hash_file(path: Path) -> str:
-    digest = hashlib.sha256()
+def _hash_file(path: Path) -> tuple[str, int]:
+    """sha256 hex digest and size of the bytes read."""
+    digest, size = hashlib.sha256(), 0
+    buf = bytearray(_CHUNK)
+    view = memoryview(buf)
     with open(path, "rb") as f:
-        while chunk := f.read(_CHUNK):
-            digest.update(chunk)
-    return digest.hexdigest()
+        while n := f.readinto(buf):
+            digest.update(view[:n])  # hashlib drops the GIL on large buffers
+            size += n
+    return digest.hexdigest(), size
 
 
 def is_complete(path: str | os.PathLike, checksums: bool = False) -> bool:
@@ -237,6 +242,33 @@ def latest_checkpoint(ckpt_dir: str | os.PathLike) -> Path | None:
     """The newest complete checkpoint in `ckpt_dir`, or None. Hidden directories never count."""
     found = list_checkpoints(ckpt_dir)
     return found[-1][1] if found else None
+
+
+def find_resume_checkpoint(ckpt_dir: str | os.PathLike) -> Path:
+    """The checkpoint `--resume` should continue from: the newest complete one in `ckpt_dir`.
+
+    Raises CheckpointError naming the damaged file when checkpoints exist but none is complete
+    (never a silent fresh start), and warns on stderr when newer damaged ones are skipped.
+    """
+    ckpt_dir = Path(ckpt_dir)
+    public = sorted(p for p in ckpt_dir.iterdir() if p.is_dir() and STEP_DIR.match(p.name)) if ckpt_dir.is_dir() else []
+    latest = latest_checkpoint(ckpt_dir)
+    damaged = []
+    for p in public:
+        if latest is None or p.name > latest.name:
+            try:
+                verify_checkpoint(p, checksums=False)
+            except CheckpointError as e:
+                damaged.append(str(e))
+    if latest is None:
+        if damaged:
+            raise CheckpointError(f"no complete checkpoint to resume in {ckpt_dir}: {damaged[-1]}")
+        raise CheckpointError(
+            f"--resume found no checkpoint in {ckpt_dir}; start without --resume, or point --param_path at one"
+        )
+    for problem in damaged:
+        print(f"warning: skipping a damaged checkpoint newer than {latest.name}: {problem}", file=sys.stderr)
+    return latest
 
 
 def cleanup_leftovers(ckpt_dir: str | os.PathLike) -> list[Path]:

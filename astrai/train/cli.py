@@ -39,20 +39,15 @@ def _fail(message: str, code: int = 2) -> int:
 
 def resume_path(cfg: Config) -> Path:
     """The checkpoint ``--resume`` continues from: param_path, else the latest in ckpt_dir."""
-    from astrai.train.checkpoint import latest_checkpoint
+    from astrai.train.checkpoint import find_resume_checkpoint
 
     if cfg.train.param_path is not None:
         path = Path(cfg.train.param_path)
         if not path.is_dir():
             raise FileNotFoundError(f"--resume from param_path {str(path)!r}: no such checkpoint directory")
         return path
-    path = latest_checkpoint(cfg.ckpt.ckpt_dir)
-    if path is None:
-        raise FileNotFoundError(
-            f"--resume found no complete checkpoint in ckpt_dir {cfg.ckpt.ckpt_dir!r}; "
-            "start without --resume, or point --param_path at a checkpoint directory"
-        )
-    return path
+    # the newest complete one; raises naming the damaged file when checkpoints exist but none is complete
+    return find_resume_checkpoint(cfg.ckpt.ckpt_dir)
 
 
 def initial_config(cfg: Config, ckpt: Path) -> Config:
@@ -77,7 +72,7 @@ def initial_config(cfg: Config, ckpt: Path) -> Config:
 
 def run(cfg: Config, ctx: TrainContext) -> int:
     from astrai.train import dist
-    from astrai.train.checkpoint import cleanup_leftovers
+    from astrai.train.checkpoint import CheckpointError, cleanup_leftovers
     from astrai.train.trainer import Trainer
 
     info = dist.init_distributed(cfg.train.device)
@@ -87,8 +82,8 @@ def run(cfg: Config, ctx: TrainContext) -> int:
         if cfg.train.resume:
             try:
                 found = (str(resume_path(cfg)), None)
-            except FileNotFoundError as e:
-                found = (None, str(e))
+            except (FileNotFoundError, CheckpointError) as e:
+                found = (None, str(e))  # raised on every rank below, so no rank waits alone
     found = dist.broadcast_object(found)  # every rank resumes from the same checkpoint
     if found[1] is not None:
         raise FileNotFoundError(found[1])

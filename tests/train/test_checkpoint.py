@@ -87,6 +87,20 @@ def test_latest_checkpoint_skips_incomplete_and_hidden(tmp_path):
     assert [s for s, _ in C.list_checkpoints(tmp_path)] == [2, 4]
 
 
+def test_find_resume_checkpoint_names_damage(tmp_path, capsys):
+    with pytest.raises(C.CheckpointError, match="no checkpoint"):
+        C.find_resume_checkpoint(tmp_path)
+    path = C.publish(tmp_path, 1, _writer(b"0123"))
+    (path / "model.safetensors").write_bytes(b"01")
+    with pytest.raises(C.CheckpointError, match="no complete checkpoint.*model.safetensors has 2 bytes"):
+        C.find_resume_checkpoint(tmp_path)
+    C.publish(tmp_path, 1, _writer())
+    damaged = C.publish(tmp_path, 2, _writer())
+    (damaged / "trainer_state.json").unlink()
+    assert C.find_resume_checkpoint(tmp_path) == tmp_path / "step_00000001"
+    assert "skipping a damaged checkpoint newer than step_00000001" in capsys.readouterr().err
+
+
 def test_verify_names_corrupt_truncated_and_missing_file(tmp_path):
     path = C.publish(tmp_path, 1, _writer(b"0123456789"))
     f = path / "model.safetensors"

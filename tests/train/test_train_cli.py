@@ -134,3 +134,9 @@ def test_resume_from_truncated_optimizer_names_the_file(workdir, tmp_path, capsy
     code = main(["--config", str(path), "--resume", "--param_path", str(ckpt), "--max_steps", "2"])
     assert code != 0
     assert "optimizer.pt" in capsys.readouterr().err
+
+
+def test_resume_without_any_checkpoint_is_an_error(workdir, tmp_path, capsys):
+    path = write_config(workdir)
+    assert main(["--config", str(path), "--resume", "--ckpt_dir", str(tmp_path / "empty")]) != 0
+    assert "--resume found no checkpoint" in capsys.readouterr().err
