@@ -19,6 +19,7 @@ import os
 import re
 import shutil
 import sys
+import threading
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -79,15 +80,40 @@ def _remove(path: Path) -> None:
     shutil.rmtree(doomed, ignore_errors=True)
 
 
+class _Pending:
+    thread: threading.Thread | None = None
+    error: BaseException | None = None
+
+
+def wait_for_publish() -> None:
+    """Block until a background publish has finished; re-raise its error, if any."""
+    if _Pending.thread is not None:
+        _Pending.thread.join()
+        _Pending.thread = None
+    error, _Pending.error = _Pending.error, None
+    if error is not None:
+        raise error
+
+
 def publish(
-    ckpt_dir: str | os.PathLike, step: int, write_fn: Callable[[Path], None], keep_last: int | None = None
+    ckpt_dir: str | os.PathLike,
+    step: int,
+    write_fn: Callable[[Path], None],
+    keep_last: int | None = None,
+    background: bool = False,
 ) -> Path:
     """Write a checkpoint atomically as `<ckpt_dir>/step_<N:08d>` and return its path.
 
     `write_fn(staging_dir)` writes the files. An existing directory of the same step is
     replaced (retired under a hidden name, then removed). With `keep_last`, older complete
     checkpoints beyond the newest `keep_last` are deleted after the new one is in place.
+    With `background=True` only `write_fn` runs on the caller's thread; hashing, fsync, the
+    rename and retention finish on a thread (the caller trains on meanwhile), and the path
+    appears once they are done. The next publish, and `wait_for_publish`, wait for it first.
+    A crash in the meantime leaves only a hidden staging directory: the previous checkpoint
+    stays the newest complete one.
     """
+    wait_for_publish()  # publishes happen one at a time, in order
     if step < 0:
         raise ValueError(f"checkpoint step must be >= 0, got {step}")
     if keep_last is not None and keep_last < 1:
@@ -103,11 +129,33 @@ def publish(
 
     try:
         write_fn(staging)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    if not background:
+        _finish(staging, final, step, keep_last)
+        return final
+
+    def run() -> None:
+        try:
+            _finish(staging, final, step, keep_last)
+        except BaseException as e:  # surfaces at the next publish or wait_for_publish
+            _Pending.error = e
+
+    # not a daemon: an interpreter that exits normally completes the publish first
+    _Pending.thread = threading.Thread(target=run, name=f"publish-{final.name}")
+    _Pending.thread.start()
+    return final
+
+
+def _finish(staging: Path, final: Path, step: int, keep_last: int | None) -> None:
+    """Seal the staging directory and move it into place (the atomic part of publish)."""
+    ckpt_dir, name = final.parent, final.name
+    try:
         _seal(staging, step)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
-
     retired = None
     if final.exists():
         retired = ckpt_dir / f".{name}.retired-{os.getpid()}"
@@ -119,7 +167,6 @@ def publish(
         shutil.rmtree(retired, ignore_errors=True)
     if keep_last is not None:
         _apply_retention(ckpt_dir, keep_last, keep=final)
-    return final
 
 
 def _seal(staging: Path, step: int) -> None:
@@ -278,6 +325,7 @@ def cleanup_leftovers(ckpt_dir: str | os.PathLike) -> list[Path]:
     between retiring the old and renaming the new) or else its retired one; every other hidden
     staging/retired/deleting directory is removed. Returns the directories restored.
     """
+    wait_for_publish()  # never mistake this process's own background publish for a leftover
     ckpt_dir = Path(ckpt_dir)
     if not ckpt_dir.is_dir():
         return []
@@ -319,6 +367,7 @@ def save_training_checkpoint(
     extra_state: dict[str, dict[str, Any]] | None = None,
     metrics_path: str | os.PathLike | None = None,
     keep_last: int | None = None,
+    background: bool = False,
 ) -> Path:
     """Publish the full training state as checkpoint `step`. Collective: every rank calls it.
 
@@ -326,7 +375,8 @@ def save_training_checkpoint(
     unsharded, so any world size can load it), `scheduler.pt`, `trainer_state.json`, a copy of
     `metrics_path` as `metrics.jsonl`, and `<name>.pt` for each `extra_state` entry (already
     full state dicts, e.g. the PPO critic). Sharded state is gathered to rank 0, which writes;
-    every rank returns the published path, or raises if rank 0 failed.
+    every rank returns the published path, or raises if rank 0 failed. `background=True` hashes,
+    fsyncs and renames on a thread (see `publish`); call `wait_for_publish()` before exiting.
     """
     from astrai.model.hf import save_model
 
@@ -351,7 +401,7 @@ def save_training_checkpoint(
                 if metrics_path is not None and Path(metrics_path).is_file():
                     shutil.copyfile(metrics_path, staging / METRICS)
 
-            final = publish(ckpt_dir, step, write, keep_last)
+            final = publish(ckpt_dir, step, write, keep_last, background=background)
         except BaseException as e:  # re-raised below, once the other ranks know
             error = e
     if dist.any_rank(error is not None):  # doubles as the barrier that ends the save
@@ -383,6 +433,7 @@ def load_training_checkpoint(
     checkpoint's metrics.jsonl replaces it, so the log continues exactly at this step.
     """
     path = Path(path)
+    wait_for_publish()  # a checkpoint this process is still publishing
     problem = None
     if dist.get_rank() == 0:
         problem = _check_loadable(path, verify, optimizer is not None, scheduler is not None)

@@ -172,6 +172,39 @@ def test_manifest_cannot_be_written_by_writer(tmp_path):
     assert list(tmp_path.iterdir()) == []
 
 
+def test_background_publish_appears_after_wait(tmp_path):
+    import threading
+
+    release = threading.Event()
+    original = C._seal
+
+    def slow_seal(staging, step):  # hold the background part until the test looks
+        release.wait(10)
+        original(staging, step)
+
+    C.publish(tmp_path, 1, _writer())
+    try:
+        C._seal = slow_seal
+        path = C.publish(tmp_path, 2, _writer(b"new"), keep_last=1, background=True)
+        assert C.latest_checkpoint(tmp_path) == tmp_path / "step_00000001"  # not visible yet
+        assert _hidden(tmp_path) == [f".step_00000002.staging-{os.getpid()}"]
+        release.set()
+        C.wait_for_publish()
+    finally:
+        C._seal = original
+    assert C.latest_checkpoint(tmp_path) == path == tmp_path / "step_00000002"
+    assert [p.name for p in tmp_path.iterdir()] == ["step_00000002"]  # retention ran after it
+    C.verify_checkpoint(path)
+
+
+def test_background_publish_error_surfaces_at_the_next_publish(tmp_path):
+    C.publish(tmp_path, 1, lambda d: (d / "manifest.json").write_text("{}"), background=True)
+    with pytest.raises(C.CheckpointError, match="manifest"):
+        C.publish(tmp_path, 2, _writer())
+    assert list(tmp_path.iterdir()) == []  # neither the failed one nor the next was published
+    C.wait_for_publish()  # the error was reported once
+
+
 def test_cli_list_and_verify(tmp_path, capsys):
     C.publish(tmp_path, 1, _writer())
     path = C.publish(tmp_path, 2, _writer(b"0123"))

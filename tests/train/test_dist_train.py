@@ -144,6 +144,16 @@ def test_ddp_and_fsdp_2x4_match_1x8(tmp_path, tok_dir):
         _assert_close(_weights(tmp_path / name), reference)
         losses = [m["loss"] for m in read_metrics(tmp_path / name)]
         assert losses == pytest.approx(ref_losses, rel=1e-5), name
+
+    # the sharded optimizer state went through a full (gathered) checkpoint: resuming it under
+    # FSDP continues like the single process does
+    codes = _fork_server([
+        (["--config", str(runs["one"]), "--resume", "--max_steps", "5"], 1),
+        (["--config", str(runs["fsdp"]), "--parallel_mode", "fsdp", "--resume", "--max_steps", "5"], 2),
+    ], tmp_path)
+    assert codes == [[0], [0, 0]]
+    assert [m["step"] for m in read_metrics(tmp_path / "fsdp")] == [1, 2, 3, 4, 5]
+    _assert_close(_weights(tmp_path / "fsdp"), _weights(tmp_path / "one"))
     # the FSDP checkpoint holds full (unsharded) tensors, loadable by one process
     import astrai
     from astrai.train.checkpoint import latest_checkpoint

@@ -70,3 +70,12 @@ def test_missing_trainer_state_exits_nonzero_naming_it(trained, tmp_path, capsys
     (ckpt / "trainer_state.json").unlink()
     code, err = _resume(config, capsys, "--param_path", str(ckpt))
     assert code != 0 and "trainer_state.json" in err
+
+
+def test_resume_from_ckpt_dir_names_the_damaged_file(trained, tmp_path, capsys):
+    # no --param_path: the newest complete checkpoint in ckpt_dir is looked up, and there is none
+    config, ckpt = _fresh_copy(trained, tmp_path)
+    data = (ckpt / "optimizer.pt").read_bytes()
+    (ckpt / "optimizer.pt").write_bytes(data[:100])
+    code, err = _resume(config, capsys)
+    assert code != 0 and "optimizer.pt" in err and "no complete checkpoint" in err
