@@ -48,7 +48,10 @@ def timed(fn: Callable[[], object]) -> float:
 
 
 def interleaved(fns: dict[str, Callable[[], object]], repeats: int) -> dict[str, float]:
-    """Median seconds of each function, run in turns so machine noise hits all alike."""
+    """Median seconds of each function after one warm-up call, run in turns so machine noise
+    hits all alike."""
+    for fn in fns.values():  # warm-up: first-call allocations and kernel choices are not timed
+        fn()
     times: dict[str, list[float]] = {k: [] for k in fns}
     for _ in range(repeats):
         for name, fn in fns.items():
@@ -80,9 +83,9 @@ def hf_continuous(model, prompts: list[list[int]], new_tokens: int) -> Callable[
     def run() -> object:
         return model.generate_batch(prompts, generation_config=config, progress_bar=False)
 
-    try:
-        out = run()
-        assert len(out) == len(prompts)
+    try:  # a two-token probe: is it usable here at all?
+        probe = GenerationConfig(max_new_tokens=2, do_sample=False, eos_token_id=None, pad_token_id=0)
+        assert len(model.generate_batch(prompts[:1], generation_config=probe, progress_bar=False)) == 1
     except Exception as exc:  # noqa: BLE001 - a peer that cannot run here is reported, not fatal
         print(f"(transformers generate_batch unavailable here: {type(exc).__name__}: {str(exc)[:120]})")
         return None
