@@ -126,6 +126,7 @@ class CheckpointSaver:
             cfg.ckpt.ckpt_dir, trainer.ctx.step, model=trainer.raw_model, tokenizer=trainer.tokenizer,
             optimizer=trainer.optimizer, scheduler=trainer.scheduler, trainer_state=trainer.state_dict(),
             metrics_path=Path(cfg.log.log_dir) / "metrics.jsonl", keep_last=cfg.ckpt.keep_last,
+            background=cfg.ckpt.ckpt_background,
         )
         self.last_saved = trainer.ctx.step
 
@@ -140,8 +141,11 @@ class CheckpointSaver:
         self.failed = True  # never publish after a failure: the last good checkpoint stays newest
 
     def on_train_end(self, trainer: Trainer) -> None:
+        from astrai.train.checkpoint import wait_for_publish
+
         if not self.failed and trainer.ctx.step != self.last_saved:
             self._save(trainer)
+        wait_for_publish()  # a background publish is complete before the run reports success
 
 
 # ------------------------------------------------------------------------------ progress

@@ -42,7 +42,11 @@ def _die_with_parent() -> None:
 
 
 def _rank_env(rank: int, nprocs: int, port: int) -> dict[str, str]:
+    # ranks share the machine's cores: more threads than cores makes OpenMP spin and slows
+    # every rank several-fold, so split the cores unless the user chose a thread count
+    threads = str(max(1, (os.cpu_count() or 1) // nprocs))
     return {
+        "OMP_NUM_THREADS": threads,
         **os.environ,
         "RANK": str(rank),
         "WORLD_SIZE": str(nprocs),

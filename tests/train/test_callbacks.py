@@ -86,3 +86,16 @@ def test_early_stopping_stops_training(tmp_path):
     without_checkpoints(t)
     t.train()
     assert t.ctx.step == 2 and t.ctx.stop_reason.startswith("early stopping")
+
+
+def test_background_checkpoints_are_complete_when_training_returns(tmp_path):
+    from astrai.train.checkpoint import latest_checkpoint, verify_checkpoint
+
+    cfg = tiny_config(tmp_path, "--batch_per_device", "4", "--max_steps", "4", "--ckpt_interval", "2",
+                      "--ckpt_background", "true", "--keep_last", "5")
+    Trainer(cfg, model=tiny_model(), train_dataset=ToySeqDataset(16)).train()
+    saved = sorted(p.name for p in (tmp_path / "ckpt").iterdir())
+    assert saved == ["step_00000002", "step_00000004"]  # no hidden staging dir left behind
+    for name in saved:
+        verify_checkpoint(tmp_path / "ckpt" / name)
+    assert latest_checkpoint(tmp_path / "ckpt").name == "step_00000004"
