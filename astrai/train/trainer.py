@@ -366,11 +366,25 @@ def build_tokenizer(cfg: Config) -> Any:
     path = cfg.data.tokenizer_path or cfg.train.param_path
     if path is None:
         return None
+    path = resolve_param_path(path)
     from astrai.data.tokenizer import load_tokenizer
 
     if not Path(path).exists():
         raise FileNotFoundError(f"tokenizer_path {str(path)!r} does not exist; check --tokenizer_path")
     return load_tokenizer(path)
+
+
+def resolve_param_path(path: str) -> str:
+    """A model or checkpoint directory as it is; a ckpt_dir (holding step_N checkpoints) stands
+    for its newest complete checkpoint, so a config can chain stages without knowing N."""
+    p = Path(path)
+    if p.is_dir() and not (p / "config.json").exists():
+        from astrai.train.checkpoint import latest_checkpoint
+
+        latest = latest_checkpoint(p)
+        if latest is not None:
+            return str(latest)
+    return path
 
 
 def build_model(cfg: Config) -> torch.nn.Module:
@@ -381,6 +395,7 @@ def build_model(cfg: Config) -> torch.nn.Module:
     if cfg.train.param_path is not None:
         from astrai.model.hf import load_model
 
+        cfg.train.param_path = resolve_param_path(cfg.train.param_path)
         if not Path(cfg.train.param_path).is_dir():
             raise FileNotFoundError(f"param_path {cfg.train.param_path!r} is not a directory; "
                                     "give a model or checkpoint directory")
