@@ -34,8 +34,8 @@ MODEL = {  # ~1M parameters: learns 2-digit addition on 2 CPU cores in a few min
     "tie_word_embeddings": True,
 }
 # (optimizer steps, batch) per stage at the default 4-minute budget; --minutes scales the steps
-PRETRAIN = {"steps": 600, "batch": 16, "max_seq_len": 128, "max_lr": 3e-3}
-SFT = {"steps": 1100, "batch": 32, "max_seq_len": 48, "max_lr": 2e-3}
+PRETRAIN = {"steps": 400, "batch": 16, "max_seq_len": 128, "max_lr": 3e-3}
+SFT = {"steps": 900, "batch": 64, "max_seq_len": 48, "max_lr": 3e-3}
 MODEL_FILES = ("config.json", "model.safetensors", "generation_config.json", "tokenizer.json",
                "tokenizer_config.json")
 
@@ -179,8 +179,8 @@ def main(argv: list[str] | None = None) -> int:
     data_dir, tok_dir = out / "data", out / "tokenizer"
     stages: dict[str, dict[str, Any]] = {}
     stages["data"] = run_stage("data", data_dir, lambda: {
-        k: str(v) for k, v in write_task_files(data_dir, num_train=4000, num_eval=200, tasks=("add",),
-                                               digits=2, seed=args.seed).items()}, log)
+        k: str(v) for k, v in write_task_files(data_dir, num_train=8000, num_eval=200, tasks=("add",),
+                                               digits=2, seed=args.seed, num_corpus=16000).items()}, log)
 
     def tokenizer_stage() -> dict[str, Any]:
         corpus = [json.loads(line)["text"] for line in (data_dir / "corpus.jsonl").read_text().splitlines()]
