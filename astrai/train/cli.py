@@ -37,15 +37,21 @@ def _fail(message: str, code: int = 2) -> int:
     return code
 
 
+TRAINING_STATE_FILES = ("trainer_state.json", "manifest.json", "optimizer.pt")
+
+
 def resume_path(cfg: Config) -> Path:
-    """The checkpoint ``--resume`` continues from: param_path, else the latest in ckpt_dir."""
+    """The checkpoint ``--resume`` continues from: param_path when it names one training
+    checkpoint, else the latest in ckpt_dir. A param_path that is a model directory or another
+    run's ckpt_dir is this run's initial weights (a chained stage), not a state to resume."""
     from astrai.train.checkpoint import find_resume_checkpoint
 
     if cfg.train.param_path is not None:
         path = Path(cfg.train.param_path)
         if not path.is_dir():
             raise FileNotFoundError(f"--resume from param_path {str(path)!r}: no such checkpoint directory")
-        return path
+        if any((path / name).exists() for name in TRAINING_STATE_FILES):
+            return path
     # the newest complete one; raises naming the damaged file when checkpoints exist but none is complete
     return find_resume_checkpoint(cfg.ckpt.ckpt_dir)
 

@@ -140,3 +140,18 @@ def test_resume_without_any_checkpoint_is_an_error(workdir, tmp_path, capsys):
     path = write_config(workdir)
     assert main(["--config", str(path), "--resume", "--ckpt_dir", str(tmp_path / "empty")]) != 0
     assert "--resume found no checkpoint" in capsys.readouterr().err
+
+
+def test_resume_uses_param_path_only_when_it_is_a_training_checkpoint(tmp_path):
+    from astrai.config import load_config
+    from astrai.train.checkpoint import publish
+    from astrai.train.cli import resume_path
+
+    ckpt_dir, prev_run = tmp_path / "ckpt", tmp_path / "prev" / "ckpt"
+    for root in (ckpt_dir, prev_run):
+        publish(root, 5, lambda d: (d / "trainer_state.json").write_text("{}"))
+    explicit = prev_run / "step_00000005"
+    cfg = load_config(None, ["--param_path", str(explicit), "--ckpt_dir", str(ckpt_dir)])
+    assert resume_path(cfg) == explicit  # a named checkpoint is resumed as asked
+    cfg = load_config(None, ["--param_path", str(prev_run), "--ckpt_dir", str(ckpt_dir)])
+    assert resume_path(cfg) == ckpt_dir / "step_00000005"  # a chained stage's init: resume this run
