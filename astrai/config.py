@@ -35,7 +35,7 @@ class DataConfig:
     data_path: str | None = None  # JSONL file or preprocessed shard dir
     tokenizer_path: str | None = None  # defaults to param_path
     max_seq_len: int = 128
-    pack: bool = False  # pack several documents per row (seq)
+    pack: bool = False  # pack several documents per row (seq and sft), positions reset per document
     seq_stride: int | None = None  # sliding-window stride for long seq documents
     val_data_path: str | None = None
     val_split: float = 0.0  # fraction of data_path held out for validation when no val_data_path

@@ -46,7 +46,7 @@ class EngineConfig:
     enable_chunked_prefill: bool = True
     engine_seed: int = 0  # generator of unseeded sampling (SamplingParams.seed is per request)
     device: str | None = None  # from_pretrained: where to load (None: cuda if available); else the model's
-    dtype: str | None = None  # from_pretrained only: weights dtype (None = the checkpoint's)
+    dtype: str | None = None  # from_pretrained only: weights dtype (None = float32, "auto" = the checkpoint's)
 
 
 @dataclass

@@ -18,7 +18,7 @@ class TrainContext:
     epoch: int = 0
     step: int = 0  # completed optimizer steps
     consumed_samples: int = 0  # samples of the current epoch consumed by completed steps (global)
-    tokens_seen: int = 0  # loss tokens of completed steps (global)
+    tokens_seen: int = 0  # non-padding input tokens of completed steps (global)
     policy_version: int = 0  # bumped on every optimizer step (weights served to rollouts)
     stop_reason: str | None = None
     _stop: threading.Event = field(default_factory=threading.Event, repr=False)
