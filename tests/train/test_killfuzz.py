@@ -114,7 +114,8 @@ def test_kill9_fuzz_never_loses_a_checkpoint(tmp_path):
 
     tok = write_tokenizer(tmp_path / "tok")
     # a checkpoint after every optimizer step, so many kills land inside a save
-    flags = {"grad_accum_steps": 2, "batch_per_device": 2, "n_epoch": 3}
+    # long enough (120 steps) that the 24 trials, each advancing a few steps, never finish the run
+    flags = {"grad_accum_steps": 2, "batch_per_device": 2, "n_epoch": 12}
     config = write_run(tmp_path / "fuzz", tok, "sft", num_records=40, **flags)
     straight = write_run(tmp_path / "straight", tok, "sft", num_records=40, **flags)
     for cfg in (config, straight):
