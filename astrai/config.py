@@ -95,7 +95,7 @@ class CkptConfig:
     ckpt_dir: str = "out/ckpt"
     ckpt_interval: int = 100  # optimizer steps; 0 = only at stop/end
     keep_last: int | None = 3
-    ckpt_background: bool = False  # hash, fsync and rename on a thread; the loop only waits for the writes
+    ckpt_background: bool = True  # hash, fsync and rename on a thread; the loop only waits for the writes
 
 
 @dataclass
