@@ -103,6 +103,7 @@ class LogConfig:
     log_dir: str = "out"  # metrics.jsonl, plots
     progress: bool = True  # tqdm bar on rank 0
     tensorboard: bool = False  # also write TensorBoard events (needs the tensorboard package)
+    log_metrics: list[str] | None = None  # objective metrics to log; None = all, [] = none
 
 
 @dataclass

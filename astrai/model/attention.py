@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from astrai.model.config import ModelConfig
+from astrai.model.ops import apply_rope, rms_norm
 
 
 class RMSNorm(nn.Module):
@@ -28,10 +29,7 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         # float32 statistics keep bf16 training stable; the weight multiplies in the input dtype
-        dtype = x.dtype
-        x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x.to(dtype)
+        return rms_norm(x, self.weight, self.eps)
 
 
 # -- rotary position embeddings ----------------------------------------------------------------
@@ -65,14 +63,6 @@ def rope_cos_sin(inv_freq: Tensor, position_ids: Tensor, dtype: torch.dtype) -> 
     return emb.cos().to(dtype), emb.sin().to(dtype)
 
 
-def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    """x (B, T, H, D); cos/sin (B, T, D). Rotates the two halves of each head (HF convention)."""
-    cos, sin = cos.unsqueeze(2), sin.unsqueeze(2)
-    half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos + rotated * sin
-
-
 # -- masks for training batches ----------------------------------------------------------------
 def document_ids_from_positions(position_ids: Tensor) -> Tensor | None:
     """Document ids (B, T) from position resets, or None when no row restarts its positions."""
@@ -87,6 +77,8 @@ def build_attention_mask(
     attention_mask: Tensor | None, document_ids: Tensor | None, T: int, device: torch.device
 ) -> Tensor | None:
     """Boolean mask (B, 1, T, T), True = may attend; None when plain causal attention suffices."""
+    if attention_mask is not None and bool(attention_mask.all()):
+        attention_mask = None  # no padding: plain causal attention takes the faster kernel
     if attention_mask is None and document_ids is None:
         return None
     allowed = torch.ones(T, T, dtype=torch.bool, device=device).tril()[None]  # (1, T, T)

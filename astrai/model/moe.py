@@ -94,6 +94,7 @@ class MoE(nn.Module):
             self.shared_expert_gate = nn.Linear(config.hidden_size, 1, bias=False)
         else:
             self.shared_expert = self.shared_expert_gate = None
+        self.collect_stats = True  # router statistics in training mode; the trainer turns them off when unread
 
     def forward(self, x: Tensor, token_mask: Tensor | None = None) -> tuple[Tensor, Tensor | None, dict]:
         """x (B, T, C) -> (out (B, T, C), aux_loss or None, router stats). token_mask (B, T) drops
@@ -119,5 +120,6 @@ class MoE(nn.Module):
         if self.training:
             keep = token_mask.reshape(-1).bool() if token_mask is not None else slice(None)
             aux = load_balancing_loss(probs[keep], top_idx[keep], self.num_experts)
-            stats = router_statistics(probs[keep], top_idx[keep], self.num_experts)
+            if self.collect_stats:
+                stats = router_statistics(probs[keep], top_idx[keep], self.num_experts)
         return out.view(B, T, C), aux, stats

@@ -8,6 +8,12 @@ metrics there, validation ones included), ``on_epoch_end``; ``on_error`` when th
 early stopping and optional TensorBoard. Users pass their own objects to ``Trainer(callbacks=...)``;
 a callback implements any subset of the hooks, and may offer ``state_dict``/``load_state_dict``
 (saved in the checkpoint's trainer state).
+
+Objective metrics (DPO rewards, MoE router statistics, ...) are computed only when some callback
+reads them. A callback says which it reads in ``requested_metrics``: a set of names (``val/``
+prefixes allowed), or None for all of them; a callback without the attribute is assumed to read
+all. The step's core numbers (step, epoch, lr, loss, grad_norm, tokens_per_s, num_loss_units)
+are always there.
 """
 
 from __future__ import annotations
@@ -15,6 +21,7 @@ from __future__ import annotations
 import json
 import math
 import sys
+from collections.abc import Iterable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
@@ -40,6 +47,17 @@ class Callback(Protocol):
     def on_epoch_end(self, trainer: Trainer) -> None: ...
     def on_error(self, trainer: Trainer, error: BaseException) -> None: ...
     def on_train_end(self, trainer: Trainer) -> None: ...
+
+
+def requested_metrics(callbacks: Iterable[Any]) -> frozenset[str] | None:
+    """Objective metric names any of `callbacks` reads (``val/`` prefixes dropped); None = all."""
+    names: set[str] = set()
+    for cb in callbacks:
+        wanted = getattr(cb, "requested_metrics", None)
+        if wanted is None:
+            return None
+        names.update(name.removeprefix("val/") for name in wanted)
+    return frozenset(names)
 
 
 class CallbackList:
@@ -79,8 +97,9 @@ class MetricsLogger:
     was stopped) are dropped, so the file reads as if the run had never been interrupted.
     """
 
-    def __init__(self, log_dir: str | Path):
+    def __init__(self, log_dir: str | Path, metrics: Iterable[str] | None = None):
         self.path = Path(log_dir) / "metrics.jsonl"
+        self.requested_metrics = None if metrics is None else frozenset(metrics)
 
     def on_train_begin(self, trainer: Trainer) -> None:
         if not trainer.is_main:
@@ -112,6 +131,8 @@ class MetricsLogger:
 
 class CheckpointSaver:
     """Publishes ``step_N`` after every ``interval`` optimizer steps, and at a stop or the end."""
+
+    requested_metrics = frozenset()
 
     def __init__(self, interval: int):
         self.interval = interval
@@ -154,6 +175,8 @@ class CheckpointSaver:
 class ProgressBar:
     """tqdm bar on rank 0: loss, lr, tokens/s and the ETA that tqdm derives from the step rate."""
 
+    requested_metrics = frozenset()
+
     def __init__(self, total_steps: int):
         self.total_steps = total_steps
         self.bar = None
@@ -187,6 +210,7 @@ class EarlyStopping:
         if mode not in ("min", "max"):
             raise ValueError(f"early_stopping_mode={mode!r}; expected 'min' or 'max'")
         self.metric, self.patience, self.min_delta, self.mode = metric, patience, min_delta, mode
+        self.requested_metrics = frozenset([metric])
         self.best: float | None = None
         self.num_bad = 0
 
@@ -220,9 +244,10 @@ class EarlyStopping:
 class TensorBoardLogger:
     """Scalars to TensorBoard event files when the ``tensorboard`` package is installed."""
 
-    def __init__(self, log_dir: str | Path):
+    def __init__(self, log_dir: str | Path, metrics: Iterable[str] | None = None):
         self.log_dir = Path(log_dir) / "tensorboard"
         self.writer = None
+        self.requested_metrics = None if metrics is None else frozenset(metrics)
 
     def on_train_begin(self, trainer: Trainer) -> None:
         if not trainer.is_main:
@@ -250,13 +275,13 @@ def default_callbacks(trainer: Trainer) -> list[Any]:
     """The built-in callbacks a config asks for; metrics come before checkpoints so that a
     checkpoint's copy of metrics.jsonl holds its own step."""
     cfg = trainer.config
-    cbs: list[Any] = [MetricsLogger(cfg.log.log_dir)]
+    cbs: list[Any] = [MetricsLogger(cfg.log.log_dir, cfg.log.log_metrics)]
     if cfg.train.early_stopping_metric:
         cbs.append(EarlyStopping(cfg.train.early_stopping_metric, cfg.train.early_stopping_patience,
                                  cfg.train.early_stopping_min_delta, cfg.train.early_stopping_mode))
     if cfg.log.progress:
         cbs.append(ProgressBar(trainer.total_steps))
     if cfg.log.tensorboard:
-        cbs.append(TensorBoardLogger(cfg.log.log_dir))
+        cbs.append(TensorBoardLogger(cfg.log.log_dir, cfg.log.log_metrics))
     cbs.append(CheckpointSaver(cfg.ckpt.ckpt_interval))
     return cbs

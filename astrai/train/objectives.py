@@ -6,6 +6,8 @@ arithmetic. The trainer normalises by the whole accumulation window, so every ob
 *sums* over its loss units (loss tokens for seq/sft, preference pairs for dpo): ``loss`` and
 each metric are divided by the window's unit count (all ranks) by the trainer. For MoE models
 the objective adds ``router_aux_loss_coef * aux_loss`` and reports the router statistics.
+Metrics are computed only when requested: the trainer sets ``requested_metrics`` to the names its
+callbacks read (None = all), and an objective skips the rest.
 """
 
 from __future__ import annotations
@@ -30,22 +32,33 @@ class LossOutput:
     metrics: dict[str, Tensor] = field(default_factory=dict)
 
 
-def _add_moe_terms(out: Any, loss: Tensor, units: Tensor, coef: float, metrics: dict[str, Tensor]) -> Tensor:
-    """loss + coef * aux_loss (aux is a per-micro-batch mean, so it is weighted by the units)."""
-    if out.aux_loss is None:
-        return loss
-    aux = out.aux_loss.float() * units
-    metrics["task_loss"] = loss.detach()
-    metrics["aux_loss"] = aux.detach()
-    metrics["aux_loss_weighted"] = coef * aux.detach()
-    for name, value in out.router_stats.items():
-        value = value.detach().float()
-        if value.ndim:  # per-expert loads: the busiest expert's share says how balanced routing is
-            metrics[f"router/{name}_max"] = value.max() * units
-            metrics[f"router/{name}_min"] = value.min() * units
-        else:
-            metrics[f"router/{name}"] = value * units
-    return loss + coef * aux
+class Objective:
+    """What every objective shares: which of its metrics anyone asked for."""
+
+    requested_metrics: frozenset[str] | None = None  # None: compute every metric
+
+    def wants(self, name: str) -> bool:
+        return self.requested_metrics is None or name in self.requested_metrics
+
+    def _add_moe_terms(self, out: Any, loss: Tensor, units: Tensor, coef: float, metrics: dict[str, Tensor]) -> Tensor:
+        """loss + coef * aux_loss (aux is a per-micro-batch mean, so it is weighted by the units)."""
+        if out.aux_loss is None:
+            return loss
+        aux = out.aux_loss.float() * units
+        candidates = {
+            "task_loss": lambda: loss.detach(),
+            "aux_loss": lambda: aux.detach(),
+            "aux_loss_weighted": lambda: coef * aux.detach(),
+        }
+        for name, value in out.router_stats.items():
+            value = value.detach().float()
+            if value.ndim:  # per-expert loads: the busiest expert's share says how balanced routing is
+                candidates[f"router/{name}_max"] = lambda v=value: v.max() * units
+                candidates[f"router/{name}_min"] = lambda v=value: v.min() * units
+            else:
+                candidates[f"router/{name}"] = lambda v=value: v * units
+        metrics.update({name: compute() for name, compute in candidates.items() if self.wants(name)})
+        return loss + coef * aux
 
 
 def labelled_positions(labels: Tensor) -> Tensor | None:
@@ -67,7 +80,7 @@ def _aux_coef(cfg: Config, model: nn.Module) -> float:
     return float(cfg.model.get("router_aux_loss_coef", default))
 
 
-class SeqObjective:
+class SeqObjective(Objective):
     """Next-token cross entropy on every labelled token (pre-training), with label smoothing."""
 
     def __init__(self, cfg: Config, model: nn.Module):
@@ -86,7 +99,7 @@ class SeqObjective:
             labels = labels[:, idx]  # (B, K)
         loss_sum, num_tokens = token_cross_entropy(out.logits, labels, self.label_smoothing)
         metrics: dict[str, Tensor] = {}
-        loss = _add_moe_terms(out, loss_sum, num_tokens, self.aux_coef, metrics)
+        loss = self._add_moe_terms(out, loss_sum, num_tokens, self.aux_coef, metrics)
         return LossOutput(loss, metrics)
 
 
@@ -106,7 +119,7 @@ def _concat_pairs(batch: Batch) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     return parts[0], parts[1], parts[2], parts[3]
 
 
-class DPOObjective:
+class DPOObjective(Objective):
     """Direct preference optimisation against a frozen reference (or none, reference-free)."""
 
     def __init__(self, cfg: Config, model: nn.Module, reference: nn.Module | None = None):
@@ -150,15 +163,16 @@ class DPOObjective:
         losses, chosen_rewards, rejected_rewards = dpo_loss(
             logps[:B], logps[B:], ref_c, ref_r, self.beta, self.loss_type, self.label_smoothing
         )  # (B,) each
-        metrics = {
-            "rewards/chosen": chosen_rewards.sum(),
-            "rewards/rejected": rejected_rewards.sum(),
-            "rewards/margins": (chosen_rewards - rejected_rewards).sum(),
-            "rewards/accuracies": (chosen_rewards > rejected_rewards).float().sum(),
-            "logps/chosen": logps[:B].detach().sum(),
-            "logps/rejected": logps[B:].detach().sum(),
+        candidates = {
+            "rewards/chosen": lambda: chosen_rewards.sum(),
+            "rewards/rejected": lambda: rejected_rewards.sum(),
+            "rewards/margins": lambda: (chosen_rewards - rejected_rewards).sum(),
+            "rewards/accuracies": lambda: (chosen_rewards > rejected_rewards).float().sum(),
+            "logps/chosen": lambda: logps[:B].detach().sum(),
+            "logps/rejected": lambda: logps[B:].detach().sum(),
         }
-        loss = _add_moe_terms(out, losses.sum(), torch.tensor(float(B), device=ids.device), self.aux_coef, metrics)
+        metrics = {name: compute() for name, compute in candidates.items() if self.wants(name)}
+        loss = self._add_moe_terms(out, losses.sum(), torch.tensor(float(B), device=ids.device), self.aux_coef, metrics)
         return LossOutput(loss, metrics)
 
 

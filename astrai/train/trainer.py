@@ -30,7 +30,7 @@ from torch import Tensor
 from astrai.config import Config
 from astrai.data.sampler import ResumableSampler
 from astrai.train import dist
-from astrai.train.callbacks import CallbackList, CheckpointSaver, default_callbacks
+from astrai.train.callbacks import CallbackList, CheckpointSaver, default_callbacks, requested_metrics
 from astrai.train.context import TrainContext
 from astrai.train.objectives import build_objective
 from astrai.train.optim import LRSchedule, build_optimizer
@@ -77,9 +77,19 @@ class Trainer:
         # user callbacks see a step before the checkpoint of that step is published
         saver = [cb for cb in built if isinstance(cb, CheckpointSaver)]
         self.callbacks = CallbackList([cb for cb in built if cb not in saver] + user + saver)
+        self._request_metrics(requested_metrics(self.callbacks.callbacks))
         self.step_metrics: dict[str, Any] = {}
         self._data_epoch, self._data_consumed = self.ctx.epoch, self.ctx.consumed_samples
         self._reset_window()
+
+    def _request_metrics(self, wanted: frozenset[str] | None) -> None:
+        """Metrics no callback reads are never computed: objective metrics and router statistics."""
+        if hasattr(self.objective, "requested_metrics"):
+            self.objective.requested_metrics = wanted
+        router = wanted is None or any(name.startswith("router/") for name in wanted)
+        for module in self.raw_model.modules():
+            if hasattr(module, "collect_stats"):
+                module.collect_stats = router
 
     # ---------------------------------------------------------------------------- the loop
 

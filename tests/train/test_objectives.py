@@ -126,3 +126,59 @@ def test_labelled_positions():
     labels = torch.tensor([[-100, -100, 3, 4], [-100, 5, 6, -100]])
     assert labelled_positions(labels).tolist() == [1, 2, 3]
     assert labelled_positions(torch.tensor([[1, 2], [3, -100]])) is None
+
+
+def test_unrequested_metrics_are_not_computed(tmp_path, monkeypatch):
+    import astrai.model.moe as moe
+    import astrai.train.objectives as objectives
+
+    calls = {"stats": 0, "dpo_sums": 0}
+    real_stats = moe.router_statistics
+
+    def counting_stats(*args):
+        calls["stats"] += 1
+        return real_stats(*args)
+
+    monkeypatch.setattr(moe, "router_statistics", counting_stats)
+    # only the metrics log reads objective metrics here, and it asks for one
+    model = tiny_model(num_experts=4, num_experts_per_tok=2)
+    _, lines = run(tmp_path, ToyPairDataset(16), "--train_type", "dpo", "--batch_per_device", "8",
+                   "--max_steps", "2", "--log_metrics", "[rewards/accuracies]", model=model)
+    objective_keys = {k for k in lines[-1] if "/" in k or k in ("task_loss", "aux_loss", "aux_loss_weighted")}
+    assert objective_keys == {"rewards/accuracies"}
+    assert calls["stats"] == 0  # router statistics were never computed
+
+    # the objective itself: a request for nothing yields no metrics, None yields all of them
+    model = tiny_model(num_experts=4, num_experts_per_tok=2)  # the trainer switched the first one's stats off
+    cfg = tiny_config(tmp_path, "--train_type", "dpo")
+    obj = objectives.DPOObjective(cfg, model)
+    ds = ToyPairDataset(8)
+    batch = ds.collate([ds[i] for i in range(8)])
+    obj.requested_metrics = frozenset()
+    assert obj(model, batch).metrics == {}
+    obj.requested_metrics = None
+    assert {"rewards/margins", "logps/chosen", "task_loss", "router/entropy"} <= set(obj(model, batch).metrics)
+
+
+def test_a_user_callback_without_a_request_gets_every_metric(tmp_path):
+    from astrai.train.callbacks import requested_metrics
+
+    class Reader:  # reads trainer.step_metrics but does not say which
+        def after_optimizer_step(self, trainer):
+            pass
+
+    class Picky:
+        requested_metrics = {"val/rewards/margins"}
+
+    assert requested_metrics([Picky()]) == {"rewards/margins"}
+    assert requested_metrics([Picky(), Reader()]) is None
+    cfg = tiny_config(tmp_path, "--train_type", "dpo", "--batch_per_device", "8", "--max_steps", "1",
+                      "--log_metrics", "[]")
+    t = Trainer(cfg, model=tiny_model(), train_dataset=ToyPairDataset(8), callbacks=[Reader()])
+    assert t.objective.requested_metrics is None
+    t = Trainer(cfg, model=tiny_model(), train_dataset=ToyPairDataset(8), callbacks=[Picky()])
+    assert t.objective.requested_metrics == {"rewards/margins"}
+    without_checkpoints(t)
+    t.train()
+    last = [json.loads(x) for x in (tmp_path / "log" / "metrics.jsonl").read_text().splitlines()][-1]
+    assert "rewards/margins" in last and "rewards/accuracies" not in last
