@@ -8,7 +8,7 @@ bf16 off, in two scenarios:
    the loop and the model's arithmetic alone;
 2. SFT examples of different lengths (prompt and reply drawn independently): what SFT data looks
    like. transformers' Trainer pads each batch to its longest example (also with its
-   `group_by_length` sampler, which batches similar lengths); astrai packs examples into rows
+   `group_by_length` sampling strategy, which batches similar lengths); astrai packs examples into rows
    (`pack: true`, attention kept within each example) and, for reference, also runs padded.
    Throughput counts non-padding tokens only, over one epoch of the same examples.
  Throughput
@@ -249,7 +249,8 @@ def run_hf_trainer_ragged(args, examples, group_by_length: bool) -> tuple[float,
             output_dir=d, per_device_train_batch_size=args.batch, num_train_epochs=1, learning_rate=1e-3,
             lr_scheduler_type="constant", max_grad_norm=1.0, optim="adamw_torch_fused", save_strategy="no",
             report_to=[], logging_strategy="no", disable_tqdm=True, use_cpu=True, dataloader_num_workers=0,
-            remove_unused_columns=False, group_by_length=group_by_length,
+            remove_unused_columns=False,
+            train_sampling_strategy="group_by_length" if group_by_length else "random",
         )
         trainer = Trainer(model=hf_model(args), args=targs, train_dataset=data, data_collator=collator,
                           callbacks=[Clock()])

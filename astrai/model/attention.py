@@ -187,24 +187,32 @@ class Attention(nn.Module):
 
     def forward(
         self, x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor | None,
-        meta: PagedAttentionMetadata | None = None,
+        meta: PagedAttentionMetadata | None = None, query_idx: Tensor | None = None,
     ) -> Tensor:
+        """x (B, T, C) -> (B, T, C); with `query_idx` (K,) (padded batches only) only those
+        positions query, every position still gives keys and values, and the result is (B, K, C)."""
         B, T, _ = x.shape
-        q = self.q_proj(x).view(B, T, self.num_heads, self.head_dim)  # (B, T, H, D)
+        xq, cos_q, sin_q = (x, cos, sin) if query_idx is None else (x[:, query_idx], cos[:, query_idx], sin[:, query_idx])
+        q = self.q_proj(xq).view(B, xq.size(1), self.num_heads, self.head_dim)  # (B, Tq, H, D)
         k = self.k_proj(x).view(B, T, self.num_kv_heads, self.head_dim)  # (B, T, Hkv, D)
         v = self.v_proj(x).view(B, T, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        q, k = apply_rope(q, cos_q, sin_q), apply_rope(k, cos, sin)
         if meta is None:
+            if query_idx is not None:  # rows of the (T, T) mask for the querying positions only
+                if mask is None:
+                    mask = (torch.arange(T, device=x.device) <= query_idx[:, None])[None, None]  # (1, 1, K, T)
+                else:
+                    mask = mask[:, :, query_idx]  # (B, 1, K, T)
             out = F.scaled_dot_product_attention(
                 q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
                 attn_mask=mask, is_causal=mask is None, enable_gqa=self.num_kv_heads != self.num_heads,
-            )  # (B, H, T, D)
+            )  # (B, H, Tq, D)
             out = out.transpose(1, 2)
         else:
             out = self._paged(q[0], k[0], v[0], meta)[None]
-        return self.o_proj(out.reshape(B, T, self.num_heads * self.head_dim))
+        return self.o_proj(out.reshape(B, q.size(1), self.num_heads * self.head_dim))
 
     def _paged(self, q: Tensor, k: Tensor, v: Tensor, meta: PagedAttentionMetadata) -> Tensor:
         """q (N, H, D), k/v (N, Hkv, D) of the flat step batch -> (N, H, D)."""

@@ -31,8 +31,8 @@ from astrai.model.moe import MLP, MoE
 
 @dataclass
 class ModelOutput:
-    logits: Tensor  # (B, T, V), or (1, K, V) when logits_indices selects K positions
-    hidden_states: Tensor  # (B, T, C) after the final norm
+    logits: Tensor  # (B, T, V), or (B, K, V) when logits_indices selects K positions
+    hidden_states: Tensor  # after the final norm: (B, T, C); (B, K, C) at logits_indices in padded batches
     aux_loss: Tensor | None = None  # MoE load-balancing loss (training mode only)
     router_stats: dict[str, Tensor] = field(default_factory=dict)
 
@@ -48,9 +48,11 @@ class DecoderLayer(nn.Module):
 
     def forward(
         self, x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor | None,
-        meta: PagedAttentionMetadata | None, token_mask: Tensor | None,
+        meta: PagedAttentionMetadata | None, token_mask: Tensor | None, keep: Tensor | None = None,
     ) -> tuple[Tensor, Tensor | None, dict]:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, mask, meta)
+        """x (B, T, C) -> (B, T, C); with `keep` (K,) only those positions' outputs, (B, K, C)."""
+        attn = self.self_attn(self.input_layernorm(x), cos, sin, mask, meta, query_idx=keep)
+        x = x + attn if keep is None else x[:, keep] + attn
         h = self.post_attention_layernorm(x)
         if self.is_moe:
             y, aux, stats = self.mlp(h, token_mask)
@@ -78,8 +80,16 @@ class Transformer(nn.Module):
         position_ids: Tensor | None = None,
         document_ids: Tensor | None = None,
         attn_metadata: PagedAttentionMetadata | None = None,
+        keep: Tensor | None = None,
     ) -> tuple[Tensor, Tensor | None, dict[str, Tensor]]:
-        """input_ids (B, T) -> (hidden (B, T, C), mean MoE aux loss or None, mean router stats)."""
+        """input_ids (B, T) -> (hidden (B, T, C), mean MoE aux loss or None, mean router stats).
+
+        `keep` (K,), padded batches only: the positions whose hidden states are wanted; hidden is
+        then (B, K, C). A dense last layer computes only those rows (every layer before it still
+        computes all positions, since later positions attend to their keys and values): when
+        only the reply of an SFT or DPO row carries a loss, its prompt skips the last layer's
+        query, attention output and MLP work.
+        """
         if input_ids.dim() != 2:
             raise ValueError(f"input_ids must be (batch, seq_len), got shape {tuple(input_ids.shape)}")
         B, T = input_ids.shape
@@ -92,19 +102,25 @@ class Transformer(nn.Module):
             mask = build_attention_mask(attention_mask, document_ids, T, input_ids.device)
         x = self.embed_tokens(input_ids)  # (B, T, C)
         cos, sin = rope_cos_sin(self.inv_freq, position_ids, x.dtype)  # (B, T, D) each
+        if keep is not None and attn_metadata is not None:
+            raise ValueError("keep applies to padded batches; paged batches select rows with logits_indices")
+        prune = keep is not None and not self.layers[-1].is_moe  # MoE statistics need every token
         aux_losses, stats = [], []
-        for layer in self.layers:
+        for i, layer in enumerate(self.layers):
+            rows = keep if prune and i == len(self.layers) - 1 else None
             if self.gradient_checkpointing and self.training:
                 x, aux, st = checkpoint(
-                    layer, x, cos, sin, mask, attn_metadata, attention_mask, use_reentrant=False
+                    layer, x, cos, sin, mask, attn_metadata, attention_mask, rows, use_reentrant=False
                 )
             else:
-                x, aux, st = layer(x, cos, sin, mask, attn_metadata, attention_mask)
+                x, aux, st = layer(x, cos, sin, mask, attn_metadata, attention_mask, rows)
             if aux is not None:
                 aux_losses.append(aux)
                 stats.append(st)
         aux_loss = torch.stack(aux_losses).mean() if aux_losses else None
         router_stats = {k: torch.stack([s[k] for s in stats]).mean(0) for k in stats[0]} if stats else {}
+        if keep is not None and not prune:
+            x = x[:, keep]
         return self.norm(x), aux_loss, router_stats
 
 
@@ -160,9 +176,15 @@ class CausalLM(nn.Module):
         attn_metadata: PagedAttentionMetadata | None = None,
         logits_indices: Tensor | None = None,
     ) -> ModelOutput:
-        hidden, aux_loss, router_stats = self.model(
-            input_ids, attention_mask, position_ids, document_ids, attn_metadata
-        )
+        """Logits at every position, or at `logits_indices` only: in padded batches (K,) positions
+        of every row, for which the last layer computes just those rows; in paged batches (K,)
+        indices into the flat row."""
+        if attn_metadata is None:
+            hidden, aux_loss, router_stats = self.model(
+                input_ids, attention_mask, position_ids, document_ids, keep=logits_indices
+            )
+            return ModelOutput(self.lm_head(hidden), hidden, aux_loss, router_stats)
+        hidden, aux_loss, router_stats = self.model(input_ids, attention_mask, position_ids, document_ids, attn_metadata)
         h = hidden if logits_indices is None else hidden[:, logits_indices]
         return ModelOutput(self.lm_head(h), hidden, aux_loss, router_stats)
 

@@ -183,3 +183,29 @@ def test_fused_experts_grouped_mm_and_fallback_match_per_expert_mlps(monkeypatch
     torch.testing.assert_close(experts(x, counts), expected, atol=1e-4, rtol=1e-4)
     monkeypatch.delattr(F, "grouped_mm", raising=False)
     torch.testing.assert_close(experts(x, counts), expected, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("overrides", [{}, {"qk_norm": True}, {"num_experts": 4, "num_experts_per_tok": 2}])
+@pytest.mark.parametrize("layout", ["causal", "padded", "packed"])
+def test_logits_indices_equal_full_logits_and_gradients(overrides, layout):
+    # a dense last layer computes only the selected rows; results must not change
+    torch.manual_seed(0)
+    model = CausalLM(tiny(**overrides), seed=0)
+    ids = torch.randint(0, 64, (3, 20))
+    mask = pos = None
+    if layout == "padded":
+        mask = torch.ones(3, 20, dtype=torch.long)
+        mask[1, 14:] = 0
+    if layout == "packed":
+        pos = torch.cat([torch.arange(8), torch.arange(12)]).expand(3, 20)
+    idx = torch.tensor([2, 7, 8, 13, 19])
+    grads = []
+    for select in (False, True):
+        model.zero_grad()
+        out = model(ids, attention_mask=mask, position_ids=pos, logits_indices=idx if select else None)
+        logits = out.logits if select else out.logits[:, idx]
+        (logits.square().mean() + (out.aux_loss if out.aux_loss is not None else 0)).backward()
+        grads.append(({n: p.grad.clone() for n, p in model.named_parameters()}, logits.detach()))
+    torch.testing.assert_close(grads[0][1], grads[1][1], rtol=1e-5, atol=1e-5)
+    for name, g in grads[0][0].items():
+        torch.testing.assert_close(g, grads[1][0][name], rtol=1e-4, atol=1e-6, msg=name)
