@@ -36,6 +36,7 @@ class DataConfig:
     tokenizer_path: str | None = None  # defaults to param_path
     max_seq_len: int = 128
     pack: bool = False  # pack several documents per row (seq and sft), positions reset per document
+    group_by_length: bool = False  # batch samples of similar length (less padding); still seeded and resumable
     seq_stride: int | None = None  # sliding-window stride for long seq documents
     val_data_path: str | None = None
     val_split: float = 0.0  # fraction of data_path held out for validation when no val_data_path

@@ -155,6 +155,10 @@ class SeqDataset(Dataset):
     def collate(self, samples: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
         return pad_rows(samples, self.pad_token_id)
 
+    def lengths(self) -> np.ndarray:
+        """Tokens of every sample (all windows are max_seq_len long)."""
+        return np.full(len(self), self.max_seq_len, dtype=np.int64)
+
 
 class SFTDataset(Dataset):
     """Chats with loss masks, one per row (padded in collate) or packed into rows of max_seq_len."""
@@ -185,6 +189,11 @@ class SFTDataset(Dataset):
     def collate(self, samples: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
         return pad_rows(samples, self.pad_token_id)
 
+    def lengths(self) -> np.ndarray:
+        """Tokens of every sample (a packed row: the sum of its documents)."""
+        lengths = self.store.lengths("input_ids")
+        return lengths if self.rows is None else np.array([int(lengths[r].sum()) for r in self.rows], dtype=np.int64)
+
 
 class DPODataset(Dataset):
     """Chosen and rejected chats of one prompt; loss masks cover the replies only."""
@@ -210,6 +219,10 @@ class DPODataset(Dataset):
         batch = pad_rows([s["chosen"] for s in samples], self.pad_token_id, length, "chosen_")
         batch.update(pad_rows([s["rejected"] for s in samples], self.pad_token_id, length, "rejected_"))
         return batch
+
+    def lengths(self) -> np.ndarray:
+        """Padded length of every pair: the longer of its two sides."""
+        return np.maximum(self.store.lengths("chosen_input_ids"), self.store.lengths("rejected_input_ids"))
 
 
 class PromptDataset(Dataset):

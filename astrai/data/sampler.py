@@ -6,22 +6,30 @@ Rank r reads global positions r, r + world_size, ... A run that stopped after `c
 global samples resumes at exactly the next position, so an interrupted run sees the same
 samples in the same order as an uninterrupted one. The trainer owns the consumed count and
 passes it in with `set_consumed`; iterating also advances it for single-process use.
+
+With `lengths` the order is grouped by length: the permutation is cut into mega-batches of
+`GROUP_BATCHES` global batches (`group_size` samples each, all ranks), and each mega-batch is
+sorted longest first, so that a batch holds samples of similar length and pads little. The
+grouped order is still a pure function of (seed, epoch), hence resumable.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
+
+GROUP_BATCHES = 64  # global batches per length-sorted mega-batch
 
 
 class ResumableSampler:
     """Yields this rank's dataset indices for one epoch, from `consumed_samples` onwards."""
 
     def __init__(self, num_samples: int, seed: int = 0, rank: int = 0, world_size: int = 1,
-                 shuffle: bool = True, drop_last: bool = False):
+                 shuffle: bool = True, drop_last: bool = False, lengths: Sequence[int] | None = None,
+                 group_size: int = 1):
         if num_samples <= 0:
             raise ValueError(f"num_samples must be positive, got {num_samples}; the dataset is empty")
         if not 0 <= rank < world_size:
@@ -34,6 +42,10 @@ class ResumableSampler:
         self.world_size = world_size
         self.shuffle = shuffle
         self.drop_last = drop_last
+        if lengths is not None and len(lengths) != num_samples:
+            raise ValueError(f"lengths has {len(lengths)} entries for {num_samples} samples")
+        self.lengths = None if lengths is None else [int(n) for n in lengths]
+        self.group_size = max(1, group_size)
         self.epoch = 0
         self.consumed_samples = 0
 
@@ -69,7 +81,13 @@ class ResumableSampler:
         total = self.total_size
         while len(order) < total:  # wrap around: a few samples repeat so all ranks get the same count
             order += order[: total - len(order)]
-        return order[:total]
+        order = order[:total]
+        if self.lengths is not None:
+            mega = self.group_size * GROUP_BATCHES
+            lengths = self.lengths
+            order = [i for start in range(0, total, mega)
+                     for i in sorted(order[start:start + mega], key=lambda i: -lengths[i])]
+        return order
 
     def __iter__(self) -> Iterator[int]:
         order = self.global_order()
@@ -83,7 +101,8 @@ class ResumableSampler:
     def state_dict(self) -> dict[str, Any]:
         return {"num_samples": self.num_samples, "seed": self.seed, "epoch": self.epoch,
                 "consumed_samples": self.consumed_samples, "shuffle": self.shuffle,
-                "drop_last": self.drop_last, "world_size": self.world_size}
+                "drop_last": self.drop_last, "world_size": self.world_size,
+                "group_by_length": self.lengths is not None}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         for key in ("num_samples", "seed", "shuffle"):
@@ -91,6 +110,10 @@ class ResumableSampler:
                 raise ValueError(
                     f"sampler state has {key}={state[key]!r} but this sampler has {getattr(self, key)!r}; "
                     "resume with the same data and seed, or start a fresh run")
+        if state.get("group_by_length", False) != (self.lengths is not None):
+            raise ValueError(
+                f"sampler state has group_by_length={state.get('group_by_length', False)} but this run has "
+                f"{self.lengths is not None}; resume with the same group_by_length setting, or start a fresh run")
         self.epoch = int(state["epoch"])
         self.drop_last = bool(state.get("drop_last", self.drop_last))
         self.set_consumed(int(state["consumed_samples"]))

@@ -66,7 +66,9 @@ class Trainer:
             val_dataset = val_dataset if val_dataset is not None else built_val
         self.train_dataset, self.val_dataset = train_dataset, val_dataset
         self.sampler = ResumableSampler(len(train_dataset), seed=cfg.train.random_seed, rank=self.dist.rank,
-                                        world_size=self.dist.world_size, shuffle=True)
+                                        world_size=self.dist.world_size, shuffle=True,
+                                        lengths=self._sample_lengths() if cfg.data.group_by_length else None,
+                                        group_size=cfg.train.batch_per_device * self.dist.world_size)
 
         self.total_steps = self._count_total_steps()
         self.params = [p for p in self.raw_model.parameters() if p.requires_grad]
@@ -219,6 +221,12 @@ class Trainer:
 
     def _to_device(self, batch: Batch) -> Batch:
         return {k: v.to(self.device, non_blocking=True) if isinstance(v, Tensor) else v for k, v in batch.items()}
+
+    def _sample_lengths(self) -> Any:
+        if not hasattr(self.train_dataset, "lengths"):
+            raise ValueError(f"group_by_length=true needs a dataset with a lengths() method; "
+                             f"{type(self.train_dataset).__name__} has none: set group_by_length false")
+        return self.train_dataset.lengths()
 
     def _micro_batches_per_epoch(self) -> int:
         return math.ceil(len(self.sampler) / self.config.train.batch_per_device)

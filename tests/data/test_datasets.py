@@ -146,3 +146,17 @@ def test_prompt_batch(tok, files):
     assert batch["answer"] == [ITEMS[0].answer, "4"]
     assert batch["metadata"][0] == ITEMS[0].metadata and batch["metadata"][1] == {"source": "x"}
     assert batch["messages"][1] == [{"role": "user", "content": "2+2"}]
+
+
+@pytest.mark.parametrize("train_type,pack", [("sft", False), ("sft", True), ("dpo", False), ("seq", False)])
+def test_lengths_are_the_tokens_of_each_sample(tok, files, train_type, pack):
+    ds = build_dataset(train_type, files[train_type], tok, 64, pack=pack)
+    lengths = ds.lengths()
+    assert len(lengths) == len(ds)
+    for i in range(len(ds)):
+        sample = ds[i]
+        if train_type == "dpo":
+            expected = max(len(sample["chosen"]["input_ids"]), len(sample["rejected"]["input_ids"]))
+        else:
+            expected = len(sample["input_ids"])
+        assert lengths[i] == expected

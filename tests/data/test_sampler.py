@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -75,3 +76,39 @@ def test_errors():
         s.load_state_dict({**s.state_dict(), "num_samples": 12})
     with pytest.raises(ValueError, match="consumed_samples 11 is outside"):
         s.set_consumed(11)
+
+
+def test_group_by_length_batches_similar_lengths_and_resumes():
+    from astrai.data.sampler import GROUP_BATCHES
+
+    g = torch.Generator().manual_seed(0)
+    n, batch, world = 1000, 4, 2
+    lengths = torch.randint(10, 500, (n,), generator=g).tolist()
+    plain = ResumableSampler(n, seed=3, world_size=world, rank=0)
+    grouped = ResumableSampler(n, seed=3, world_size=world, rank=0, lengths=lengths, group_size=batch * world)
+    order = grouped.global_order()
+    assert sorted(order) == sorted(plain.global_order())  # the same samples, only reordered
+    mega = batch * world * GROUP_BATCHES
+    first = order[:mega]
+    assert [lengths[i] for i in first] == sorted((lengths[i] for i in first), reverse=True)
+    assert set(first) == set(plain.global_order()[:mega])  # grouping never moves a sample across mega-batches
+
+    def spread(o):  # mean (max - min) length within the global batches
+        batches = [o[i:i + batch * world] for i in range(0, len(o), batch * world)]
+        return sum(max(lengths[i] for i in b) - min(lengths[i] for i in b) for b in batches) / len(batches)
+
+    assert spread(order) < 0.1 * spread(plain.global_order())
+    # resumable: stop after 3 batches on every rank, resume in a fresh sampler
+    ranks = [ResumableSampler(n, seed=3, world_size=world, rank=r, lengths=lengths, group_size=batch * world)
+             for r in range(world)]
+    full = [list(s) for s in ranks]
+    resumed = []
+    for r in range(world):
+        s = ResumableSampler(n, seed=3, world_size=world, rank=r, lengths=lengths, group_size=batch * world)
+        s.load_state_dict({**ranks[r].state_dict(), "consumed_samples": 3 * batch * world})
+        resumed.append(list(s))
+    assert [f[3 * batch:] for f in full] == resumed
+    with pytest.raises(ValueError, match="group_by_length"):
+        plain.load_state_dict(grouped.state_dict())
+    with pytest.raises(ValueError, match="lengths has 3 entries"):
+        ResumableSampler(4, lengths=[1, 2, 3])

@@ -64,16 +64,19 @@ def _weights(ckpt):
 
 # (train_type, micro-batch to stop at): with grad_accum 2 an even micro-batch opens a window; it
 # runs, the stop comes before the window's second half, so the half-done window is dropped.
-# Every stop is inside the first epoch.
-CASES = [("seq", 4), ("sft", 6), ("dpo", 8)]
+# Every stop is inside the first epoch. Extra flags: the length-grouped order resumes exactly too.
+CASES = [("seq", 4, []), ("sft", 6, []), ("dpo", 8, []), ("sft", 6, ["--group_by_length", "true"])]
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("train_type, kill_at", CASES)
-def test_sigterm_resume_is_exact(tmp_path, tok_dir, monkeypatch, train_type, kill_at):
+@pytest.mark.parametrize("train_type, kill_at, extra", CASES)
+def test_sigterm_resume_is_exact(tmp_path, tok_dir, monkeypatch, train_type, kill_at, extra):
     flags = {"grad_accum_steps": 2, "batch_per_device": 2}
     straight = write_run(tmp_path / "straight", tok_dir, train_type, **flags)
     stopped = write_run(tmp_path / "stopped", tok_dir, train_type, **flags)
+    if extra:  # the option goes into both configs
+        for path in (straight, stopped):
+            path.write_text(path.read_text().replace("data:\n", "data:\n  " + extra[0][2:] + ": " + extra[1] + "\n", 1))
 
     assert _train(straight, monkeypatch=monkeypatch) == 0
     full = read_metrics(tmp_path / "straight")

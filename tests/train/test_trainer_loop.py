@@ -208,3 +208,19 @@ def test_max_steps_overrides_n_epoch(tmp_path):
     t = make_trainer(tmp_path, ToySeqDataset(8), "--batch_per_device", "4", "--max_steps", "5", "--n_epoch", "1")
     t.train()
     assert t.ctx.step == 5 and t.ctx.epoch == 2  # 2 steps per epoch: the fifth is in the third epoch
+
+
+def test_group_by_length_needs_dataset_lengths(tmp_path):
+    cfg = tiny_config(tmp_path, "--group_by_length", "true", "--batch_per_device", "4", "--max_steps", "2")
+    with pytest.raises(ValueError, match="group_by_length=true needs a dataset with a lengths"):
+        Trainer(cfg, model=tiny_model(), train_dataset=ToySeqDataset(8))
+
+    class WithLengths(ToySeqDataset):
+        def lengths(self):
+            return [len(ids) for ids, _ in self.rows]
+
+    ds = WithLengths(64)
+    t = Trainer(cfg, model=tiny_model(), train_dataset=ds)
+    lengths = ds.lengths()
+    order = t.sampler.global_order()
+    assert [lengths[i] for i in order] == sorted(lengths, reverse=True)  # one mega-batch: fully sorted
