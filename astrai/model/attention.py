@@ -96,7 +96,8 @@ def build_attention_mask(
 class PrefillSegment:
     start: int  # first token of this sequence in the flat batch
     end: int
-    slots: Tensor | None  # (context_len,) cache slots of its whole context; None: no cached prefix
+    blocks: Tensor | None  # (num_blocks,) cache blocks of its whole context; None: no cached prefix
+    context_len: int  # keys it attends to (the first context_len slots of its blocks)
     mask: Tensor | None  # (query_len, context_len) bool for a chunk after cached context
 
 
@@ -107,8 +108,8 @@ class PagedAttentionMetadata:
     kv_caches: list[tuple[Tensor, Tensor]]  # per layer, (num_blocks, block_size, kv_heads, head_dim)
     slot_mapping: Tensor  # (N,) cache slot of every new token
     decode_token_idx: Tensor | None  # (Sd,) flat index of each single-token (decode) sequence
-    decode_slots: Tensor | None  # (Sd, Lmax) cache slots of its context, padded
-    decode_mask: Tensor | None  # (Sd, 1, 1, Lmax) True on real context
+    decode_blocks: Tensor | None  # (Sd, W) cache blocks of its context, padded with block 0
+    decode_mask: Tensor | None  # (Sd, 1, 1, W * block_size) True on real context
     prefills: list[PrefillSegment]
 
     @classmethod
@@ -148,22 +149,25 @@ class PagedAttentionMetadata:
         for i in (~is_decode).nonzero()[:, 0].tolist():
             start, q_len, ctx_len = int(starts[i]), query_lens[i], context_lens[i]
             if ctx_len == q_len:  # whole prompt in this step: attend over the fresh keys
-                prefills.append(PrefillSegment(start, start + q_len, None, None))
+                prefills.append(PrefillSegment(start, start + q_len, None, ctx_len, None))
             else:  # a chunk after cached context
                 key_pos = torch.arange(ctx_len)
-                slots = tables[i, key_pos // block_size] * block_size + key_pos % block_size
+                blocks = tables[i, : -(-ctx_len // block_size)]
                 mask = key_pos[None, :] <= (ctx_len - q_len + torch.arange(q_len))[:, None]
-                prefills.append(PrefillSegment(start, start + q_len, slots.to(device), mask.to(device)))
-        dec_idx = dec_slots = dec_mask = None
+                prefills.append(PrefillSegment(start, start + q_len, blocks.to(device), ctx_len, mask.to(device)))
+        dec_idx = dec_blocks = dec_mask = None
         dec = is_decode.nonzero()[:, 0]
         if len(dec):
+            # whole blocks are gathered (a few large copies instead of one small copy per token);
+            # the mask hides the tail of each sequence's last block and the padding blocks
             ctx_d = ctx[dec]  # (Sd,)
-            key_pos = torch.arange(int(ctx_d.max()))  # (Lmax,)
-            dec_slots = (tables[dec][:, key_pos // block_size] * block_size + key_pos % block_size).to(device)
+            w = -(-int(ctx_d.max()) // block_size)
+            dec_blocks = tables[dec, :w].to(device)  # (Sd, w)
+            key_pos = torch.arange(w * block_size)
             dec_mask = (key_pos[None, :] < ctx_d[:, None])[:, None, None, :].to(device)
             dec_idx = starts[dec].to(device)
         return cls(kv_caches=kv_caches, slot_mapping=slot_mapping.to(device), decode_token_idx=dec_idx,
-                   decode_slots=dec_slots, decode_mask=dec_mask, prefills=prefills)
+                   decode_blocks=dec_blocks, decode_mask=dec_mask, prefills=prefills)
 
 
 # -- the attention module ----------------------------------------------------------------------
@@ -214,6 +218,10 @@ class Attention(nn.Module):
             out = self._paged(q[0], k[0], v[0], meta)[None]
         return self.o_proj(out.reshape(B, q.size(1), self.num_heads * self.head_dim))
 
+    def _gather(self, cache: Tensor, blocks: Tensor) -> Tensor:
+        """Whole cache blocks, back to back: (len(blocks) * block_size, Hkv, D)."""
+        return torch.index_select(cache, 0, blocks).view(-1, self.num_kv_heads, self.head_dim)
+
     def _paged(self, q: Tensor, k: Tensor, v: Tensor, meta: PagedAttentionMetadata) -> Tensor:
         """q (N, H, D), k/v (N, Hkv, D) of the flat step batch -> (N, H, D)."""
         k_cache, v_cache = meta.kv_caches[self.layer_idx]
@@ -225,25 +233,26 @@ class Attention(nn.Module):
         out = torch.empty_like(q)
         for seg in meta.prefills:
             qs = q[seg.start : seg.end].transpose(0, 1)[None]  # (1, H, Tq, D)
-            if seg.slots is None:
+            if seg.blocks is None:
                 ks = k[seg.start : seg.end].transpose(0, 1)[None]  # (1, Hkv, Tq, D)
                 vs = v[seg.start : seg.end].transpose(0, 1)[None]
             else:
-                ks = torch.index_select(flat_k, 0, seg.slots).transpose(0, 1)[None].to(q.dtype)  # (1, Hkv, Tctx, D)
-                vs = torch.index_select(flat_v, 0, seg.slots).transpose(0, 1)[None].to(q.dtype)
+                ks = self._gather(k_cache, seg.blocks)[: seg.context_len].transpose(0, 1)[None].to(q.dtype)
+                vs = self._gather(v_cache, seg.blocks)[: seg.context_len].transpose(0, 1)[None].to(q.dtype)
             o = F.scaled_dot_product_attention(
                 qs, ks, vs, attn_mask=seg.mask, is_causal=seg.mask is None, enable_gqa=gqa
             )
             out[seg.start : seg.end] = o[0].transpose(0, 1)
         if meta.decode_token_idx is not None:
-            Sd, L = meta.decode_slots.shape
+            Sd, W = meta.decode_blocks.shape
+            L = W * k_cache.size(1)
             G = self.num_heads // self.num_kv_heads
             # one query per sequence: the G query heads of a kv head attend like G query positions,
             # so keys and values are never repeated for GQA
             qd = q[meta.decode_token_idx].view(Sd, self.num_kv_heads, G, self.head_dim)  # (Sd, Hkv, G, D)
-            slots = meta.decode_slots.flatten()
-            kd = torch.index_select(flat_k, 0, slots).view(Sd, L, self.num_kv_heads, self.head_dim)
-            vd = torch.index_select(flat_v, 0, slots).view(Sd, L, self.num_kv_heads, self.head_dim)
+            blocks = meta.decode_blocks.flatten()
+            kd = self._gather(k_cache, blocks).view(Sd, L, self.num_kv_heads, self.head_dim)
+            vd = self._gather(v_cache, blocks).view(Sd, L, self.num_kv_heads, self.head_dim)
             o = F.scaled_dot_product_attention(
                 qd, kd.transpose(1, 2).to(q.dtype), vd.transpose(1, 2).to(q.dtype), attn_mask=meta.decode_mask
             )  # (Sd, Hkv, G, D)
