@@ -109,7 +109,7 @@ class PagedAttentionMetadata:
     slot_mapping: Tensor  # (N,) cache slot of every new token
     decode_token_idx: Tensor | None  # (Sd,) flat index of each single-token (decode) sequence
     decode_blocks: Tensor | None  # (Sd, W) cache blocks of its context, padded with block 0
-    decode_mask: Tensor | None  # (Sd, 1, 1, W * block_size) True on real context
+    decode_mask: Tensor | None  # (Sd, 1, 1, W * block_size) additive: 0 on real context, -inf elsewhere
     prefills: list[PrefillSegment]
 
     @classmethod
@@ -164,7 +164,10 @@ class PagedAttentionMetadata:
             w = -(-int(ctx_d.max()) // block_size)
             dec_blocks = tables[dec, :w].to(device)  # (Sd, w)
             key_pos = torch.arange(w * block_size)
-            dec_mask = (key_pos[None, :] < ctx_d[:, None])[:, None, None, :].to(device)
+            real = (key_pos[None, :] < ctx_d[:, None])[:, None, None, :]
+            # additive and in the cache dtype, made once per step rather than by every layer
+            dtype = kv_caches[0][0].dtype if kv_caches else torch.float32
+            dec_mask = torch.zeros(real.shape, dtype=dtype).masked_fill_(~real, float("-inf")).to(device)
             dec_idx = starts[dec].to(device)
         return cls(kv_caches=kv_caches, slot_mapping=slot_mapping.to(device), decode_token_idx=dec_idx,
                    decode_blocks=dec_blocks, decode_mask=dec_mask, prefills=prefills)
@@ -230,7 +233,8 @@ class Attention(nn.Module):
         flat_k.index_copy_(0, meta.slot_mapping, k.to(flat_k.dtype))
         flat_v.index_copy_(0, meta.slot_mapping, v.to(flat_v.dtype))
         gqa = self.num_kv_heads != self.num_heads
-        out = torch.empty_like(q)
+        decode_only = not meta.prefills and meta.decode_token_idx is not None
+        out = None if decode_only else torch.empty_like(q)
         for seg in meta.prefills:
             qs = q[seg.start : seg.end].transpose(0, 1)[None]  # (1, H, Tq, D)
             if seg.blocks is None:
@@ -249,12 +253,15 @@ class Attention(nn.Module):
             G = self.num_heads // self.num_kv_heads
             # one query per sequence: the G query heads of a kv head attend like G query positions,
             # so keys and values are never repeated for GQA
-            qd = q[meta.decode_token_idx].view(Sd, self.num_kv_heads, G, self.head_dim)  # (Sd, Hkv, G, D)
+            qd = q if decode_only else q[meta.decode_token_idx]  # a decode-only step: every token decodes
+            qd = qd.view(Sd, self.num_kv_heads, G, self.head_dim)  # (Sd, Hkv, G, D)
             blocks = meta.decode_blocks.flatten()
             kd = self._gather(k_cache, blocks).view(Sd, L, self.num_kv_heads, self.head_dim)
             vd = self._gather(v_cache, blocks).view(Sd, L, self.num_kv_heads, self.head_dim)
             o = F.scaled_dot_product_attention(
-                qd, kd.transpose(1, 2).to(q.dtype), vd.transpose(1, 2).to(q.dtype), attn_mask=meta.decode_mask
+                qd, kd.transpose(1, 2).to(q.dtype), vd.transpose(1, 2).to(q.dtype), attn_mask=meta.decode_mask.to(q.dtype)
             )  # (Sd, Hkv, G, D)
+            if decode_only:
+                return o.reshape(Sd, self.num_heads, self.head_dim)
             out[meta.decode_token_idx] = o.reshape(Sd, self.num_heads, self.head_dim)
         return out
