@@ -4,7 +4,9 @@ Rows (ratios are astrai / peer, medians over interleaved repeats):
 1. offline throughput on a tiny random Llama: prompts of 32-256 tokens, greedy, fixed number of
    new tokens; astrai `run_batch` vs transformers `generate` on padded static batches, and vs
    transformers' continuous batching (`generate_batch`) when this version has it;
-2. `run_batch` vs naive generation that re-runs the whole sequence for every new token;
+2. `run_batch` vs naive generation that re-runs the whole sequence for every new token, on the
+   tiny model (where both are bound by per-step overhead) and on a small one (hidden 256, 4
+   layers), where recomputation costs compute as it does for real models;
 3. KV bytes per cached token vs the theoretical 2 * layers * kv_heads * head_dim * dtype size;
 4. the same throughput rows on a converted SmolLM2 directory when `.cache/smollm2` exists.
 Both sides use the same weights (a transformers model saved and loaded with `load_model`) and
@@ -33,6 +35,10 @@ from astrai.model.hf import load_model  # noqa: E402
 
 TINY = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024)
+# for the naive-recompute row: big enough that re-running the sequence costs compute, as it does
+# for any real model (on TINY both sides are bound by per-step Python overhead instead)
+SMALL = dict(vocab_size=512, hidden_size=256, intermediate_size=1024, num_hidden_layers=4,
+             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024)
 
 
 def make_prompts(num: int, lo: int, hi: int, vocab: int, seed: int = 0) -> list[list[int]]:
@@ -126,7 +132,7 @@ def throughput_rows(name: str, hf_model, model, prompts, new_tokens: int, args) 
     return rows
 
 
-def naive_row(model, args) -> tuple:
+def naive_row(name: str, model, args, naive_repeats: int) -> tuple:
     prompts = make_prompts(args.naive_prompts, 64, 64, model.config.vocab_size, seed=1)
     new_tokens = args.naive_tokens
     engine = LLMEngine(model, None, kv_cache_tokens=len(prompts) * (64 + new_tokens + 16))
@@ -137,11 +143,11 @@ def naive_row(model, args) -> tuple:
         engine.reset_prefix_cache()
         engine.run_batch(prompts, greedy)
 
-    t = interleaved({"astrai": astrai_run, "naive": lambda: naive_generate(model, prompts, new_tokens)},
-                    max(1, args.repeats - 1))
+    t = interleaved({"astrai": astrai_run}, max(1, args.repeats))
+    naive = statistics.median(timed(lambda: naive_generate(model, prompts, new_tokens)) for _ in range(naive_repeats))
     tokens = len(prompts) * new_tokens
-    return (f"run_batch vs naive full recompute ({len(prompts)} x 64-token prompts, {new_tokens} new)",
-            tokens / t["astrai"], tokens / t["naive"], t["naive"] / t["astrai"], 10.0)
+    return (f"{name}: run_batch vs naive full recompute ({len(prompts)} x 64-token prompts, {new_tokens} new)",
+            tokens / t["astrai"], tokens / naive, naive / t["astrai"], 10.0)
 
 
 def kv_row(model) -> tuple:
@@ -155,11 +161,11 @@ def kv_row(model) -> tuple:
     return ("KV bytes per cached token (measured vs theoretical)", per_token, theory, theory / per_token, 1.0)
 
 
-def tiny_models(tmp: Path):
+def tiny_models(tmp: Path, shape: dict = TINY):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
-    hf_model = LlamaForCausalLM(LlamaConfig(**TINY, bos_token_id=1, eos_token_id=2, pad_token_id=0)).eval()
+    hf_model = LlamaForCausalLM(LlamaConfig(**shape, bos_token_id=1, eos_token_id=2, pad_token_id=0)).eval()
     hf_model.save_pretrained(tmp)
     return hf_model, load_model(tmp).eval()
 
@@ -192,9 +198,13 @@ def main(argv: list[str] | None = None) -> int:
         hf_model, model = tiny_models(Path(tmp))
         prompts = make_prompts(num_prompts, 32, 256, TINY["vocab_size"])
         rows += throughput_rows("tiny llama", hf_model, model, prompts, new_tokens, args)
-        rows.append(naive_row(model, args))
+        rows.append(naive_row("tiny llama", model, args, naive_repeats=max(1, args.repeats - 1)))
         rows.append(kv_row(model))
-        _print_table(rows, args.repeats)  # the tiny-model rows, before the slower real-model run
+        _print_table(rows, args.repeats)  # the tiny-model rows, before the slower ones
+        if not args.quick:
+            _, small = tiny_models(Path(tmp) / "small", SMALL)
+            rows.append(naive_row("small llama (hidden 256, 4 layers)", small, args, naive_repeats=1))
+            _print_table(rows, args.repeats)
     smol = Path(args.smollm_dir)
     if (smol / "config.json").exists():
         hf_model, model = smollm_models(smol)
