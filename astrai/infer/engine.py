@@ -25,9 +25,10 @@ import torch
 from torch import nn
 
 from astrai.infer.block_manager import BlockManager, kv_bytes_per_token
-from astrai.infer.runner import ModelRunner
+from astrai.infer.runner import ModelRunner, StepLogits
 from astrai.infer.sampling import Logprob, Sampler, SamplerOutput, SamplingParams, make_generator
 from astrai.infer.scheduler import Scheduler, Sequence
+from astrai.model.logprobs import log_softmax
 
 DEFAULT_KV_CACHE_BYTES_CPU = 1 << 30  # without a size, a CPU engine caps its KV pool here
 DEFAULT_GPU_MEMORY_FRACTION = 0.5  # ... and a CUDA engine takes this share of free memory
@@ -94,6 +95,8 @@ class RequestOutput:
     num_cached_tokens: int = 0
     policy_version: int = 0
     metrics: RequestMetrics | None = None
+    # with SamplingParams.prompt_logprobs: None for the first prompt token, then {token_id: Logprob}
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
 
 
 @dataclass
@@ -316,7 +319,10 @@ class LLMEngine:
         with self._inference_mode():
             self.runner.copy_blocks(self.block_manager.pending_copies)
             self.block_manager.pending_copies.clear()
-            logits, to_sample = self.runner.execute(sched.scheduled)
+            step = self.runner.execute(sched.scheduled)
+            if step.prompt_parts:
+                self._record_prompt_logprobs(step)
+        logits, to_sample = step.logits, step.to_sample
         for seq, num_new in sched.scheduled:
             seq.num_computed_tokens += num_new
             self.block_manager.commit(seq)
@@ -330,6 +336,27 @@ class LLMEngine:
             logits = logits[torch.tensor(row_of, device=logits.device)]
         sampled = self.sampler.sample(logits, rows)
         return self._postprocess(rows, sampled)
+
+    def _record_prompt_logprobs(self, step: StepLogits) -> None:
+        """Append {prompt token: Logprob} (+ the k most likely alternatives) under the raw model."""
+        row = 0
+        for seq, first, num_rows in step.prompt_parts:
+            logp = log_softmax(step.prompt_logits[row : row + num_rows])  # (R, V) float32
+            row += num_rows
+            targets = seq.prompt_token_ids[first : first + num_rows]
+            chosen = logp.gather(1, torch.tensor(targets, device=logp.device)[:, None])  # (R, 1)
+            ranks = ((logp > chosen).sum(1) + 1).tolist()
+            k = seq.params.prompt_logprobs
+            top_lp, top_ids = logp.topk(k, dim=1)
+            top_lp, top_ids, chosen = top_lp.tolist(), top_ids.tolist(), chosen[:, 0].tolist()
+            for j, token in enumerate(targets):
+                entry = {token: Logprob(chosen[j], ranks[j], self._token_text(token))}
+                for a in range(k):
+                    entry.setdefault(top_ids[j][a], Logprob(top_lp[j][a], a + 1, self._token_text(top_ids[j][a])))
+                seq.prompt_logprobs.append(entry)
+
+    def _token_text(self, token: int) -> str | None:
+        return self.tokenizer.decode([token], skip_special_tokens=False) if self.tokenizer else None
 
     def _rows_with_forks(self, to_sample: list[Sequence]) -> tuple[list[Sequence], list[int]]:
         """The sampling rows: each sequence, and after a request's prefill its n - 1 new siblings,
@@ -448,9 +475,11 @@ class LLMEngine:
                 finish_reason=seq.finish_reason, stop_reason=seq.stop_reason,
                 cumulative_logprob=seq.cumulative_logprob,
             ))
-        cached = req.seqs[0].num_cached_tokens or 0
+        first = next(s for s in req.seqs if s.index == 0)
+        cached = first.num_cached_tokens or 0
+        prompt_lps = list(first.prompt_logprobs) if first.prompt_logprobs is not None else None
         return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, outputs, req.finished,
-                             cached, self.policy_version, req.metrics)
+                             cached, self.policy_version, req.metrics, prompt_lps)
 
     # -- synchronous batches (RL rollouts) ---------------------------------------------------------
     def run_batch(self, prompt_ids: list[list[int]], params: SamplingParams | list[SamplingParams] | None = None,

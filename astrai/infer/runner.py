@@ -5,16 +5,31 @@ it lays the scheduled tokens of all sequences back to back in one flat row, buil
 positions and the `PagedAttentionMetadata` (how many new tokens each sequence has, its context
 length and block table), applies the block manager's pending copy-on-write block copies, and
 runs the model, asking only for the logits of the last token of each sequence that completes
-its computation this step (those are the ones the sampler turns into new tokens).
+its computation this step (those are the ones the sampler turns into new tokens), plus, for a
+sequence that wants prompt log-probs, the logits of its prompt positions in this step's chunk.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor, nn
 
 from astrai.infer.scheduler import Sequence
 from astrai.model.attention import PagedAttentionMetadata
+
+
+@dataclass
+class StepLogits:
+    """What one forward pass hands back to the engine."""
+
+    logits: Tensor | None  # (S, V) at the last token of each sequence in `to_sample`
+    to_sample: list[Sequence]
+    # prompt log-probs: (P, V) logits and, per sequence, (seq, first prompt token index, rows);
+    # row j of a part predicts prompt token `first + j`
+    prompt_logits: Tensor | None = None
+    prompt_parts: list[tuple[Sequence, int, int]] = field(default_factory=list)
 
 
 class ModelRunner:
@@ -41,17 +56,27 @@ class ModelRunner:
             k_cache[dst] = k_cache[src]
             v_cache[dst] = v_cache[src]
 
-    def execute(self, scheduled: list[tuple[Sequence, int]]) -> tuple[Tensor | None, list[Sequence]]:
-        """Run one step. Returns logits (S, V) of the sequences that reach their last token this
-        step, and those sequences in the same order (S may be 0: logits None)."""
+    def execute(self, scheduled: list[tuple[Sequence, int]]) -> StepLogits:
+        """Run one step: logits of the sequences that reach their last token this step (in
+        `to_sample` order; none: logits None), and of prompt positions whose log-probs are wanted."""
         input_ids: list[int] = []
         positions: list[int] = []
         query_lens, context_lens, block_tables = [], [], []
         logits_indices: list[int] = []
         to_sample: list[Sequence] = []
+        prompt_indices: list[int] = []
+        prompt_parts: list[tuple[Sequence, int, int]] = []
         for seq, num_new in scheduled:
             start = seq.num_computed_tokens
             end = start + num_new
+            if seq.needs_prompt_logprobs:
+                # position p predicts token p + 1; prompt tokens still without a log-prob only
+                first = max(start, len(seq.prompt_logprobs) - 1)
+                last = min(end, seq.num_prompt_tokens - 1)
+                if last > first:
+                    offset = len(input_ids) - start
+                    prompt_indices.extend(range(offset + first, offset + last))
+                    prompt_parts.append((seq, first + 1, last - first))
             if num_new == 1:  # decode: skip the slice and range objects
                 input_ids.append(seq.token_ids[start])
                 positions.append(start)
@@ -69,10 +94,9 @@ class ModelRunner:
         )
         ids = torch.tensor(input_ids, dtype=torch.long, device=self.device)[None]  # (1, N)
         pos = torch.tensor(positions, dtype=torch.long, device=self.device)[None]  # (1, N)
-        if not logits_indices:
-            # a step of partial prefill chunks only: fill the cache, no logits wanted
-            self.model(ids, position_ids=pos, attn_metadata=meta, logits_indices=ids.new_zeros(0))
-            return None, []
-        idx = torch.tensor(logits_indices, dtype=torch.long, device=self.device)
-        out = self.model(ids, position_ids=pos, attn_metadata=meta, logits_indices=idx)
-        return out.logits[0], to_sample  # (S, V)
+        # a step of partial prefill chunks without prompt log-probs asks for no logits at all
+        idx = torch.tensor(logits_indices + prompt_indices, dtype=torch.long, device=self.device)
+        logits = self.model(ids, position_ids=pos, attn_metadata=meta, logits_indices=idx).logits[0]  # (S + P, V)
+        S = len(logits_indices)
+        return StepLogits(logits[:S] if S else None, to_sample,
+                          logits[S:] if prompt_indices else None, prompt_parts)

@@ -43,6 +43,7 @@ class SamplingParams:
     seed: int | None = None
     n: int = 1
     logprobs: int | None = None  # top alternatives per token (0 = only the chosen token, as a dict)
+    prompt_logprobs: int | None = None  # log-probs of the prompt's tokens (raw model) with k alternatives
     logit_bias: dict[int, float] | None = None
 
     def __post_init__(self) -> None:
@@ -96,8 +97,10 @@ class SamplingParams:
             fail("seed", self.seed, "an integer or None")
         if not (is_int(self.n) and self.n >= 1):
             fail("n", self.n, "an integer >= 1")
-        if self.logprobs is not None and not (is_int(self.logprobs) and 0 <= self.logprobs <= MAX_LOGPROBS):
-            fail("logprobs", self.logprobs, f"None or an integer in [0, {MAX_LOGPROBS}]")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and not (is_int(value) and 0 <= value <= MAX_LOGPROBS):
+                fail(name, value, f"None or an integer in [0, {MAX_LOGPROBS}]")
         for token, bias in (self.logit_bias or {}).items():
             if token < 0 or not -100 <= bias <= 100:
                 fail("logit_bias", {token: bias}, "token ids >= 0 mapped to biases in [-100, 100]")

@@ -67,6 +67,8 @@ class Sequence:
         self.text = ""
         self.finish_reason: str | None = None
         self.stop_reason: int | str | None = None
+        # prompt log-probs (index 0 only): None for the first token, then one dict per prompt token
+        self.prompt_logprobs: list | None = [None] if params.prompt_logprobs is not None and index == 0 else None
         self.prefix_offset = max(0, self.num_prompt_tokens - 5)  # incremental detokenisation
         self.read_offset = self.num_prompt_tokens
 
@@ -77,6 +79,11 @@ class Sequence:
     @property
     def num_tokens(self) -> int:
         return len(self.token_ids)
+
+    @property
+    def needs_prompt_logprobs(self) -> bool:
+        """Prompt log-probs asked for and not all computed yet (its prefill must run in full)."""
+        return self.prompt_logprobs is not None and len(self.prompt_logprobs) < self.num_prompt_tokens
 
     @property
     def is_finished(self) -> bool:
@@ -155,7 +162,8 @@ class Scheduler:
             seq = self.waiting[0]
             if 1 + seq.num_pending_forks > seats:
                 break
-            hits = bm.match_prefix(seq)
+            # logits of every prompt position are wanted: a prefix-cache hit would skip them
+            hits = [] if seq.needs_prompt_logprobs else bm.match_prefix(seq)
             num_cached = len(hits) * bm.block_size
             remaining = seq.num_tokens - num_cached
             num_new = min(remaining, budget)

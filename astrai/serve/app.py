@@ -143,13 +143,13 @@ class ServerState:
                            param="max_tokens")
 
     def sampling_params(self, req: ChatCompletionRequest | CompletionRequest, max_tokens: int | None,
-                        logprobs: int | None) -> Any:
+                        logprobs: int | None, prompt_logprobs: int | None = None) -> Any:
         from astrai.infer.sampling import SamplingParams
 
         kwargs: dict[str, Any] = dict(
             max_tokens=max_tokens, n=req.n, seed=req.seed, stop=req.stop_list() or None,
             stop_token_ids=req.stop_token_ids, ignore_eos=req.ignore_eos, min_tokens=req.min_tokens,
-            logprobs=logprobs, logit_bias=req.logit_bias)
+            logprobs=logprobs, prompt_logprobs=prompt_logprobs, logit_bias=req.logit_bias)
         for name in ("temperature", "top_p", "top_k", "min_p", "frequency_penalty", "presence_penalty",
                      "repetition_penalty"):
             if getattr(req, name) is not None:
@@ -353,10 +353,9 @@ def create_app(config: ServeConfig, loader: Callable[[ServeConfig], tuple[Any, A
                                     f"(ids 0..{state.vocab_size - 1})", param="prompt")
             state.check_length(len(ids), req.max_tokens, "prompt")
             prompts.append(ids)
-        if req.echo and req.logprobs is not None:
-            raise APIError(400, "echo together with logprobs needs prompt logprobs, which this engine does "
-                                "not return; drop one of them", param="echo")
-        params = state.sampling_params(req, req.max_tokens, req.logprobs)
+        # echo with logprobs: the prompt's tokens get log-probs too (computed by the engine)
+        params = state.sampling_params(req, req.max_tokens, req.logprobs,
+                                       req.logprobs if req.echo and req.logprobs is not None else None)
         renderer = CompletionRenderer(state, req, prompts)
         stream = await _submit(engine, renderer, params, req.logprobs is not None)
         return await _respond(state, request, renderer, stream, req.stream)

@@ -269,16 +269,22 @@ def chat_logprobs(token_ids: list[int], entries: list[Any], k: int,
 
 def completion_logprobs(token_ids: list[int], entries: list[Any], k: int, token_text: Any,
                         text_offset: int) -> dict[str, list[Any]]:
-    """OpenAI legacy completions `logprobs` (tokens, token_logprobs, top_logprobs, text_offset)."""
+    """OpenAI legacy completions `logprobs` (tokens, token_logprobs, top_logprobs, text_offset).
+    An entry of None (the first token of an echoed prompt, which nothing predicts) gives null
+    token_logprobs and top_logprobs."""
     tokens, values, tops, offsets = [], [], [], []
     for tid, entry in zip(token_ids, entries):
         text = token_text(tid)
         tokens.append(text)
+        offsets.append(text_offset)
+        text_offset += len(text)
+        if entry is None:
+            values.append(None)
+            tops.append(None)
+            continue
         values.append(logprob_value(entry, tid))
         # like vLLM: the chosen token is listed too, even when it is not among the top k
         top = {token_text(a): lp for a, lp in top_alternatives(entry, k)}
         top.setdefault(text, values[-1])
         tops.append(top)
-        offsets.append(text_offset)
-        text_offset += len(text)
     return {"tokens": tokens, "token_logprobs": values, "top_logprobs": tops, "text_offset": offsets}

@@ -77,6 +77,7 @@ class Renderer:
         n = req.n
         self.choices = {(rid, i): _Choice(p * n + i, p) for p, rid in enumerate(self.engine_ids) for i in range(n)}
         self.num_cached = dict.fromkeys(self.engine_ids, 0)
+        self.prompt_logprobs: dict[str, list[Any]] = {}  # engine request id -> entries, when asked for
         self.include_usage = bool(req.stream and req.stream_options and req.stream_options.include_usage)
 
     def engine_requests(self) -> list[tuple[str, list[int]]]:
@@ -87,6 +88,8 @@ class Renderer:
         changed: dict[int, tuple[_Choice, list[int], list[Any], list[bool]]] = {}
         for update in batch:
             self.num_cached[update.request_id] = max(self.num_cached[update.request_id], update.num_cached_tokens)
+            if update.prompt_logprobs is not None:
+                self.prompt_logprobs[update.request_id] = update.prompt_logprobs
             for seq in update.outputs:
                 choice = self.choices[(update.request_id, seq.index)]
                 _, new_ids, new_lps, finished = changed.setdefault(choice.index, (choice, [], [], [False]))
@@ -187,12 +190,18 @@ class CompletionRenderer(Renderer):
     def __init__(self, state: Any, req: CompletionRequest, prompts: list[list[int]]):
         super().__init__(state, req, prompts)
         self.echo: list[str] = []
+        self.echo_pending: set[int] = set()  # streamed choices whose echo waits for prompt log-probs
         if req.echo:
             given = req.prompt_list()
             self.echo = [p if isinstance(p, str) else state.tokenizer.decode(ids, skip_special_tokens=False)
                          for p, ids in zip(given, prompts)]
             for choice in self.choices.values():
                 choice.text_offset = len(self.echo[choice.prompt_index])
+
+    @property
+    def echo_logprobs(self) -> bool:
+        """echo with logprobs: the prompt's tokens lead the logprobs (the engine computes them)."""
+        return bool(self.echo) and self.req.logprobs is not None
 
     def _logprobs(self, choice: _Choice, ids: list[int], entries: list[Any]) -> dict[str, Any] | None:
         if self.req.logprobs is None:
@@ -201,8 +210,20 @@ class CompletionRenderer(Renderer):
         choice.text_offset += sum(len(t) for t in out["tokens"])
         return out
 
+    def _with_prompt(self, choice: _Choice, logprobs: dict[str, Any] | None) -> dict[str, Any]:
+        """The prompt's logprobs (offsets from 0), then `logprobs` of the generated tokens."""
+        ids = self.prompts[choice.prompt_index]
+        entries = self.prompt_logprobs.get(self.engine_ids[choice.prompt_index]) or [None] * len(ids)
+        out = completion_logprobs(ids, entries, self.req.logprobs, self.state.token_text, 0)
+        for key, values in (logprobs or {}).items():
+            out[key] = out[key] + values
+        return out
+
     def first_chunks(self) -> list[dict[str, Any]]:
         if not self.echo:
+            return []
+        if self.echo_logprobs:  # sent with the first update, which carries the prompt log-probs
+            self.echo_pending = {c.index for c in self.choices.values()}
             return []
         return [self.chunk([{"index": c.index, "text": self.echo[c.prompt_index], "logprobs": None,
                              "finish_reason": None} for c in self.ordered_choices()])]
@@ -211,6 +232,10 @@ class CompletionRenderer(Renderer):
                      finished_now: bool) -> dict[str, Any] | None:
         delta = choice.take_delta()
         logprobs = self._logprobs(choice, new_ids, new_lps) if new_ids else None
+        if choice.index in self.echo_pending:
+            self.echo_pending.discard(choice.index)
+            delta = self.echo[choice.prompt_index] + delta
+            logprobs = self._with_prompt(choice, logprobs)
         if not delta and logprobs is None and not finished_now:
             return None
         return {"index": choice.index, "text": delta, "logprobs": logprobs,
@@ -225,8 +250,10 @@ class CompletionRenderer(Renderer):
         for c in self.ordered_choices():
             prefix = self.echo[c.prompt_index] if self.echo else ""
             c.text_offset = len(prefix)
-            choices.append(CompletionChoice(index=c.index, text=prefix + c.text,
-                                            logprobs=self._logprobs(c, c.token_ids, c.logprobs),
+            logprobs = self._logprobs(c, c.token_ids, c.logprobs)
+            if self.echo_logprobs:
+                logprobs = self._with_prompt(c, logprobs)
+            choices.append(CompletionChoice(index=c.index, text=prefix + c.text, logprobs=logprobs,
                                             finish_reason=c.finish_reason, stop_reason=c.stop_reason))
         return CompletionResponse(id=self.request_id, created=self.created, model=self.state.model_name,
                                   choices=choices, usage=self.usage())

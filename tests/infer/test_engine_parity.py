@@ -87,3 +87,40 @@ def test_sampled_logprobs_match_a_full_forward_with_the_same_processing():
         raw = torch.log_softmax(logits, -1).gather(1, idx)[:, 0]
         assert torch.allclose(torch.tensor(out.outputs[0].logprobs), want, atol=1e-5, rtol=0)
         assert torch.allclose(torch.tensor(out.outputs[0].raw_logprobs), raw, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("chunk", [None, 7])
+def test_prompt_logprobs_equal_a_full_forward(chunk):
+    # every prompt token t >= 1 gets log_softmax(logits at t - 1)[token], with top-k alternatives and
+    # ranks, also when the prompt is prefilled in chunks and when its prefix is already cached
+    model = tiny_model()
+    prompts = random_prompts([9, 23, 16], seed=3)
+    cfg = dict(max_num_batched_tokens=chunk) if chunk else {}
+    engine = LLMEngine(model, None, kv_cache_tokens=1024, **cfg)
+    engine.run_batch([prompts[1]], SamplingParams(temperature=0, max_tokens=2))  # puts prompt 1 in the prefix cache
+    k = 3
+    outs = engine.run_batch(prompts, SamplingParams(temperature=0, max_tokens=2, prompt_logprobs=k, n=2))
+    for prompt, out in zip(prompts, outs):
+        assert out.num_cached_tokens == 0  # the cached prefix was not used: its logits were needed
+        with torch.no_grad():
+            logp = torch.log_softmax(model(torch.tensor([prompt])).logits[0].float(), dim=-1)  # (T, V)
+        entries = out.prompt_logprobs
+        assert len(entries) == len(prompt) and entries[0] is None
+        for t in range(1, len(prompt)):
+            entry, row = entries[t], logp[t - 1]
+            token = prompt[t]
+            assert entry[token].logprob == pytest.approx(float(row[token]), abs=1e-5)
+            assert entry[token].rank == int((row > row[token]).sum()) + 1
+            top = row.topk(k)
+            for rank, (lp, tid) in enumerate(zip(top.values.tolist(), top.indices.tolist()), start=1):
+                if tid != token:
+                    assert entry[tid].rank == rank and entry[tid].logprob == pytest.approx(lp, abs=1e-5)
+            assert len(entry) in (k, k + 1)
+    assert engine.stats().num_free_blocks == engine.stats().num_total_blocks
+
+
+def test_prompt_logprobs_are_validated():
+    with pytest.raises(ValueError, match="prompt_logprobs"):
+        SamplingParams(prompt_logprobs=21)
+    with pytest.raises(ValueError, match="prompt_logprobs"):
+        SamplingParams(prompt_logprobs=-1)

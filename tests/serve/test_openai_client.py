@@ -141,3 +141,28 @@ def test_sampling_fields_reach_the_engine(client, model_dir):
     assert out.usage.completion_tokens == 4
     prompt_ids = tok.apply_chat_template(messages, add_generation_prompt=True)
     assert out.usage.prompt_tokens == len(prompt_ids)
+
+
+def test_echo_with_logprobs_scores_the_prompt(client, model_dir):
+    # the log-likelihood use of completions (as evaluation harnesses call it): echo the prompt with
+    # logprobs; the prompt's tokens come first, the first one with null, then the generated ones
+    tok = load_tokenizer(model_dir)
+    ids = tok.encode("the quick brown fox", add_special_tokens=True)
+    common = dict(model="tiny-model", prompt="the quick brown fox", temperature=0, logprobs=2, echo=True,
+                  extra_body={"ignore_eos": True})
+    scored = client.completions.create(max_tokens=1, **common)
+    lp = scored.choices[0].logprobs
+    assert len(lp.tokens) == len(ids) + 1
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    assert all(isinstance(v, float) and v <= 0 for v in lp.token_logprobs[1:])
+    assert all(2 <= len(top) <= 3 for top in lp.top_logprobs[1:])  # top 2, plus the token when not in them
+    assert lp.text_offset[0] == 0 and lp.text_offset == sorted(lp.text_offset)
+    assert scored.choices[0].text.startswith("the quick brown fox")
+    # the prompt's log-probs do not depend on what is generated after it, nor on streaming
+    longer = client.completions.create(max_tokens=4, **common).choices[0].logprobs
+    assert longer.token_logprobs[: len(ids)] == lp.token_logprobs[: len(ids)]
+    chunks = list(client.completions.create(max_tokens=4, stream=True, **common))
+    streamed = [v for c in chunks for ch in c.choices if ch.logprobs for v in ch.logprobs.token_logprobs]
+    assert streamed == longer.token_logprobs
+    assert "".join(ch.text for c in chunks for ch in c.choices) == client.completions.create(
+        max_tokens=4, **common).choices[0].text
