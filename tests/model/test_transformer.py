@@ -209,3 +209,17 @@ def test_logits_indices_equal_full_logits_and_gradients(overrides, layout):
     torch.testing.assert_close(grads[0][1], grads[1][1], rtol=1e-5, atol=1e-5)
     for name, g in grads[0][0].items():
         torch.testing.assert_close(g, grads[1][0][name], rtol=1e-4, atol=1e-6, msg=name)
+
+
+def test_logits_indices_with_gradient_checkpointing():
+    torch.manual_seed(0)
+    model = CausalLM(tiny(), seed=0)
+    ids, idx = torch.randint(0, 97, (2, 16)), torch.tensor([5, 9, 15])
+    grads = []
+    for ckpt in (False, True):
+        model.gradient_checkpointing = ckpt
+        model.zero_grad()
+        model(ids, logits_indices=idx).logits.square().mean().backward()
+        grads.append({n: p.grad.clone() for n, p in model.named_parameters()})
+    for name, g in grads[0].items():
+        torch.testing.assert_close(g, grads[1][name], msg=name)
