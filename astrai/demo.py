@@ -35,7 +35,7 @@ MODEL = {  # ~1M parameters: learns 2-digit addition on 2 CPU cores in a few min
 }
 # (optimizer steps, batch) per stage at the default 4-minute budget; --minutes scales the steps
 PRETRAIN = {"steps": 400, "batch": 16, "max_seq_len": 128, "max_lr": 3e-3}
-SFT = {"steps": 900, "batch": 64, "max_seq_len": 48, "max_lr": 3e-3}
+SFT = {"steps": 1400, "batch": 64, "max_seq_len": 48, "max_lr": 3e-3}
 MODEL_FILES = ("config.json", "model.safetensors", "generation_config.json", "tokenizer.json",
                "tokenizer_config.json")
 
