@@ -113,7 +113,12 @@ class _Request:
 
     @property
     def finished(self) -> bool:
-        return len(self.seqs) == self.params.n and all(s.is_finished for s in self.seqs)
+        if len(self.seqs) != self.params.n:
+            return False
+        for seq in self.seqs:  # a loop, not all(generator): this runs for every request every step
+            if not seq.is_finished:
+                return False
+        return True
 
 
 class LLMEngine:

@@ -124,6 +124,8 @@ class PagedAttentionMetadata:
     ) -> PagedAttentionMetadata:
         # built once per engine step and shared by every layer: vectorised over sequences,
         # since a Python loop here costs more than the attention itself for tiny models
+        if all(n == 1 for n in query_lens) and all(c > 1 for c in context_lens):
+            return cls._build_decode_only(context_lens, block_tables, block_size, kv_caches, device)
         S = len(query_lens)
         q = torch.tensor(query_lens, dtype=torch.long)  # (S,)
         ctx = torch.tensor(context_lens, dtype=torch.long)  # (S,)
@@ -171,6 +173,31 @@ class PagedAttentionMetadata:
             dec_idx = starts[dec].to(device)
         return cls(kv_caches=kv_caches, slot_mapping=slot_mapping.to(device), decode_token_idx=dec_idx,
                    decode_blocks=dec_blocks, decode_mask=dec_mask, prefills=prefills)
+
+    @classmethod
+    def _build_decode_only(
+        cls, context_lens: list[int], block_tables: list[list[int]], block_size: int,
+        kv_caches: list[tuple[Tensor, Tensor]], device: torch.device | str,
+    ) -> PagedAttentionMetadata:
+        """The common steady state, every sequence adding one token: plain Python over the
+        sequences is cheaper here than the general path's tensor bookkeeping."""
+        w = -(-max(context_lens) // block_size)
+        slots, rows = [], []
+        for i, (ctx, table) in enumerate(zip(context_lens, block_tables)):
+            if ctx > len(table) * block_size:
+                raise ValueError(f"sequence {i}: context_len {ctx} exceeds its {len(table)} blocks of "
+                                 f"{block_size} tokens")
+            slots.append(table[(ctx - 1) // block_size] * block_size + (ctx - 1) % block_size)
+            row = table[:w]
+            rows.append(row + [0] * (w - len(row)))
+        ctx = torch.tensor(context_lens, dtype=torch.long)
+        real = (torch.arange(w * block_size)[None, :] < ctx[:, None])[:, None, None, :]
+        dtype = kv_caches[0][0].dtype if kv_caches else torch.float32
+        mask = torch.zeros(real.shape, dtype=dtype).masked_fill_(~real, float("-inf"))
+        return cls(kv_caches=kv_caches, slot_mapping=torch.tensor(slots, dtype=torch.long, device=device),
+                   decode_token_idx=torch.arange(len(context_lens), device=device),
+                   decode_blocks=torch.tensor(rows, dtype=torch.long, device=device), decode_mask=mask.to(device),
+                   prefills=[])
 
 
 # -- the attention module ----------------------------------------------------------------------

@@ -87,6 +87,20 @@ def test_paged_metadata_rejects_inconsistent_lengths():
         PagedAttentionMetadata.build([3], [5], [[0]], 4, [])
     with pytest.raises(ValueError, match="inconsistent"):
         PagedAttentionMetadata.build([4], [3], [[0]], 4, [])
+    with pytest.raises(ValueError, match="sequence 1: context_len 9 exceeds its 2 blocks"):  # decode-only steps
+        PagedAttentionMetadata.build([1, 1], [5, 9], [[0, 1], [2, 3]], 4, [])
+
+
+def test_decode_only_metadata_equals_the_general_path():
+    # a decode-only step takes a shortcut; mixing in one prefill forces the general path
+    tables, ctx = [[3, 7], [1], [4, 5, 6]], [6, 2, 9]
+    fast = PagedAttentionMetadata.build([1, 1, 1], ctx, tables, 4, [])
+    general = PagedAttentionMetadata.build([1, 1, 1, 2], ctx + [2], tables + [[0]], 4, [])
+    assert fast.slot_mapping.tolist() == general.slot_mapping.tolist()[:3]
+    assert torch.equal(fast.decode_token_idx, general.decode_token_idx)
+    assert torch.equal(fast.decode_blocks, general.decode_blocks)
+    assert torch.equal(fast.decode_mask, general.decode_mask)
+    assert fast.prefills == []
 
 
 def test_load_balancing_loss_by_hand():
