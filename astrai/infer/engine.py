@@ -355,13 +355,11 @@ class LLMEngine:
             top_lp, top_ids = logp.topk(k, dim=1)
             top_lp, top_ids, chosen = top_lp.tolist(), top_ids.tolist(), chosen[:, 0].tolist()
             for j, token in enumerate(targets):
-                entry = {token: Logprob(chosen[j], ranks[j], self._token_text(token))}
+                entry = {token: Logprob(chosen[j], ranks[j], token_text(self.tokenizer, token))}
                 for a in range(k):
-                    entry.setdefault(top_ids[j][a], Logprob(top_lp[j][a], a + 1, self._token_text(top_ids[j][a])))
+                    alt = top_ids[j][a]
+                    entry.setdefault(alt, Logprob(top_lp[j][a], a + 1, token_text(self.tokenizer, alt)))
                 seq.prompt_logprobs.append(entry)
-
-    def _token_text(self, token: int) -> str | None:
-        return self.tokenizer.decode([token], skip_special_tokens=False) if self.tokenizer else None
 
     def _rows_with_forks(self, to_sample: list[Sequence]) -> tuple[list[Sequence], list[int]]:
         """The sampling rows: each sequence, and after a request's prefill its n - 1 new siblings,
@@ -535,13 +533,15 @@ class _TopLogprobs:
     def entry(self, row: int, k: int, chosen_lp: float, raw: bool) -> dict[int, Logprob]:
         ids, lps, ranks = self.raw if raw else (self.ids, self.lps, self.ranks)
         token = self.token_ids[row]
-        out = {token: Logprob(chosen_lp, ranks[row], self._text(token))}
+        out = {token: Logprob(chosen_lp, ranks[row], token_text(self.tokenizer, token))}
         for j in range(k):
-            out.setdefault(ids[row][j], Logprob(lps[row][j], j + 1, self._text(ids[row][j])))
+            out.setdefault(ids[row][j], Logprob(lps[row][j], j + 1, token_text(self.tokenizer, ids[row][j])))
         return out
 
-    def _text(self, token: int) -> str | None:
-        return self.tokenizer.decode([token], skip_special_tokens=False) if self.tokenizer else None
+
+def token_text(tokenizer: Any | None, token: int) -> str | None:
+    """One token's text for a Logprob entry (special tokens included); None without a tokenizer."""
+    return tokenizer.decode([token], skip_special_tokens=False) if tokenizer else None
 
 
 def _make_config(config: EngineConfig | None, overrides: dict[str, Any]) -> EngineConfig:
