@@ -7,8 +7,9 @@ stop tokens, stop strings and length limits, fork the n samples of a request aft
 prefill, free finished sequences, and report the requests that changed. `run_batch` drives the
 same loop synchronously for RL rollouts; `LLM` is the offline convenience API (`generate`,
 `chat`). The engine runs the model it is given in place (a live training module is switched to
-eval mode and no_grad for each step, then restored), and `set_policy_version` keys the prefix
-cache by weights version so KV computed with older weights is never reused.
+eval mode and no_grad for each step, then restored; a model already in eval mode runs under
+inference_mode), and `set_policy_version` keys the prefix cache by weights version so KV
+computed with older weights is never reused.
 """
 
 from __future__ import annotations
@@ -309,8 +310,12 @@ class LLMEngine:
         was_training = self.model.training
         if was_training:
             self.model.eval()
+        # inference_mode skips autograd's view and version tracking (cheaper per op than no_grad),
+        # but tensors it creates can never join a backward pass; a module in training mode is
+        # someone's live policy, whose wrappers (FSDP's unsharded parameters) may keep state
+        # made here, so it gets plain no_grad
         try:
-            with torch.no_grad():
+            with torch.no_grad() if was_training else torch.inference_mode():
                 yield
         finally:
             if was_training:

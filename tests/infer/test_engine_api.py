@@ -172,3 +172,16 @@ def test_streaming_holds_back_a_partial_stop_string(text_model, tok):
     texts = [o.outputs[0].text for o in drain(engine)["s"]]
     assert texts[-1] == full[: full.find(stop)]
     assert all(texts[-1].startswith(t) for t in texts)  # nothing shown was later taken back
+
+
+@pytest.mark.parametrize("mode", ["train", "eval"])
+def test_the_model_still_trains_after_the_engine_ran_it(mode):
+    # eval-mode models run under inference_mode, training-mode ones under no_grad: neither may
+    # leave anything behind that breaks a later backward pass
+    model = tiny_model(seed=7).train(mode == "train")
+    engine = LLMEngine(model, None, kv_cache_tokens=256)
+    engine.run_batch([[3, 4, 5, 6]], SamplingParams(max_tokens=4, **GREEDY))
+    model.train()
+    loss = model(torch.tensor([[3, 4, 5, 6]])).logits.square().mean()
+    loss.backward()
+    assert all(p.grad is not None for p in model.parameters())
