@@ -27,9 +27,15 @@ from torch import nn
 
 from astrai.infer.block_manager import BlockManager, kv_bytes_per_token
 from astrai.infer.runner import ModelRunner, StepLogits
-from astrai.infer.sampling import Logprob, Sampler, SamplerOutput, SamplingParams, make_generator
+from astrai.infer.sampling import (
+    Logprob,
+    Sampler,
+    SamplerOutput,
+    SamplingParams,
+    make_generator,
+    top_alternatives,
+)
 from astrai.infer.scheduler import Scheduler, Sequence
-from astrai.model.logprobs import log_softmax
 
 DEFAULT_KV_CACHE_BYTES_CPU = 1 << 30  # without a size, a CPU engine caps its KV pool here
 DEFAULT_GPU_MEMORY_FRACTION = 0.5  # ... and a CUDA engine takes this share of free memory
@@ -351,20 +357,14 @@ class LLMEngine:
         """Append {prompt token: Logprob} (+ the k most likely alternatives) under the raw model."""
         row = 0
         for seq, first, num_rows in step.prompt_parts:
-            logp = log_softmax(step.prompt_logits[row : row + num_rows])  # (R, V) float32
-            row += num_rows
             targets = seq.prompt_token_ids[first : first + num_rows]
-            chosen = logp.gather(1, torch.tensor(targets, device=logp.device)[:, None])  # (R, 1)
-            ranks = ((logp > chosen).sum(1) + 1).tolist()
             k = seq.params.prompt_logprobs
-            top_lp, top_ids = logp.topk(k, dim=1)
-            top_lp, top_ids, chosen = top_lp.tolist(), top_ids.tolist(), chosen[:, 0].tolist()
-            for j, token in enumerate(targets):
-                entry = {token: Logprob(chosen[j], ranks[j], token_text(self.tokenizer, token))}
-                for a in range(k):
-                    alt = top_ids[j][a]
-                    entry.setdefault(alt, Logprob(top_lp[j][a], a + 1, token_text(self.tokenizer, alt)))
-                seq.prompt_logprobs.append(entry)
+            logits = step.prompt_logits[row : row + num_rows].float()  # (R, V); row j predicts targets[j]
+            row += num_rows
+            found = top_alternatives(logits, torch.tensor(targets, device=logits.device), k)
+            ids, lps, ranks, chosen = (t.tolist() for t in found)
+            seq.prompt_logprobs.extend(logprob_entry(self.tokenizer, token, chosen[j], ranks[j], ids[j], lps[j], k)
+                                       for j, token in enumerate(targets))
 
     def _rows_with_forks(self, to_sample: list[Sequence]) -> tuple[list[Sequence], list[int]]:
         """The sampling rows: each sequence, and after a request's prefill its n - 1 new siblings,
@@ -537,11 +537,16 @@ class _TopLogprobs:
 
     def entry(self, row: int, k: int, chosen_lp: float, raw: bool) -> dict[int, Logprob]:
         ids, lps, ranks = self.raw if raw else (self.ids, self.lps, self.ranks)
-        token = self.token_ids[row]
-        out = {token: Logprob(chosen_lp, ranks[row], token_text(self.tokenizer, token))}
-        for j in range(k):
-            out.setdefault(ids[row][j], Logprob(lps[row][j], j + 1, token_text(self.tokenizer, ids[row][j])))
-        return out
+        return logprob_entry(self.tokenizer, self.token_ids[row], chosen_lp, ranks[row], ids[row], lps[row], k)
+
+
+def logprob_entry(tokenizer: Any | None, token: int, logprob: float, rank: int, top_ids: list[int],
+                  top_logprobs: list[float], k: int) -> dict[int, Logprob]:
+    """{token_id: Logprob}: the token itself, then the k most likely alternatives (ranks 1..k)."""
+    out = {token: Logprob(logprob, rank, token_text(tokenizer, token))}
+    for j in range(k):
+        out.setdefault(top_ids[j], Logprob(top_logprobs[j], j + 1, token_text(tokenizer, top_ids[j])))
+    return out
 
 
 def token_text(tokenizer: Any | None, token: int) -> str | None:

@@ -284,8 +284,8 @@ class Sampler:
         out = SamplerOutput(token_ids=tokens.tolist(), logprobs=logprobs, raw_logprobs=raw_logprobs)
         k = max((r.params.logprobs for r in rows if r.params.logprobs is not None), default=None)
         if k is not None:
-            out.top_ids, out.top_logprobs, out.ranks = _top_alternatives(final, tokens, k)
-            out.raw_top_ids, out.raw_top_logprobs, out.raw_ranks = _top_alternatives(raw, tokens, k)
+            out.top_ids, out.top_logprobs, out.ranks, _ = top_alternatives(final, tokens, k)
+            out.raw_top_ids, out.raw_top_logprobs, out.raw_ranks, _ = top_alternatives(raw, tokens, k)
         return out
 
     def _draw(self, final: Tensor, rows: list[SamplingState], greedy: list[bool], processed: Tensor) -> Tensor:
@@ -310,13 +310,14 @@ class Sampler:
         return drawn
 
 
-def _top_alternatives(logits: Tensor, tokens: Tensor, k: int) -> tuple[Tensor, Tensor, Tensor]:
-    """Top-k ids and log-probs (B, k) of each row's distribution, and the rank (B,) of `tokens`."""
+def top_alternatives(logits: Tensor, tokens: Tensor, k: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """Top-k ids and log-probs (B, k) of each row's distribution, and the rank (B,) and log-prob
+    (B,) of `tokens` under it."""
     logp = logits.log_softmax(dim=-1)  # (B, V)
     chosen = logp.gather(1, tokens[:, None])  # (B, 1)
     ranks = (logp > chosen).sum(dim=-1) + 1  # (B,)
-    top_lp, top_ids = logp.topk(k, dim=-1) if k else (logp[:, :0], tokens[:, None][:, :0])
-    return top_ids, top_lp, ranks
+    top_lp, top_ids = logp.topk(k, dim=-1)
+    return top_ids, top_lp, ranks, chosen[:, 0]
 
 
 def make_generator(seed: int, device: torch.device | str = "cpu") -> torch.Generator:

@@ -165,11 +165,7 @@ class PagedAttentionMetadata:
             ctx_d = ctx[dec]  # (Sd,)
             w = -(-int(ctx_d.max()) // block_size)
             dec_blocks = tables[dec, :w].to(device)  # (Sd, w)
-            key_pos = torch.arange(w * block_size)
-            real = (key_pos[None, :] < ctx_d[:, None])[:, None, None, :]
-            # additive and in the cache dtype, made once per step rather than by every layer
-            dtype = kv_caches[0][0].dtype if kv_caches else torch.float32
-            dec_mask = torch.zeros(real.shape, dtype=dtype).masked_fill_(~real, float("-inf")).to(device)
+            dec_mask = _decode_mask(ctx_d, w * block_size, kv_caches, device)
             dec_idx = starts[dec].to(device)
         return cls(kv_caches=kv_caches, slot_mapping=slot_mapping.to(device), decode_token_idx=dec_idx,
                    decode_blocks=dec_blocks, decode_mask=dec_mask, prefills=prefills)
@@ -190,14 +186,20 @@ class PagedAttentionMetadata:
             slots.append(table[(ctx - 1) // block_size] * block_size + (ctx - 1) % block_size)
             row = table[:w]
             rows.append(row + [0] * (w - len(row)))
-        ctx = torch.tensor(context_lens, dtype=torch.long)
-        real = (torch.arange(w * block_size)[None, :] < ctx[:, None])[:, None, None, :]
-        dtype = kv_caches[0][0].dtype if kv_caches else torch.float32
-        mask = torch.zeros(real.shape, dtype=dtype).masked_fill_(~real, float("-inf"))
+        mask = _decode_mask(torch.tensor(context_lens, dtype=torch.long), w * block_size, kv_caches, device)
         return cls(kv_caches=kv_caches, slot_mapping=torch.tensor(slots, dtype=torch.long, device=device),
                    decode_token_idx=torch.arange(len(context_lens), device=device),
-                   decode_blocks=torch.tensor(rows, dtype=torch.long, device=device), decode_mask=mask.to(device),
+                   decode_blocks=torch.tensor(rows, dtype=torch.long, device=device), decode_mask=mask,
                    prefills=[])
+
+
+def _decode_mask(context_lens: Tensor, width: int, kv_caches: list[tuple[Tensor, Tensor]],
+                 device: torch.device | str) -> Tensor:
+    """(Sd, 1, 1, width) additive mask, 0 on each sequence's context and -inf past it; in the cache
+    dtype and made once per step rather than by every layer."""
+    real = (torch.arange(width)[None, :] < context_lens[:, None])[:, None, None, :]
+    dtype = kv_caches[0][0].dtype if kv_caches else torch.float32
+    return torch.zeros(real.shape, dtype=dtype).masked_fill_(~real, float("-inf")).to(device)
 
 
 # -- the attention module ----------------------------------------------------------------------
