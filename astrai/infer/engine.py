@@ -52,6 +52,7 @@ class EngineConfig:
     max_num_batched_tokens: int = 2048  # token budget of one step
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True
+    decode_view_memory_gb: float = 1.0  # dense copy of decoding sequences' KV kept across steps; 0 = off
     engine_seed: int = 0  # generator of unseeded sampling (SamplingParams.seed is per request)
     device: str | None = None  # from_pretrained: where to load (None: cuda if available); else the model's
     dtype: str | None = None  # from_pretrained only: weights dtype (None = float32, "auto" = the checkpoint's)
@@ -148,7 +149,11 @@ class LLMEngine:
             batched = max(batched, self.max_model_len)
         self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, batched, config.enable_chunked_prefill)
-        self.runner = ModelRunner(model, num_blocks, config.block_size, dtype=dtype, device=device)
+        if not config.decode_view_memory_gb >= 0:
+            raise ValueError(f"decode_view_memory_gb must be >= 0 (0 disables the decode copy), "
+                             f"got {config.decode_view_memory_gb!r}")
+        self.runner = ModelRunner(model, num_blocks, config.block_size, dtype=dtype, device=device,
+                                  decode_view_bytes=int(config.decode_view_memory_gb * (1 << 30)))
         self.sampler = Sampler(make_generator(config.engine_seed, device))
         self.device = device
         self.policy_version = 0
@@ -351,7 +356,10 @@ class LLMEngine:
         if len(rows) != len(to_sample):
             logits = logits[torch.tensor(row_of, device=logits.device)]
         sampled = self.sampler.sample(logits, rows)
-        return self._postprocess(rows, sampled)
+        changed = self._postprocess(rows, sampled)
+        if not self.scheduler.running and self.runner.decode_view is not None:
+            self.runner.decode_view.invalidate()  # nothing decodes: free the dense copy
+        return changed
 
     def _record_prompt_logprobs(self, step: StepLogits) -> None:
         """Append {prompt token: Logprob} (+ the k most likely alternatives) under the raw model."""

@@ -17,7 +17,7 @@ import torch
 from torch import Tensor, nn
 
 from astrai.infer.scheduler import Sequence
-from astrai.model.attention import PagedAttentionMetadata
+from astrai.model.attention import DecodeKVView, PagedAttentionMetadata
 
 
 @dataclass
@@ -40,16 +40,21 @@ class ModelRunner:
         block_size: int,
         dtype: torch.dtype | None = None,
         device: torch.device | str | None = None,
+        decode_view_bytes: int = 0,
     ) -> None:
         self.model = model
         self.block_size = block_size
         self.device = torch.device(device) if device is not None else next(model.parameters()).device
         self.kv_caches = model.allocate_kv_cache(num_blocks, block_size, dtype=dtype, device=self.device)
+        # decode steps read a kept dense copy of their context instead of gathering it every step
+        self.decode_view = DecodeKVView(decode_view_bytes) if decode_view_bytes > 0 else None
 
     def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
         """Copy-on-write: duplicate block src into dst in every layer's cache."""
         if not copies:
             return
+        if self.decode_view is not None:
+            self.decode_view.invalidate()  # (copies only duplicate blocks; rebuilding is the safe side)
         src = torch.tensor([s for s, _ in copies], device=self.device)
         dst = torch.tensor([d for _, d in copies], device=self.device)
         for k_cache, v_cache in self.kv_caches:
@@ -59,10 +64,17 @@ class ModelRunner:
     def execute(self, scheduled: list[tuple[Sequence, int]]) -> StepLogits:
         """Run one step: logits of the sequences that reach their last token this step (in
         `to_sample` order; none: logits None), and of prompt positions whose log-probs are wanted."""
+        if all(n == 1 and seq.num_computed_tokens == len(seq.token_ids) - 1 for seq, n in scheduled):
+            return self._execute_decode([seq for seq, _ in scheduled])
+        return self._execute_mixed(scheduled)
+
+    def _execute_mixed(self, scheduled: list[tuple[Sequence, int]]) -> StepLogits:
+        """Any mix of prefill chunks and decodes."""
         input_ids: list[int] = []
         positions: list[int] = []
         query_lens, context_lens, block_tables = [], [], []
         logits_indices: list[int] = []
+        seq_ids: list[int] = []
         to_sample: list[Sequence] = []
         prompt_indices: list[int] = []
         prompt_parts: list[tuple[Sequence, int, int]] = []
@@ -86,17 +98,41 @@ class ModelRunner:
             query_lens.append(num_new)
             context_lens.append(end)
             block_tables.append(seq.block_table)
+            seq_ids.append(seq.seq_id)
             if end == seq.num_tokens:
                 logits_indices.append(len(input_ids) - 1)
                 to_sample.append(seq)
-        meta = PagedAttentionMetadata.build(
-            query_lens, context_lens, block_tables, self.block_size, self.kv_caches, self.device
-        )
-        ids = torch.tensor(input_ids, dtype=torch.long, device=self.device)[None]  # (1, N)
-        pos = torch.tensor(positions, dtype=torch.long, device=self.device)[None]  # (1, N)
         # a step of partial prefill chunks without prompt log-probs asks for no logits at all
-        idx = torch.tensor(logits_indices + prompt_indices, dtype=torch.long, device=self.device)
-        logits = self.model(ids, position_ids=pos, attn_metadata=meta, logits_indices=idx).logits[0]  # (S + P, V)
+        logits = self._forward(input_ids, positions, query_lens, context_lens, block_tables, seq_ids,
+                               logits_indices + prompt_indices)  # (S + P, V)
         S = len(logits_indices)
         return StepLogits(logits[:S] if S else None, to_sample,
                           logits[S:] if prompt_indices else None, prompt_parts)
+
+    def _execute_decode(self, seqs: list[Sequence]) -> StepLogits:
+        """The steady state: every sequence feeds its last token and samples the next one."""
+        positions = [seq.num_computed_tokens for seq in seqs]
+        logits = self._forward([seq.token_ids[-1] for seq in seqs], positions, [1] * len(seqs),
+                               [p + 1 for p in positions], [seq.block_table for seq in seqs],
+                               [seq.seq_id for seq in seqs], None)
+        return StepLogits(logits, seqs)
+
+    def _forward(self, input_ids: list[int], positions: list[int], query_lens: list[int], context_lens: list[int],
+                 block_tables: list[list[int]], seq_ids: list[int], logits_indices: list[int] | None) -> Tensor:
+        """Logits (len(logits_indices), V) of one flat batch; all positions when logits_indices is None."""
+        meta = PagedAttentionMetadata.build(
+            query_lens, context_lens, block_tables, self.block_size, self.kv_caches, self.device,
+            seq_ids, self.decode_view,
+        )
+        ids = torch.tensor(input_ids, dtype=torch.long, device=self.device)[None]  # (1, N)
+        pos = torch.tensor(positions, dtype=torch.long, device=self.device)[None]  # (1, N)
+        idx = None if logits_indices is None else torch.tensor(logits_indices, dtype=torch.long, device=self.device)
+        try:
+            logits = self.model(ids, position_ids=pos, attn_metadata=meta, logits_indices=idx).logits[0]
+        except BaseException:
+            if self.decode_view is not None:
+                self.decode_view.invalidate()
+            raise
+        if self.decode_view is not None:
+            self.decode_view.commit()
+        return logits

@@ -275,7 +275,7 @@ class Sampler:
         processed, final = process_logits(raw, rows)
         greedy = [r.params.greedy for r in rows]
         if all(greedy):
-            tokens = processed.argmax(dim=-1)  # (B,)
+            tokens = _argmax(processed)  # (B,)
         else:
             tokens = self._draw(final, rows, greedy, processed)
         logprobs = selective_log_softmax(final, tokens)
@@ -306,8 +306,14 @@ class Sampler:
         drawn = (probs / noise.clamp_min_(1e-20)).argmax(dim=-1)  # (B,)
         if any(greedy):
             is_greedy = torch.tensor(greedy, device=final.device)
-            drawn = torch.where(is_greedy, processed.argmax(dim=-1), drawn)
+            drawn = torch.where(is_greedy, _argmax(processed), drawn)
         return drawn
+
+
+def _argmax(logits: Tensor) -> Tensor:
+    """Row-wise argmax (B, V) -> (B,), first index on ties like `argmax`; max(dim) is about twice
+    as fast on CPU."""
+    return logits.max(dim=-1).indices
 
 
 def top_alternatives(logits: Tensor, tokens: Tensor, k: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:

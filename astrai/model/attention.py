@@ -108,9 +108,10 @@ class PagedAttentionMetadata:
     kv_caches: list[tuple[Tensor, Tensor]]  # per layer, (num_blocks, block_size, kv_heads, head_dim)
     slot_mapping: Tensor  # (N,) cache slot of every new token
     decode_token_idx: Tensor | None  # (Sd,) flat index of each single-token (decode) sequence
-    decode_blocks: Tensor | None  # (Sd, W) cache blocks of its context, padded with block 0
+    decode_blocks: Tensor | None  # (Sd, W) cache blocks of its context, padded with block 0 (None: decode_view)
     decode_mask: Tensor | None  # (Sd, 1, 1, W * block_size) additive: 0 on real context, -inf elsewhere
     prefills: list[PrefillSegment]
+    decode_view: DecodeViewStep | None = None  # read decode context from a kept dense copy instead
 
     @classmethod
     def build(
@@ -121,11 +122,18 @@ class PagedAttentionMetadata:
         block_size: int,
         kv_caches: list[tuple[Tensor, Tensor]],
         device: torch.device | str = "cpu",
+        seq_ids: list[int] | None = None,
+        decode_view: DecodeKVView | None = None,
     ) -> PagedAttentionMetadata:
+        """`decode_view` with `seq_ids` (one stable id per sequence): decoding sequences read their
+        context from the view's dense copy, which is updated in place from step to step."""
         # built once per engine step and shared by every layer: vectorised over sequences,
         # since a Python loop here costs more than the attention itself for tiny models
+        if decode_view is not None and seq_ids is None:
+            raise ValueError("a decode_view needs the seq_ids of the sequences")
         if all(n == 1 for n in query_lens) and all(c > 1 for c in context_lens):
-            return cls._build_decode_only(context_lens, block_tables, block_size, kv_caches, device)
+            return cls._build_decode_only(context_lens, block_tables, block_size, kv_caches, device,
+                                          seq_ids, decode_view)
         S = len(query_lens)
         q = torch.tensor(query_lens, dtype=torch.long)  # (S,)
         ctx = torch.tensor(context_lens, dtype=torch.long)  # (S,)
@@ -157,40 +165,59 @@ class PagedAttentionMetadata:
                 blocks = tables[i, : -(-ctx_len // block_size)]
                 mask = key_pos[None, :] <= (ctx_len - q_len + torch.arange(q_len))[:, None]
                 prefills.append(PrefillSegment(start, start + q_len, blocks.to(device), ctx_len, mask.to(device)))
-        dec_idx = dec_blocks = dec_mask = None
+        dec_idx = dec_blocks = dec_mask = view = None
         dec = is_decode.nonzero()[:, 0]
+        if decode_view is not None and not len(dec):
+            decode_view.invalidate()  # its copy must come from the step right before
         if len(dec):
             # whole blocks are gathered (a few large copies instead of one small copy per token);
             # the mask hides the tail of each sequence's last block and the padding blocks
             ctx_d = ctx[dec]  # (Sd,)
             w = -(-int(ctx_d.max()) // block_size)
-            dec_blocks = tables[dec, :w].to(device)  # (Sd, w)
-            dec_mask = _decode_mask(ctx_d, w * block_size, kv_caches, device)
+            if decode_view is not None:
+                d = dec.tolist()
+                view = decode_view.plan([seq_ids[i] for i in d], ctx_d.tolist(), [block_tables[i] for i in d],
+                                        block_size, kv_caches, device)
+            if view is None:
+                dec_blocks = tables[dec, :w].to(device)  # (Sd, w)
+                dec_mask = _decode_mask(ctx_d, w * block_size, kv_caches, device)
+            else:
+                dec_mask = view.mask
             dec_idx = starts[dec].to(device)
         return cls(kv_caches=kv_caches, slot_mapping=slot_mapping.to(device), decode_token_idx=dec_idx,
-                   decode_blocks=dec_blocks, decode_mask=dec_mask, prefills=prefills)
+                   decode_blocks=dec_blocks, decode_mask=dec_mask, prefills=prefills, decode_view=view)
 
     @classmethod
     def _build_decode_only(
         cls, context_lens: list[int], block_tables: list[list[int]], block_size: int,
         kv_caches: list[tuple[Tensor, Tensor]], device: torch.device | str,
+        seq_ids: list[int] | None, decode_view: DecodeKVView | None,
     ) -> PagedAttentionMetadata:
         """The common steady state, every sequence adding one token: plain Python over the
         sequences is cheaper here than the general path's tensor bookkeeping."""
         w = -(-max(context_lens) // block_size)
-        slots, rows = [], []
+        slots = []
         for i, (ctx, table) in enumerate(zip(context_lens, block_tables)):
             if ctx > len(table) * block_size:
                 raise ValueError(f"sequence {i}: context_len {ctx} exceeds its {len(table)} blocks of "
                                  f"{block_size} tokens")
             slots.append(table[(ctx - 1) // block_size] * block_size + (ctx - 1) % block_size)
-            row = table[:w]
-            rows.append(row + [0] * (w - len(row)))
-        mask = _decode_mask(torch.tensor(context_lens, dtype=torch.long), w * block_size, kv_caches, device)
+        view = blocks = None
+        if decode_view is not None:
+            view = decode_view.plan(seq_ids, context_lens, block_tables, block_size, kv_caches, device)
+        if view is None:
+            blocks = torch.tensor(_pad_tables(block_tables, w), dtype=torch.long, device=device)
+            mask = _decode_mask(torch.tensor(context_lens, dtype=torch.long), w * block_size, kv_caches, device)
+        else:
+            mask = view.mask
         return cls(kv_caches=kv_caches, slot_mapping=torch.tensor(slots, dtype=torch.long, device=device),
                    decode_token_idx=torch.arange(len(context_lens), device=device),
-                   decode_blocks=torch.tensor(rows, dtype=torch.long, device=device), decode_mask=mask,
-                   prefills=[])
+                   decode_blocks=blocks, decode_mask=mask, prefills=[], decode_view=view)
+
+
+def _pad_tables(block_tables: list[list[int]], width: int) -> list[list[int]]:
+    """Each table cut or padded (with block 0) to `width` blocks."""
+    return [t[:width] + [0] * (width - len(t)) for t in block_tables]
 
 
 def _decode_mask(context_lens: Tensor, width: int, kv_caches: list[tuple[Tensor, Tensor]],
@@ -200,6 +227,97 @@ def _decode_mask(context_lens: Tensor, width: int, kv_caches: list[tuple[Tensor,
     real = (torch.arange(width)[None, :] < context_lens[:, None])[:, None, None, :]
     dtype = kv_caches[0][0].dtype if kv_caches else torch.float32
     return torch.zeros(real.shape, dtype=dtype).masked_fill_(~real, float("-inf")).to(device)
+
+
+# -- a dense copy of the decoding sequences' KV, kept across steps ----------------------------
+@dataclass
+class DecodeViewStep:
+    """What one step does with a `DecodeKVView`: rebuild it from the paged cache, or append."""
+
+    view: DecodeKVView
+    rebuild: bool
+    blocks: Tensor | None  # rebuild: (Sd * capacity / block_size,) blocks to gather, row after row
+    slots: Tensor | None  # append: (Sd,) where each sequence's new token goes in the flat copy
+    capacity: int  # tokens per row
+    mask: Tensor  # (Sd, 1, 1, longest context) additive decode mask, a view of the kept one
+
+    def layer_kv(self, layer: int, k_cache: Tensor, v_cache: Tensor, new_k: Tensor, new_v: Tensor
+                 ) -> tuple[Tensor, Tensor]:
+        """This layer's (Sd, capacity, Hkv, D) keys and values, current to this step's tokens
+        (the paged cache already holds them: a rebuild reads it after this step's write)."""
+        kv = self.view.kv
+        if self.rebuild:
+            while len(kv) <= layer:
+                kv.append(None)
+            kv[layer] = None  # free the old copy before making the new one
+            shape = (-1, self.capacity, k_cache.size(2), k_cache.size(3))
+            kv[layer] = (torch.index_select(k_cache, 0, self.blocks).view(shape),
+                         torch.index_select(v_cache, 0, self.blocks).view(shape))
+            return kv[layer]
+        kd, vd = kv[layer]
+        kd.view(-1, kd.size(2), kd.size(3)).index_copy_(0, self.slots, new_k.to(kd.dtype))
+        vd.view(-1, vd.size(2), vd.size(3)).index_copy_(0, self.slots, new_v.to(vd.dtype))
+        return kd, vd
+
+
+class DecodeKVView:
+    """Dense per-layer copies (rows, capacity, kv_heads, head_dim) of the decoding sequences' KV.
+
+    A decode step attends over each sequence's whole context. Gathering that context out of the
+    paged cache every step copies the batch's entire KV once per layer per step, which on a CPU
+    costs as much as the attention itself. From one step to the next the same sequences
+    usually grow by one token, so the gathered copy is kept and each step only appends the new
+    token's keys and values. It is rebuilt from the paged cache (which stays the only source of
+    truth) whenever the decoding sequences or their order change, a context outgrows the
+    capacity (`slack` spare tokens per row are gathered on each rebuild), autograd mode changes
+    between inference_mode and no_grad, or a step failed. A copy that would exceed `max_bytes`
+    is not made: that step gathers from the paged cache instead.
+    """
+
+    def __init__(self, max_bytes: int, slack: int = 128) -> None:
+        self.max_bytes = max_bytes
+        self.slack = slack
+        self.kv: list[tuple[Tensor, Tensor] | None] = []
+        self.mask: Tensor | None = None  # (rows, 1, 1, capacity), kept up to date like the copy
+        self.num_rebuilds = 0
+        self._state: tuple | None = None  # (seq ids, context lens, capacity, inference mode) once valid
+        self._pending: tuple | None = None
+
+    def plan(self, seq_ids: list[int], context_lens: list[int], block_tables: list[list[int]], block_size: int,
+             kv_caches: list[tuple[Tensor, Tensor]], device: torch.device | str) -> DecodeViewStep | None:
+        """This step's use of the copy; None (and the copy dropped) when it would be too large."""
+        inference = torch.is_inference_mode_enabled()
+        ids = tuple(seq_ids)
+        state, self._state = self._state, None  # invalid until `commit` says the forward pass ran
+        if state is not None and state[0] == ids and state[3] == inference and max(context_lens) <= state[2]:
+            capacity = state[2]
+            if all(c == p + 1 for c, p in zip(context_lens, state[1])):
+                self._pending = (ids, context_lens, capacity, inference)
+                slots = torch.tensor([row * capacity + c - 1 for row, c in enumerate(context_lens)],
+                                     dtype=torch.long, device=device)
+                self.mask.view(-1).index_fill_(0, slots, 0.0)  # each row's new token becomes visible
+                return DecodeViewStep(self, False, None, slots, capacity, self.mask[..., : max(context_lens)])
+        width = -(-(max(context_lens) + self.slack) // block_size)
+        capacity = width * block_size
+        per_token = sum(2 * k.element_size() * k.size(2) * k.size(3) for k, _ in kv_caches)
+        if len(ids) * capacity * per_token > self.max_bytes:
+            self.invalidate()
+            return None
+        self._pending = (ids, context_lens, capacity, inference)
+        self.num_rebuilds += 1
+        blocks = torch.tensor(_pad_tables(block_tables, width), dtype=torch.long, device=device).flatten()
+        self.mask = _decode_mask(torch.tensor(context_lens, dtype=torch.long), capacity, kv_caches, device)
+        return DecodeViewStep(self, True, blocks, None, capacity, self.mask[..., : max(context_lens)])
+
+    def commit(self) -> None:
+        """The step's forward pass completed: the copy now matches the paged cache."""
+        self._state, self._pending = self._pending, None
+
+    def invalidate(self) -> None:
+        """Forget the copy (the next step rebuilds it)."""
+        self._state = self._pending = None
+        self.kv = []
+        self.mask = None
 
 
 # -- the attention module ----------------------------------------------------------------------
@@ -277,16 +395,20 @@ class Attention(nn.Module):
             )
             out[seg.start : seg.end] = o[0].transpose(0, 1)
         if meta.decode_token_idx is not None:
-            Sd, W = meta.decode_blocks.shape
-            L = W * k_cache.size(1)
+            Sd, L = meta.decode_token_idx.numel(), meta.decode_mask.size(-1)
             G = self.num_heads // self.num_kv_heads
             # one query per sequence: the G query heads of a kv head attend like G query positions,
             # so keys and values are never repeated for GQA
             qd = q if decode_only else q[meta.decode_token_idx]  # a decode-only step: every token decodes
             qd = qd.view(Sd, self.num_kv_heads, G, self.head_dim)  # (Sd, Hkv, G, D)
-            blocks = meta.decode_blocks.flatten()
-            kd = self._gather(k_cache, blocks).view(Sd, L, self.num_kv_heads, self.head_dim)
-            vd = self._gather(v_cache, blocks).view(Sd, L, self.num_kv_heads, self.head_dim)
+            if meta.decode_view is not None:
+                new_k, new_v = (k, v) if decode_only else (k[meta.decode_token_idx], v[meta.decode_token_idx])
+                kd, vd = meta.decode_view.layer_kv(self.layer_idx, k_cache, v_cache, new_k, new_v)
+                kd, vd = kd[:, :L], vd[:, :L]  # (Sd, L, Hkv, D) views of the dense copy
+            else:
+                blocks = meta.decode_blocks.flatten()
+                kd = self._gather(k_cache, blocks).view(Sd, L, self.num_kv_heads, self.head_dim)
+                vd = self._gather(v_cache, blocks).view(Sd, L, self.num_kv_heads, self.head_dim)
             o = F.scaled_dot_product_attention(
                 qd, kd.transpose(1, 2).to(q.dtype), vd.transpose(1, 2).to(q.dtype), attn_mask=meta.decode_mask.to(q.dtype)
             )  # (Sd, Hkv, G, D)

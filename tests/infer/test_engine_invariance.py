@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from astrai.infer.engine import LLMEngine
@@ -96,3 +97,71 @@ def test_seeded_sampling_is_reproducible_across_engines(model):
     a = LLMEngine(model, None, kv_cache_tokens=1024).run_batch(PROMPTS, SEEDED)
     b = LLMEngine(model, None, kv_cache_tokens=1024, block_size=4).run_batch(PROMPTS[::-1], SEEDED)[::-1]
     assert [o.outputs[0].token_ids for o in a] == [o.outputs[0].token_ids for o in b]
+
+
+def _engine_pair(model, **config):
+    """The same engine with and without the kept dense decode copy of the KV."""
+    return LLMEngine(model, None, **config), LLMEngine(model, None, decode_view_memory_gb=0, **config)
+
+
+def test_decode_view_gives_the_results_of_gathering_every_step(model):
+    # steady decode, chunked prefill mixed with decodes, and preemption, each checked against
+    # an engine that gathers the context from the paged cache in every step
+    configs = [dict(kv_cache_tokens=1024, block_size=8), dict(kv_cache_tokens=1024, block_size=4, max_num_batched_tokens=7),
+               dict(kv_cache_tokens=80, block_size=4)]
+    long_greedy = SamplingParams(temperature=0, max_tokens=150, ignore_eos=True)
+    for config in configs:
+        for params in (GREEDY, SEEDED, long_greedy):
+            kept, gathered = _engine_pair(model, **config)
+            if config["kv_cache_tokens"] == 80 and params is long_greedy:
+                continue  # 150 new tokens do not fit the tight pool
+            assert same(results(kept, params), results(gathered, params))
+            assert kept.runner.decode_view.num_rebuilds > 0 and gathered.runner.decode_view is None
+
+
+def test_decode_view_is_reused_between_steps_and_rebuilt_when_needed(model):
+    engine = LLMEngine(model, None, kv_cache_tokens=2048, block_size=8)
+    view = engine.runner.decode_view
+    params = SamplingParams(temperature=0, max_tokens=100, ignore_eos=True)
+    outs = engine.run_batch(PROMPTS, params)
+    # prompts finish prefill in one step and grow together: one build, and one per finished row set
+    assert view.num_rebuilds <= 3
+    view.slack = 8  # capacity: 8 to 15 tokens past the longest context, so rebuilds come often
+    before = view.num_rebuilds
+    again = engine.run_batch(PROMPTS, params)
+    assert view.num_rebuilds - before >= 100 // 16
+    assert [o.outputs[0].token_ids for o in again] == [o.outputs[0].token_ids for o in outs]
+    small = LLMEngine(model, None, kv_cache_tokens=2048, block_size=8, decode_view_memory_gb=1e-6)
+    assert [o.outputs[0].token_ids for o in small.run_batch(PROMPTS, params)] == [o.outputs[0].token_ids for o in outs]
+    assert small.runner.decode_view.kv == []  # over budget: every step gathered instead
+
+
+def test_decode_view_follows_aborts_and_train_eval_switches_mid_generation():
+    model = tiny_model(seed=4)
+    kept, gathered = _engine_pair(model, kv_cache_tokens=1024, block_size=8)
+    finals = []
+    for engine in (kept, gathered):
+        for i, prompt in enumerate(PROMPTS):
+            engine.add_request(str(i), prompt, SamplingParams(temperature=0, max_tokens=30, ignore_eos=True))
+        done = {}
+        for step in range(60):
+            if step == 8:
+                engine.abort("1")  # a row leaves the decode batch
+            if step in (12, 20):
+                model.train(step == 12)  # no_grad for a module in training mode, inference_mode in eval
+            for out in engine.step():
+                if out.finished:
+                    done[out.request_id] = out.outputs[0]
+        finals.append({k: (v.token_ids, v.logprobs) for k, v in done.items()})
+    assert sorted(finals[0]) == ["0", "2", "3"]
+    assert finals[0].keys() == finals[1].keys()
+    assert same([finals[0][k] for k in "023"], [finals[1][k] for k in "023"])
+    assert kept.stats().num_free_blocks == kept.stats().num_total_blocks
+
+
+def test_decode_view_memory_is_released_when_nothing_runs(model):
+    engine = LLMEngine(model, None, kv_cache_tokens=1024)
+    engine.run_batch(PROMPTS, GREEDY)
+    assert engine.runner.decode_view.kv == [] and engine.runner.decode_view.num_rebuilds > 0
+    with pytest.raises(ValueError, match="decode_view_memory_gb must be >= 0"):
+        LLMEngine(model, None, kv_cache_tokens=1024, decode_view_memory_gb=-1)
