@@ -2,8 +2,9 @@
 
 Rows (ratios are astrai / peer, medians over interleaved repeats):
 1. offline throughput on a tiny random Llama: prompts of 32-256 tokens, greedy, fixed number of
-   new tokens; astrai `run_batch` vs transformers `generate` on padded static batches, and vs
-   transformers' continuous batching (`generate_batch`) when this version has it;
+   new tokens; astrai `run_batch` vs transformers `generate` on padded static batches (of 16,
+   and all prompts in one batch), and vs transformers' continuous batching (`generate_batch`)
+   when this version has it;
 2. `run_batch` vs naive generation that re-runs the whole sequence for every new token, on the
    tiny model (where both are bound by per-step overhead) and on a small one (hidden 256, 4
    layers), where recomputation costs compute as it does for real models;
@@ -117,15 +118,22 @@ def throughput_rows(name: str, hf_model, model, prompts, new_tokens: int, args) 
         engine.reset_prefix_cache()  # no prefix hits between repeats
         engine.run_batch(prompts, greedy)
 
-    fns = {"astrai": astrai_run,
-           "hf_static": lambda: hf_static(hf_model, prompts, new_tokens, args.hf_batch_size, 0)}
+    # static batches: of 16, and all prompts in one batch (on the tiny model, whose steps cost
+    # about the same whatever their size, one big batch is transformers' fastest setting)
+    sizes = sorted({min(b, len(prompts)) for b in args.hf_batch_sizes})
+    fns = {"astrai": astrai_run}
+    for b in sizes:
+        fns[f"hf_static_{b}"] = lambda b=b: hf_static(hf_model, prompts, new_tokens, b, 0)
     continuous = hf_continuous(hf_model, prompts, new_tokens) if not args.skip_continuous else None
     if continuous is not None:
         fns["hf_continuous"] = continuous
     t = interleaved(fns, args.repeats)
     tokens = len(prompts) * new_tokens
-    rows = [(f"{name}: offline tok/s vs transformers generate (padded batches of {args.hf_batch_size})",
-             tokens / t["astrai"], tokens / t["hf_static"], t["hf_static"] / t["astrai"], 3.0)]
+    rows = []
+    for b in sizes:
+        what = f"one padded batch of all {b}" if b == len(prompts) else f"padded batches of {b}"
+        rows.append((f"{name}: offline tok/s vs transformers generate ({what})",
+                     tokens / t["astrai"], tokens / t[f"hf_static_{b}"], t[f"hf_static_{b}"] / t["astrai"], 3.0))
     if "hf_continuous" in t:
         rows.append((f"{name}: offline tok/s vs transformers generate_batch (continuous)",
                      tokens / t["astrai"], tokens / t["hf_continuous"], t["hf_continuous"] / t["astrai"], 1.5))
@@ -182,7 +190,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--quick", action="store_true", help="fewer prompts and tokens, one repeat")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--threads", type=int, default=None, help="torch threads for both sides")
-    p.add_argument("--hf_batch_size", type=int, default=16)
+    p.add_argument("--hf_batch_sizes", type=int, nargs="+", default=[16, 1 << 30],
+                   help="static batch sizes for transformers generate (capped at the number of prompts)")
     p.add_argument("--batched_tokens", type=int, default=2048, help="astrai token budget per step")
     p.add_argument("--skip_continuous", action="store_true")
     p.add_argument("--smollm_dir", default=".cache/smollm2")
