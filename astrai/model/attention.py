@@ -109,7 +109,8 @@ class PagedAttentionMetadata:
     slot_mapping: Tensor  # (N,) cache slot of every new token
     decode_token_idx: Tensor | None  # (Sd,) flat index of each single-token (decode) sequence
     decode_blocks: Tensor | None  # (Sd, W) cache blocks of its context, padded with block 0 (None: decode_view)
-    decode_mask: Tensor | None  # (Sd, 1, 1, W * block_size) additive: 0 on real context, -inf elsewhere
+    decode_mask: Tensor | None  # (Sd, 1, 1, L) additive: 0 on real context, -inf elsewhere; L = W * block_size,
+    # or with a decode_view the longest context
     prefills: list[PrefillSegment]
     decode_view: DecodeViewStep | None = None  # read decode context from a kept dense copy instead
 
