@@ -26,6 +26,7 @@ import torch
 from torch import nn
 
 from astrai.infer.block_manager import BlockManager, kv_bytes_per_token
+from astrai.infer.detokenize import detokenize, find_stop_string, flush_text, visible_text
 from astrai.infer.outputs import (
     CompletionOutput,
     EngineStats,
@@ -378,8 +379,8 @@ class LLMEngine:
             seq.stop_reason = None if token in req.eos_ids and token not in params.stop_token_ids else token
         else:
             if self.tokenizer is not None and (not self._lazy_text or params.stop):
-                delta = self._detokenize(seq)
-                if params.stop and delta and num_out >= params.min_tokens and self._find_stop_string(seq, delta):
+                delta = detokenize(self.tokenizer, seq)
+                if params.stop and delta and num_out >= params.min_tokens and find_stop_string(seq, delta):
                     return
             if (params.max_tokens is not None and num_out >= params.max_tokens) or seq.num_tokens >= self.max_model_len:
                 seq.finish_reason = "length"
@@ -391,53 +392,14 @@ class LLMEngine:
         if self._lazy_text and not seq.params.stop:
             ids = seq.output_token_ids[:-1] if by_token else seq.output_token_ids
             seq.text = self.tokenizer.decode(ids)
-        elif not by_token and seq.read_offset < seq.num_tokens:  # flush text held back for UTF-8
-            ids = seq.token_ids
-            prefix_text = self.tokenizer.decode(ids[seq.prefix_offset : seq.read_offset])
-            seq.text += self.tokenizer.decode(ids[seq.prefix_offset :])[len(prefix_text) :]
-
-    def _detokenize(self, seq: Sequence) -> int:
-        """Append the text of newly readable tokens to seq.text; text that ends in an incomplete
-        UTF-8 character (U+FFFD) is held back until the next token completes it."""
-        ids = seq.token_ids
-        decode = self.tokenizer.decode
-        prefix_text = decode(ids[seq.prefix_offset : seq.read_offset])
-        new_text = decode(ids[seq.prefix_offset :])
-        if len(new_text) <= len(prefix_text) or new_text.endswith("\ufffd"):
-            return 0
-        delta = new_text[len(prefix_text) :]
-        seq.text += delta
-        seq.prefix_offset, seq.read_offset = seq.read_offset, len(ids)
-        return len(delta)
-
-    def _find_stop_string(self, seq: Sequence, num_new_chars: int) -> bool:
-        # earlier text held no stop string, so only one overlapping the new characters can match
-        start = max(0, len(seq.text) - num_new_chars - max(len(s) for s in seq.params.stop) + 1)
-        hits = [(i, s) for s in seq.params.stop if (i := seq.text.find(s, start)) >= 0]
-        if not hits:
-            return False
-        at, stop = min(hits)
-        seq.text = seq.text[:at]
-        seq.finish_reason = "stop"
-        seq.stop_reason = stop
-        return True
-
-    def _visible_text(self, seq: Sequence) -> str:
-        """Text safe to show while running: hold back a tail that may be the start of a stop
-        string, so text reported so far is never taken back."""
-        if seq.finish_reason is not None or not seq.params.stop:
-            return seq.text
-        text = seq.text
-        for k in range(min(len(text), max(len(s) for s in seq.params.stop) - 1), 0, -1):
-            if any(s.startswith(text[-k:]) for s in seq.params.stop):
-                return text[:-k]
-        return text
+        elif not by_token:
+            flush_text(self.tokenizer, seq)
 
     def _output(self, req: _Request) -> RequestOutput:
         outputs = []
         for seq in sorted(req.seqs, key=lambda s: s.index):
             outputs.append(CompletionOutput(
-                index=seq.index, text=self._visible_text(seq), token_ids=list(seq.output_token_ids),
+                index=seq.index, text=visible_text(seq), token_ids=list(seq.output_token_ids),
                 logprobs=list(seq.logprobs) if req.with_logprobs else None,
                 raw_logprobs=list(seq.raw_logprobs) if req.with_logprobs else None,
                 finish_reason=seq.finish_reason, stop_reason=seq.stop_reason,

@@ -1,0 +1,62 @@
+"""Incremental detokenisation and stop strings: the text side of a running sequence.
+
+Each new token's text is the difference between decoding a few tokens of left context with
+and without it (a tokenizer may merge or prefix spaces across tokens, so one token alone does
+not decode to its text in place). Text that ends in an incomplete UTF-8 character (U+FFFD) is
+held back until a later token completes it, so no broken character is ever reported. Stop
+strings are searched only where new text could complete one, and while a request runs, a tail
+of its text that may be the start of a stop string is held back from what is shown.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from astrai.infer.scheduler import Sequence
+
+
+def detokenize(tokenizer: Any, seq: Sequence) -> int:
+    """Append the text of newly readable tokens to seq.text; the number of characters added."""
+    ids = seq.token_ids
+    prefix_text = tokenizer.decode(ids[seq.prefix_offset : seq.read_offset])
+    new_text = tokenizer.decode(ids[seq.prefix_offset :])
+    if len(new_text) <= len(prefix_text) or new_text.endswith("\ufffd"):
+        return 0
+    delta = new_text[len(prefix_text) :]
+    seq.text += delta
+    seq.prefix_offset, seq.read_offset = seq.read_offset, len(ids)
+    return len(delta)
+
+
+def flush_text(tokenizer: Any, seq: Sequence) -> None:
+    """At the end: append text still held back for an incomplete UTF-8 character."""
+    if seq.read_offset < seq.num_tokens:
+        ids = seq.token_ids
+        prefix_text = tokenizer.decode(ids[seq.prefix_offset : seq.read_offset])
+        seq.text += tokenizer.decode(ids[seq.prefix_offset :])[len(prefix_text) :]
+
+
+def find_stop_string(seq: Sequence, num_new_chars: int) -> bool:
+    """Cut seq.text before the first stop string and finish seq with it, if one now appears."""
+    # earlier text held no stop string, so only one overlapping the new characters can match
+    start = max(0, len(seq.text) - num_new_chars - max(len(s) for s in seq.params.stop) + 1)
+    hits = [(i, s) for s in seq.params.stop if (i := seq.text.find(s, start)) >= 0]
+    if not hits:
+        return False
+    at, stop = min(hits)
+    seq.text = seq.text[:at]
+    seq.finish_reason = "stop"
+    seq.stop_reason = stop
+    return True
+
+
+def visible_text(seq: Sequence) -> str:
+    """Text safe to show while running: hold back a tail that may be the start of a stop
+    string, so text reported so far is never taken back."""
+    if seq.finish_reason is not None or not seq.params.stop:
+        return seq.text
+    text = seq.text
+    for k in range(min(len(text), max(len(s) for s in seq.params.stop) - 1), 0, -1):
+        if any(s.startswith(text[-k:]) for s in seq.params.stop):
+            return text[:-k]
+    return text
