@@ -104,8 +104,8 @@ class BlockManager:
 
     def commit(self, seq: BlockSequence) -> None:
         """Index the blocks that the last step filled, so later prompts can reuse them."""
-        if not self.enable_prefix_caching:
-            return
+        if not self.enable_prefix_caching or seq.num_computed_tokens < (len(seq.block_hashes) + 1) * self.block_size:
+            return  # no block filled since the last commit (most decode steps)
         start = len(seq.block_hashes)
         self._extend_hashes(seq.block_hashes, seq.token_ids, seq.num_computed_tokens)
         bs = self.block_size
@@ -146,6 +146,9 @@ class BlockManager:
         table, bs = seq.block_table, self.block_size
         if num_tokens > len(table) * bs:
             return True
+        first = seq.num_computed_tokens // bs
+        if first == len(table) - 1:  # a decode writes into the last block only
+            return self.blocks[table[first]].ref_count > 1
         return any(self.blocks[table[i]].ref_count > 1 for i in range(seq.num_computed_tokens // bs, len(table)))
 
     def can_allocate(self, seq: BlockSequence, num_tokens: int, prefix_hits: list[int] = ()) -> bool:

@@ -300,6 +300,7 @@ class LLMEngine:
         for seq, num_new in sched.scheduled:
             seq.num_computed_tokens += num_new
             self.block_manager.commit(seq)
+        for seq in sched.admitted:
             metrics = self._requests[seq.request_id].metrics
             if metrics.first_scheduled_time is None:
                 metrics.first_scheduled_time = now
@@ -348,6 +349,7 @@ class LLMEngine:
         top = TopLogprobs(sampled, self.tokenizer) if sampled.top_ids is not None else None
         now = time.time()
         touched: dict[str, _Request] = {}
+        ended: list[_Request] = []  # requests with a sequence that finished this step
         for i, (seq, token) in enumerate(zip(rows, sampled.token_ids)):
             req = self._requests[seq.request_id]
             seq.append_token(token)
@@ -364,9 +366,10 @@ class LLMEngine:
             self._check_stop(req, seq, token)
             if seq.finish_reason is not None:
                 self.scheduler.finish(seq)
+                ended.append(req)
             touched[req.request_id] = req
-        for req in touched.values():
-            if req.finished:
+        for req in ended:
+            if req.request_id in self._requests and req.finished:
                 req.metrics.finished_time = now
                 del self._requests[req.request_id]
         return list(touched.values())

@@ -95,6 +95,7 @@ class SchedulerOutput:
     scheduled: list[tuple[Sequence, int]] = field(default_factory=list)  # (sequence, new tokens)
     num_batched_tokens: int = 0
     preempted: list[Sequence] = field(default_factory=list)
+    admitted: list[Sequence] = field(default_factory=list)  # moved from waiting to running this step
 
 
 class Scheduler:
@@ -180,6 +181,7 @@ class Scheduler:
             self.waiting.popleft()
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
+            out.admitted.append(seq)
             out.scheduled.append((seq, num_new))
             budget -= num_new
             seats -= 1 + seq.num_pending_forks

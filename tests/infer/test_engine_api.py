@@ -71,6 +71,8 @@ def test_abort_frees_blocks_at_once_and_stats_track_the_pool(model):
     assert engine.stats().num_free_blocks == stats.num_total_blocks - 3
     outs = drain(engine)
     assert set(outs) == {"b"} and outs["b"][-1].finished
+    m = outs["b"][-1].metrics  # timestamps in order, each set once
+    assert m.arrival_time <= m.first_scheduled_time <= m.first_token_time <= m.finished_time
     final = engine.stats()
     assert final.num_free_blocks == final.num_total_blocks and final.num_running == 0
 
