@@ -3,7 +3,8 @@
 The model runner hands this module one logits row per sequence that needs a new token this
 step. `Sampler.sample` turns the rows into tokens in a few batched tensor operations: penalties,
 logit_bias and min_tokens first (the "processed" logits), then temperature and truncation
-(top_k, top_p, min_p), then greedy argmax or a seeded draw. Every token gets two log-probs from
+(top_k, top_p, min_p), then greedy argmax or a draw by inverse CDF (one uniform number per
+token). Every token gets two log-probs from
 the shared `selective_log_softmax`: `logprob` under the distribution it was drawn from and
 `raw_logprob` under the unprocessed model. Seeded requests draw from their own generator, so
 their samples do not depend on which other requests share the batch.
@@ -16,6 +17,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 from astrai.model.logprobs import selective_log_softmax
@@ -214,25 +216,55 @@ def apply_bias_and_min_tokens(logits: Tensor, rows: list[SamplingState]) -> Tens
     return logits
 
 
+TOP_P_CANDIDATES = 1024  # a top_p row first looks for its cutoff among this many most likely tokens
+
+
 def apply_truncation(logits: Tensor, top_k: Tensor, top_p: Tensor, min_p: Tensor) -> Tensor:
     """Mask logits (B, V) outside top_k (B,) long (V = off), then top_p (B,) of the renormalised
     rest, then below min_p (B,) times the top probability. Masked entries become -inf."""
     V = logits.shape[-1]
-    if bool((top_k < V).any()) or bool((top_p < 1.0).any()):
-        sorted_logits, order = logits.sort(dim=-1, descending=True)  # (B, V)
-        ranks = torch.arange(V, device=logits.device)[None]  # (1, V)
-        sorted_logits = sorted_logits.masked_fill(ranks >= top_k[:, None], -math.inf)
-        probs = sorted_logits.softmax(dim=-1)
-        mass_before = probs.cumsum(dim=-1) - probs  # exclusive cumulative mass (B, V)
-        # keep the smallest prefix whose mass reaches top_p; the first token always survives
-        drop = (mass_before >= top_p[:, None]) & (top_p[:, None] < 1.0)
-        sorted_logits = sorted_logits.masked_fill(drop, -math.inf)
-        logits = torch.empty_like(logits).scatter_(1, order, sorted_logits)
+    cut = (top_k < V) | (top_p < 1.0)  # (B,) rows that truncate
+    if bool(cut.any()):
+        rows = cut.nonzero()[:, 0]
+        kept = _top_k_top_p(logits[rows], top_k[rows], top_p[rows])
+        logits = logits.index_copy(0, rows, kept)
     if bool((min_p > 0).any()):
         probs = logits.softmax(dim=-1)
         threshold = min_p[:, None] * probs.max(dim=-1, keepdim=True).values
         logits = logits.masked_fill(probs < threshold, -math.inf)
     return logits
+
+
+def _top_k_top_p(logits: Tensor, top_k: Tensor, top_p: Tensor) -> Tensor:
+    """top_k, then top_p, on rows that use at least one of them. Only the K most likely tokens of
+    each row are sorted (K = the largest top_k, or TOP_P_CANDIDATES for a row with top_p alone,
+    which covers the top_p mass of any peaked distribution); when some top_p row's cutoff lies
+    beyond them, the whole vocabulary is sorted instead."""
+    V = logits.shape[-1]
+    has_k = top_k < V
+    k = int(top_k[has_k].max()) if bool(has_k.any()) else 0
+    if bool((~has_k & (top_p < 1.0)).any()):
+        k = max(k, TOP_P_CANDIDATES)
+    k = min(k, V)
+    while True:
+        vals, order = logits.topk(k, dim=-1)  # (R, k), most likely first
+        ranks = torch.arange(k, device=logits.device)[None]
+        vals = vals.masked_fill(ranks >= top_k[:, None], -math.inf)
+        # probabilities under the top_k-truncated distribution: a row without top_k normalises
+        # over its whole vocabulary, not over the candidates
+        norm = vals.logsumexp(dim=-1)  # (R,)
+        if not bool(has_k.all()):
+            norm = torch.where(has_k, norm, logits.logsumexp(dim=-1))
+        probs = (vals - norm[:, None]).exp()
+        mass = probs.cumsum(dim=-1)
+        # keep the smallest prefix whose mass reaches top_p; the first token always survives
+        drop = (mass - probs >= top_p[:, None]) & (top_p[:, None] < 1.0)
+        short = ~has_k & (top_p < 1.0) & (mass[:, -1] < top_p)  # cutoff may lie past the candidates
+        if k == V or not bool(short.any()):
+            break
+        k = V
+    vals = vals.masked_fill(drop, -math.inf)
+    return torch.full_like(logits, -math.inf).scatter_(1, order, vals)
 
 
 def process_logits(logits: Tensor, rows: list[SamplingState]) -> tuple[Tensor, Tensor]:
@@ -289,25 +321,55 @@ class Sampler:
         return out
 
     def _draw(self, final: Tensor, rows: list[SamplingState], greedy: list[bool], processed: Tensor) -> Tensor:
-        # Gumbel-style race: argmax(p / q) with q ~ Exp(1) is a draw from p, and lets every
-        # row take its noise from its own generator without a per-row multinomial call
-        B, V = final.shape
-        probs = final.softmax(dim=-1)  # (B, V)
-        noise = torch.empty_like(probs)
+        # inverse-CDF sampling takes one uniform number per row, so a seeded row draws from its own
+        # generator without a per-row pass over the vocabulary (a Gumbel or exponential race needs
+        # one random number per vocabulary entry: most of the step's time at real vocab sizes)
+        device = final.device
+        u = [0.0] * len(rows)
         shared = [i for i, r in enumerate(rows) if r.generator is None and not greedy[i]]
         if shared:
-            noise[shared] = torch.empty(len(shared), V, device=final.device).exponential_(
-                generator=self.generator
-            )
+            draws = torch.rand(len(shared), dtype=torch.float64, generator=self.generator, device=device)
+            for i, x in zip(shared, draws.tolist()):
+                u[i] = x
         for i, r in enumerate(rows):
             if r.generator is not None and not greedy[i]:
-                noise[i].exponential_(generator=r.generator)
-        # exponential_ can return exactly 0, and 0 / 0 would be a NaN that argmax picks
-        drawn = (probs / noise.clamp_min_(1e-20)).argmax(dim=-1)  # (B,)
+                u[i] = torch.rand((), dtype=torch.float64, generator=r.generator, device=device).item()
+        drawn = inverse_cdf(final.softmax(dim=-1), torch.tensor(u, dtype=torch.float64, device=device))  # (B,)
         if any(greedy):
-            is_greedy = torch.tensor(greedy, device=final.device)
+            is_greedy = torch.tensor(greedy, device=device)
             drawn = torch.where(is_greedy, _argmax(processed), drawn)
         return drawn
+
+
+CDF_CHUNK = 256  # vocabulary entries per chunk of the two-level CDF
+
+
+def inverse_cdf(probs: Tensor, u: Tensor) -> Tensor:
+    """Token i of each row such that cdf[i - 1] <= u * total < cdf[i]: a draw from probs (B, V)
+    (non-negative, any total) given u (B,) uniform in [0, 1). A zero-probability token is never
+    returned.
+
+    The CDF has two levels: chunk masses in float64 pick a chunk, then a cumulative sum inside
+    that chunk picks the token. A float32 running sum over a whole 50k vocabulary would drift by
+    about 1e-5, which is the entire probability of many rare tokens."""
+    B, V = probs.shape
+    pad = -V % CDF_CHUNK
+    chunks = (F.pad(probs, (0, pad)) if pad else probs).view(B, -1, CDF_CHUNK)  # (B, NC, C)
+    chunk_cdf = chunks.sum(dim=-1, dtype=torch.float64).cumsum(dim=-1)  # (B, NC)
+    x = u * chunk_cdf[:, -1]  # (B,)
+    c = _search(chunk_cdf, x)  # (B,) chunk holding the draw
+    rows = torch.arange(B, device=probs.device)
+    below = torch.where(c > 0, chunk_cdf[rows, (c - 1).clamp_min(0)], torch.zeros_like(x))
+    inner = chunks[rows, c].double().cumsum(dim=-1)  # (B, C)
+    return c * CDF_CHUNK + _search(inner, x - below)
+
+
+def _search(cdf: Tensor, x: Tensor) -> Tensor:
+    """First index with cdf > x in each row (B, N), never past the first index where cdf reaches
+    its total: that entry has positive mass, so rounding in x can not land on an empty one."""
+    i = torch.searchsorted(cdf, x[:, None], right=True)[:, 0]
+    last = (cdf < cdf[:, -1:]).sum(dim=-1)
+    return torch.minimum(i, last)
 
 
 def _argmax(logits: Tensor) -> Tensor:

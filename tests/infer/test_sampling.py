@@ -154,3 +154,51 @@ def test_params_normalise_inputs():
     assert p.stop == ["###"] and p.top_k == 0 and p.logit_bias == {5: 1.0}
     with pytest.raises(ValueError, match="vocabulary has 10"):
         SamplingParams(stop_token_ids=[12]).check_vocab(10)
+
+
+def test_inverse_cdf_never_returns_an_empty_token_and_follows_the_distribution():
+    from astrai.infer.sampling import inverse_cdf
+
+    for V in (7, 256, 700):  # fewer than, exactly, and not a multiple of the chunk size
+        probs = torch.rand(V, generator=torch.Generator().manual_seed(V)) ** 3
+        probs[torch.arange(0, V, 3)] = 0.0  # every third token impossible, the last one too
+        probs[-1] = 0.0
+        if V == 700:
+            probs[-300:] = 0.0  # the last chunk holds nothing
+        probs = probs / probs.sum()
+        # u * total can round up to the total itself: u = 1 stands for that case
+        edges = torch.tensor([0.0, 1e-300, 0.5, 1 - 2**-53, 1.0], dtype=torch.float64)
+        tokens = inverse_cdf(probs.expand(len(edges), V), edges)
+        assert (probs[tokens] > 0).all(), V
+        u = torch.rand(40000, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+        freq = torch.bincount(inverse_cdf(probs.expand(len(u), V), u), minlength=V).float() / len(u)
+        assert freq[probs == 0].sum() == 0
+        assert (freq - probs).abs().max() < 0.015, V
+
+
+def test_top_p_past_the_candidate_tokens_sorts_the_whole_vocabulary():
+    from astrai.infer import sampling
+
+    big = 3 * sampling.TOP_P_CANDIDATES  # flat logits: the top_p cutoff lies past the candidates
+    logits = torch.randn(3, big, generator=torch.Generator().manual_seed(5)) * 0.1
+    logits[2] *= 200  # a peaked row: its cutoff lies among the candidates
+    top_k, top_p = torch.tensor([big, 20, big]), torch.tensor([0.9, 0.5, 0.9])
+
+    def expected(i: int) -> torch.Tensor:
+        x = logits[i].clone()
+        if top_k[i] < big:
+            x[x < x.topk(int(top_k[i])).values[-1]] = -math.inf
+        probs = torch.softmax(x, -1)
+        order = probs.argsort(descending=True)
+        before = probs[order].cumsum(0) - probs[order]
+        keep = torch.zeros(big, dtype=torch.bool)
+        keep[order[before < top_p[i]]] = True
+        return keep
+
+    for rows in ([0, 1, 2], [1, 2]):  # with the flat row (whole vocabulary sorted), without it
+        got = sampling.apply_truncation(logits[rows], top_k[rows], top_p[rows], torch.zeros(len(rows)))
+        for j, i in enumerate(rows):
+            keep = expected(i)
+            assert 1 < int(keep.sum()) < big
+            assert torch.equal(~torch.isinf(got[j]), keep), (rows, i)
+            assert torch.equal(got[j][keep], logits[i][keep])
