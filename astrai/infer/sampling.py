@@ -16,6 +16,7 @@ import math
 from dataclasses import dataclass
 from typing import Protocol
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import Tensor
@@ -247,7 +248,7 @@ def _top_k_top_p(logits: Tensor, top_k: Tensor, top_p: Tensor) -> Tensor:
         k = max(k, TOP_P_CANDIDATES)
     k = min(k, V)
     while True:
-        vals, order = logits.topk(k, dim=-1)  # (R, k), most likely first
+        vals, order = logits.topk(k, dim=-1) if k < V else _sort_descending(logits)  # (R, k), most likely first
         ranks = torch.arange(k, device=logits.device)[None]
         vals = vals.masked_fill(ranks >= top_k[:, None], -math.inf)
         # probabilities under the top_k-truncated distribution: a row without top_k normalises
@@ -265,6 +266,15 @@ def _top_k_top_p(logits: Tensor, top_k: Tensor, top_p: Tensor) -> Tensor:
         k = V
     vals = vals.masked_fill(drop, -math.inf)
     return torch.full_like(logits, -math.inf).scatter_(1, order, vals)
+
+
+def _sort_descending(x: Tensor) -> tuple[Tensor, Tensor]:
+    """Rows of x (B, V) sorted, largest first, and the order. On CPU numpy's sort is several
+    times faster than torch's for vocabulary-sized rows; equal values may come in either order."""
+    if x.device.type != "cpu":
+        return x.sort(dim=-1, descending=True)
+    order = torch.from_numpy(np.argsort(-x.numpy(), axis=-1))
+    return x.gather(1, order), order
 
 
 def process_logits(logits: Tensor, rows: list[SamplingState]) -> tuple[Tensor, Tensor]:
