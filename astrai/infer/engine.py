@@ -234,6 +234,7 @@ class LLMEngine:
             if not seq.is_finished:
                 self.scheduler.finish(seq)
                 seq.finish_reason = "abort"
+        self._free_decode_view_when_idle()
 
     def has_unfinished_requests(self) -> bool:
         return bool(self._requests)
@@ -311,9 +312,12 @@ class LLMEngine:
             logits = logits[torch.tensor(row_of, device=logits.device)]
         sampled = self.sampler.sample(logits, rows)
         changed = self._postprocess(rows, sampled)
+        self._free_decode_view_when_idle()
+        return changed
+
+    def _free_decode_view_when_idle(self) -> None:
         if not self.scheduler.running and self.runner.decode_view is not None:
             self.runner.decode_view.invalidate()  # nothing decodes: free the dense copy
-        return changed
 
     def _record_prompt_logprobs(self, step: StepLogits) -> None:
         """Append {prompt token: Logprob} (+ the k most likely alternatives) under the raw model."""

@@ -163,5 +163,11 @@ def test_decode_view_memory_is_released_when_nothing_runs(model):
     engine = LLMEngine(model, None, kv_cache_tokens=1024)
     engine.run_batch(PROMPTS, GREEDY)
     assert engine.runner.decode_view.kv == [] and engine.runner.decode_view.num_rebuilds > 0
+    engine.add_request("r", PROMPTS[0], GREEDY)
+    for _ in range(3):
+        engine.step()
+    assert engine.runner.decode_view.kv != []
+    engine.abort("r")  # the last running request: a server would not step again
+    assert engine.runner.decode_view.kv == []
     with pytest.raises(ValueError, match="decode_view_memory_gb must be >= 0"):
         LLMEngine(model, None, kv_cache_tokens=1024, decode_view_memory_gb=-1)
