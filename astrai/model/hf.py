@@ -1,7 +1,7 @@
 """Hugging Face model directories in and out: config.json + safetensors <-> CausalLM.
 
 This is the border of the model layer. `load_model` reads a directory written by transformers
-(or by astrai) for the families llama, mistral, qwen2, qwen3, qwen2_moe and qwen3_moe, maps its
+(or by astrai) for the families llama, mistral, qwen2, qwen3, qwen2_moe, qwen3_moe and mixtral, maps its
 `config.json` onto `ModelConfig` and its weights onto `CausalLM` (parameter names are HF's, so
 the map is identity except for the fused expert tensors that transformers 5 keeps in memory and
 zero output-projection biases). `save_model` writes the same format back, choosing the family
@@ -47,6 +47,9 @@ class Family:
     bias_fixed: bool = False  # the bias setting when bias_key is None or absent from config.json
     bias_on_o: bool = False  # the family's bias also covers o_proj (astrai's does not)
     shared_expert: bool = False  # the family has a (gated) shared expert
+    # Mixtral's layout: every layer sparse, top-k weights always renormalised, experts sized by
+    # intermediate_size and counted by num_local_experts, files keyed block_sparse_moe.*.w1/w2/w3
+    mixtral: bool = False
     extra: tuple[tuple[str, Any], ...] = ()  # fixed keys written on export
 
 
@@ -62,9 +65,13 @@ FAMILIES: dict[str, Family] = {
                         shared_expert=True, extra=(("use_sliding_window", False), ("sliding_window", None))),
     "qwen3_moe": Family("Qwen3MoeForCausalLM", moe=True, qk_norm=True, bias_key="attention_bias",
                         bias_on_o=True, extra=(("use_sliding_window", False), ("sliding_window", None))),
+    "mixtral": Family("MixtralForCausalLM", moe=True, mixtral=True,
+                      extra=(("sliding_window", None), ("router_jitter_noise", 0.0))),
 }
 # when a model's own model_type cannot express it, the first family that can is written
-EXPORT_ORDER = ("llama", "qwen2", "qwen3", "qwen2_moe", "qwen3_moe", "mistral")
+EXPORT_ORDER = ("llama", "qwen2", "qwen3", "qwen2_moe", "qwen3_moe", "mistral", "mixtral")
+# Mixtral's file names for an expert's projections, and astrai's (= Qwen-MoE's)
+MIXTRAL_EXPERT_NAMES = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
 
 COMMON_KEYS = (
     "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
@@ -112,6 +119,11 @@ def config_from_hf(raw: dict[str, Any]) -> ModelConfig:
         fields.setdefault("num_experts", 0)
         if fields["num_experts"] <= 0:
             _unsupported("num_experts", fields["num_experts"], "a MoE family needs num_experts >= 1")
+    if family.mixtral:
+        fields["norm_topk_prob"] = True
+        jitter = raw.pop("router_jitter_noise", 0.0)
+        if jitter not in (0, 0.0, None):
+            _unsupported("router_jitter_noise", jitter, "astrai's router adds no noise; set it to 0.0")
     fields["qk_norm"] = family.qk_norm
     bias = raw.pop(family.bias_key, family.bias_fixed) if family.bias_key else family.bias_fixed
     fields["attention_bias"] = bool(bias)
@@ -147,7 +159,8 @@ def _check_inert_features(raw: dict[str, Any], model_type: str, max_len: int | N
             _unsupported(key, value, f"astrai supports only {key}={neutral}")
     window = raw.pop("sliding_window", None)
     # qwen2_moe writes 0 for "off"; a window at least the context length never masks anything
-    if window not in (None, 0) and not (model_type == "mistral" and max_len is not None and window >= max_len):
+    full = model_type in ("mistral", "mixtral") and max_len is not None and window is not None and window >= max_len
+    if window not in (None, 0) and not full:
         _unsupported("sliding_window", window, "astrai uses full attention; set it to null")
     layer_types = raw.pop("layer_types", None) or []
     if any(t != "full_attention" for t in layer_types):
@@ -200,6 +213,9 @@ def _misfit(config: ModelConfig, model_type: str) -> str | None:
         return f"attention_bias must be {family.bias_fixed}"
     if moe and config.shared_expert_intermediate_size and not family.shared_expert:
         return "has no shared expert"
+    if family.mixtral and not (config.norm_topk_prob and config.decoder_sparse_step == 1
+                               and not config.mlp_only_layers):
+        return "needs renormalised top-k weights (norm_topk_prob) and every layer sparse"
     return None
 
 
@@ -216,6 +232,11 @@ def config_to_hf(config: ModelConfig, model_type: str | None = None) -> dict[str
         out[key] = list(value) if isinstance(value, list) else value
     if family.shared_expert:
         out["shared_expert_intermediate_size"] = config.shared_expert_intermediate_size
+    if family.mixtral:  # its experts are sized by intermediate_size (no layer is dense)
+        for key in ("moe_intermediate_size", "norm_topk_prob", "decoder_sparse_step", "mlp_only_layers"):
+            del out[key]
+        out["num_local_experts"] = out.pop("num_experts")
+        out["intermediate_size"] = config.moe_intermediate_size
     if family.bias_key:
         out[family.bias_key] = config.attention_bias
     rope = {"rope_type": "default", "rope_theta": config.rope_theta}
@@ -298,9 +319,32 @@ def fuse_experts(tensors: dict[str, Tensor], expected: dict[str, Tensor]) -> dic
     return out
 
 
+_MIXTRAL_FILE_KEY = re.compile(r"^(.*)\.block_sparse_moe\.(gate\.weight|experts\.\d+\.)(w1|w2|w3)?(\.weight)?$")
+_MOE_KEY = re.compile(r"^(.*)\.mlp\.(gate\.weight|experts\.\d+\.)(gate_proj|up_proj|down_proj)?(\.weight)?$")
+
+
+def _rename_moe_keys(tensors: dict[str, Tensor], to_mixtral: bool) -> dict[str, Tensor]:
+    """Mixtral's file names (block_sparse_moe.gate, experts.{e}.w1/w3/w2) <-> astrai's
+    (mlp.gate, experts.{e}.gate_proj/up_proj/down_proj); other keys pass through."""
+    pattern, names = (_MOE_KEY, {v: k for k, v in MIXTRAL_EXPERT_NAMES.items()}) if to_mixtral \
+        else (_MIXTRAL_FILE_KEY, MIXTRAL_EXPERT_NAMES)
+    block = "block_sparse_moe" if to_mixtral else "mlp"
+    out: dict[str, Tensor] = {}
+    for key, t in tensors.items():
+        m = pattern.match(key)
+        if m is None:
+            out[key] = t
+        else:
+            prefix, part, proj, suffix = m.groups()
+            out[f"{prefix}.{block}.{part}{names[proj] if proj else ''}{suffix or ''}"] = t
+    return out
+
+
 def state_dict_from_hf(tensors: dict[str, Tensor], config: ModelConfig) -> dict[str, Tensor]:
     """Map HF tensors onto CausalLM names (per-expert layout): drop zero o_proj biases and the
     duplicate lm_head of tied embeddings."""
+    if FAMILIES[config.model_type].mixtral:
+        tensors = _rename_moe_keys(tensors, to_mixtral=False)
     out: dict[str, Tensor] = {}
     for key, t in split_experts(tensors).items():
         if _O_BIAS.match(key) and FAMILIES[config.model_type].bias_on_o:
@@ -335,7 +379,7 @@ def state_dict_to_hf(state: dict[str, Tensor], config: ModelConfig, model_type: 
             for name, shape in (("gate_proj", (0, C)), ("up_proj", (0, C)), ("down_proj", (C, 0))):
                 out[f"{mlp}shared_expert.{name}.weight"] = torch.zeros(shape, dtype=t.dtype)
             out[f"{mlp}shared_expert_gate.weight"] = torch.zeros(1, C, dtype=t.dtype)
-    return out
+    return _rename_moe_keys(out, to_mixtral=True) if FAMILIES[model_type].mixtral else out
 
 
 def _check_keys(tensors: dict[str, Tensor], expected: dict[str, Tensor], where: str) -> None:

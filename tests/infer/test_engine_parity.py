@@ -19,6 +19,7 @@ FAMILIES = {
     "qwen3_moe": dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=24, norm_topk_prob=True),
     "qwen2_moe": dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=24,
                       shared_expert_intermediate_size=40),
+    "mixtral": dict(num_local_experts=4, num_experts_per_tok=2),
 }
 
 

@@ -21,6 +21,7 @@ FAMILY_KWARGS = {
     "qwen3": dict(head_dim=16),
     "qwen2_moe": dict(MOE, num_hidden_layers=3, shared_expert_intermediate_size=40, decoder_sparse_step=2),
     "qwen3_moe": dict(MOE, num_hidden_layers=3, mlp_only_layers=[0], norm_topk_prob=True),
+    "mixtral": dict(num_local_experts=4, num_experts_per_tok=2, intermediate_size=24, sliding_window=None),
 }
 MODEL_TYPES = tuple(FAMILY_KWARGS)
 

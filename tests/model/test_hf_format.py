@@ -72,6 +72,8 @@ def test_fused_expert_tensors_are_split(tmp_path):
     ({"num_experts": 4, "qk_norm": True}, "qwen3_moe"),
     ({"model_type": "mistral"}, "mistral"),
     ({"model_type": "mistral", "attention_bias": True}, "qwen2"),
+    ({"model_type": "mixtral", "num_experts": 4, "norm_topk_prob": True}, "mixtral"),
+    ({"model_type": "mixtral", "num_experts": 4}, "qwen2_moe"),  # Mixtral always renormalises top-k
 ])
 def test_save_picks_family_from_features(features, model_type):
     assert pick_model_type(ModelConfig(**{**TINY, **features})) == model_type
@@ -148,6 +150,22 @@ def test_mistral_window_longer_than_context_is_full_attention(tmp_path):
     config = json.loads((tmp_path / "config.json").read_text())
     (tmp_path / "config.json").write_text(json.dumps({**config, "sliding_window": 4096}))
     assert load_model(tmp_path).config.model_type == "mistral"
+
+
+def test_mixtral_files_round_trip_and_router_noise_is_refused(tmp_path):
+    model = tiny(model_type="mixtral", num_experts=4, norm_topk_prob=True, moe_intermediate_size=24)
+    save_model(model, tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    assert config["num_local_experts"] == 4 and config["intermediate_size"] == 24
+    assert "moe_intermediate_size" not in config and "num_experts" not in config
+    keys = set(load_file(tmp_path / "model.safetensors"))
+    assert "model.layers.0.block_sparse_moe.experts.3.w2.weight" in keys  # Mixtral's file names
+    assert not any(".mlp." in k for k in keys)
+    loaded = load_model(tmp_path)
+    assert loaded.config.model_type == "mixtral" and same_logits(model, loaded)
+    (tmp_path / "config.json").write_text(json.dumps({**config, "router_jitter_noise": 0.1}))
+    with pytest.raises(HFFormatError, match="'router_jitter_noise' = 0.1"):
+        load_model(tmp_path)
 
 
 def test_legacy_rope_keys_and_missing_weights_file(tmp_path):
