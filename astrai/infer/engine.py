@@ -91,6 +91,12 @@ class LLMEngine:
         model_cfg = model.config
         self.vocab_size = model_cfg.vocab_size
         self.max_model_len = config.max_model_len or model_cfg.max_position_embeddings
+        window = getattr(model_cfg, "sliding_window", None)
+        if window is not None:  # full attention equals the window only up to its length
+            if config.max_model_len is not None and config.max_model_len > window:
+                raise ValueError(f"max_model_len is {config.max_model_len} but the model's sliding_window is "
+                                 f"{window}; set max_model_len to at most {window}")
+            self.max_model_len = min(self.max_model_len, window)
         device = next(model.parameters()).device  # the engine runs the model where it is, never copies it
         if config.device and torch.device(config.device).type != device.type:
             raise ValueError(f"EngineConfig.device is {config.device!r} but the model is on {device}; "

@@ -40,6 +40,9 @@ class ModelConfig:
     tie_word_embeddings: bool = False
     attention_bias: bool = False  # bias on q/k/v projections (Qwen2)
     qk_norm: bool = False  # per-head RMSNorm on q and k (Qwen3)
+    # Mistral's attention window: astrai attends over the full context, which equals the window
+    # for sequences no longer than it, so longer ones are refused (None = no window)
+    sliding_window: int | None = None
     hidden_act: str = "silu"
     initializer_range: float = 0.02
     bos_token_id: int | None = None
@@ -77,6 +80,11 @@ class ModelConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
                 raise ValueError(f"model config field '{name}' must be a positive integer, got {value!r}")
+        if self.sliding_window is not None and (
+            not isinstance(self.sliding_window, int) or isinstance(self.sliding_window, bool) or self.sliding_window <= 0
+        ):
+            raise ValueError(f"model config field 'sliding_window' must be a positive integer or null, "
+                             f"got {self.sliding_window!r}")
         if self.num_attention_heads % self.num_key_value_heads:
             raise ValueError(
                 f"num_attention_heads {self.num_attention_heads} must be a multiple of "

@@ -50,13 +50,14 @@ class Family:
     # Mixtral's layout: every layer sparse, top-k weights always renormalised, experts sized by
     # intermediate_size and counted by num_local_experts, files keyed block_sparse_moe.*.w1/w2/w3
     mixtral: bool = False
+    sliding_window: bool = False  # config.json's sliding_window is honoured (Mistral's window)
     extra: tuple[tuple[str, Any], ...] = ()  # fixed keys written on export
 
 
 FAMILIES: dict[str, Family] = {
     "llama": Family("LlamaForCausalLM", bias_key="attention_bias", bias_on_o=True,
                     extra=(("mlp_bias", False), ("pretraining_tp", 1))),
-    "mistral": Family("MistralForCausalLM", extra=(("sliding_window", None),)),
+    "mistral": Family("MistralForCausalLM", sliding_window=True),
     "qwen2": Family("Qwen2ForCausalLM", bias_fixed=True,
                     extra=(("use_sliding_window", False), ("sliding_window", None))),
     "qwen3": Family("Qwen3ForCausalLM", qk_norm=True, bias_key="attention_bias", bias_on_o=True,
@@ -65,8 +66,8 @@ FAMILIES: dict[str, Family] = {
                         shared_expert=True, extra=(("use_sliding_window", False), ("sliding_window", None))),
     "qwen3_moe": Family("Qwen3MoeForCausalLM", moe=True, qk_norm=True, bias_key="attention_bias",
                         bias_on_o=True, extra=(("use_sliding_window", False), ("sliding_window", None))),
-    "mixtral": Family("MixtralForCausalLM", moe=True, mixtral=True,
-                      extra=(("sliding_window", None), ("router_jitter_noise", 0.0))),
+    "mixtral": Family("MixtralForCausalLM", moe=True, mixtral=True, sliding_window=True,
+                      extra=(("router_jitter_noise", 0.0),)),
 }
 # when a model's own model_type cannot express it, the first family that can is written
 EXPORT_ORDER = ("llama", "qwen2", "qwen3", "qwen2_moe", "qwen3_moe", "mistral", "mixtral")
@@ -132,7 +133,7 @@ def config_from_hf(raw: dict[str, Any]) -> ModelConfig:
     raw.pop("torch_dtype", None)
     if isinstance(dtype, str):
         fields["torch_dtype"] = dtype
-    _check_inert_features(raw, model_type, fields.get("max_position_embeddings"))
+    fields["sliding_window"] = _check_inert_features(raw, model_type, fields.get("max_position_embeddings"))
     for key, value in raw.items():
         if key in IGNORED_KEYS or key.startswith("_"):
             continue
@@ -147,8 +148,9 @@ def _unsupported(key: str, value: Any, why: str) -> None:
     raise HFFormatError(f"config.json field '{key}' = {value!r} is not supported: {why}")
 
 
-def _check_inert_features(raw: dict[str, Any], model_type: str, max_len: int | None) -> None:
-    """Pop the keys that are fine only at their neutral value (no dropout, no sliding window)."""
+def _check_inert_features(raw: dict[str, Any], model_type: str, max_len: int | None) -> int | None:
+    """Pop the keys that are fine only at their neutral value (no dropout, no sliding window);
+    the sliding window of a family that has one (None when it covers the whole context)."""
     dropout = raw.pop("attention_dropout", 0.0)
     if dropout not in (0, 0.0, None):
         _unsupported("attention_dropout", dropout, "astrai has no attention dropout; set it to 0.0")
@@ -158,15 +160,18 @@ def _check_inert_features(raw: dict[str, Any], model_type: str, max_len: int | N
         if value != neutral:
             _unsupported(key, value, f"astrai supports only {key}={neutral}")
     window = raw.pop("sliding_window", None)
-    # qwen2_moe writes 0 for "off"; a window at least the context length never masks anything
-    full = model_type in ("mistral", "mixtral") and max_len is not None and window is not None and window >= max_len
-    if window not in (None, 0) and not full:
-        _unsupported("sliding_window", window, "astrai uses full attention; set it to null")
+    if not FAMILIES[model_type].sliding_window or window in (None, 0):
+        window = None  # the qwen families apply it only with use_sliding_window (refused above)
+    elif not isinstance(window, int) or isinstance(window, bool) or window < 0:
+        _unsupported("sliding_window", window, "expected a positive integer or null")
+    elif max_len is not None and window >= max_len:
+        window = None  # a window at least the context length never masks anything
     layer_types = raw.pop("layer_types", None) or []
     if any(t != "full_attention" for t in layer_types):
         _unsupported("layer_types", layer_types, "astrai supports only 'full_attention' layers")
     if "quantization_config" in raw:
         _unsupported("quantization_config", raw["quantization_config"], "dequantise the weights first")
+    return window  # kept: the model refuses sequences longer than it
 
 
 def _rope_from_hf(raw: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
@@ -213,6 +218,8 @@ def _misfit(config: ModelConfig, model_type: str) -> str | None:
         return f"attention_bias must be {family.bias_fixed}"
     if moe and config.shared_expert_intermediate_size and not family.shared_expert:
         return "has no shared expert"
+    if config.sliding_window is not None and not family.sliding_window:
+        return f"has no sliding window (this model's is {config.sliding_window})"
     if family.mixtral and not (config.norm_topk_prob and config.decoder_sparse_step == 1
                                and not config.mlp_only_layers):
         return "needs renormalised top-k weights (norm_topk_prob) and every layer sparse"
@@ -248,6 +255,8 @@ def config_to_hf(config: ModelConfig, model_type: str | None = None) -> dict[str
     out["rope_theta"] = config.rope_theta  # what transformers 4.x reads
     out["attention_dropout"] = 0.0
     out.update(dict(family.extra))
+    if family.sliding_window:
+        out["sliding_window"] = config.sliding_window
     out["dtype"] = config.torch_dtype
     out["use_cache"] = True
     return out

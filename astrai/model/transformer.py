@@ -95,6 +95,13 @@ class Transformer(nn.Module):
         B, T = input_ids.shape
         if position_ids is None:
             position_ids = torch.arange(T, device=input_ids.device).expand(B, T)
+        window = self.config.sliding_window
+        if window is not None and attn_metadata is None and T > window and int(position_ids.max()) >= window:
+            raise ValueError(
+                f"a sequence reaches position {int(position_ids.max())} but sliding_window is {window}: astrai "
+                f"attends over the full context, which equals the window only up to {window} tokens; "
+                f"use sequences of at most {window} tokens"
+            )
         mask = None
         if attn_metadata is None:
             if document_ids is None:

@@ -126,7 +126,6 @@ def test_wrong_shape_is_an_error(tmp_path):
 
 
 @pytest.mark.parametrize(("key", "value", "shown"), [
-    ("sliding_window", 16, "'sliding_window' = 16"),
     ("use_sliding_window", True, "'use_sliding_window' = True"),
     ("layer_types", ["sliding_attention", "full_attention"], "'layer_types' = ['sliding_attention'"),
     ("rope_parameters", {"rope_type": "yarn", "factor": 2.0}, "'rope_parameters.rope_type' = 'yarn'"),
@@ -149,7 +148,38 @@ def test_mistral_window_longer_than_context_is_full_attention(tmp_path):
     save_model(tiny(model_type="mistral"), tmp_path)
     config = json.loads((tmp_path / "config.json").read_text())
     (tmp_path / "config.json").write_text(json.dumps({**config, "sliding_window": 4096}))
-    assert load_model(tmp_path).config.model_type == "mistral"
+    loaded = load_model(tmp_path)
+    assert loaded.config.model_type == "mistral" and loaded.config.sliding_window is None
+
+
+def test_qwen2_window_without_use_sliding_window_is_inert(tmp_path):
+    # transformers applies a qwen window only with use_sliding_window, which is refused above
+    save_model(tiny(model_type="qwen2", attention_bias=True), tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**config, "sliding_window": 16}))
+    assert load_model(tmp_path).config.sliding_window is None
+
+
+def test_mistral_window_shorter_than_context_caps_the_sequence_length(tmp_path):
+    from astrai.infer.engine import LLMEngine
+
+    model = tiny(model_type="mistral", sliding_window=8)
+    save_model(model, tmp_path)
+    assert json.loads((tmp_path / "config.json").read_text())["sliding_window"] == 8
+    loaded = load_model(tmp_path)
+    assert loaded.config.sliding_window == 8 and same_logits(model, loaded)  # 7 tokens: inside the window
+    with pytest.raises(ValueError, match="sliding_window is 8"):
+        loaded(torch.zeros(1, 9, dtype=torch.long))
+    packed = torch.tensor([list(range(6)) * 2])  # two documents of 6 tokens: each inside the window
+    loaded(torch.zeros(1, 12, dtype=torch.long), position_ids=packed)
+    assert LLMEngine(loaded, None, kv_cache_tokens=64).max_model_len == 8
+    with pytest.raises(ValueError, match="set max_model_len to at most 8"):
+        LLMEngine(loaded, None, kv_cache_tokens=64, max_model_len=16)
+    assert pick_model_type(ModelConfig(**TINY, sliding_window=8)) == "mistral"  # llama has no window
+    config = json.loads((tmp_path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**config, "sliding_window": "wide"}))
+    with pytest.raises(HFFormatError, match="'sliding_window' = 'wide'"):
+        load_model(tmp_path)
 
 
 def test_mixtral_files_round_trip_and_router_noise_is_refused(tmp_path):

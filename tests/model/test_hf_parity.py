@@ -54,3 +54,22 @@ def test_bfloat16_load_runs(tmp_path):
     ids, mask = padded_batch(model.config.vocab_size)
     logits = model(ids, attention_mask=mask).logits
     assert logits.dtype == torch.bfloat16 and torch.isfinite(logits.float()).all()
+
+
+def test_mistral_with_a_short_window_matches_transformers_inside_it(tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    hf = tiny_hf_model("mistral", sliding_window=8)
+    hf.save_pretrained(tmp_path / "hf")
+    model = load_model(tmp_path / "hf").eval()
+    assert model.config.sliding_window == 8
+    ids = torch.randint(3, hf.config.vocab_size, (2, 8), generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        assert (model(ids).logits - hf(input_ids=ids).logits).abs().max() < TOL
+        with pytest.raises(ValueError, match="sliding_window is 8"):
+            model(torch.cat([ids, ids], dim=1))  # past the window transformers masks, astrai refuses
+    save_model(model, tmp_path / "astrai")
+    reloaded = AutoModelForCausalLM.from_pretrained(tmp_path / "astrai", dtype=torch.float32).eval()
+    assert reloaded.config.sliding_window == 8
+    with torch.no_grad():
+        assert (reloaded(input_ids=ids).logits - hf(input_ids=ids).logits).abs().max() < TOL
