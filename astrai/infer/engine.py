@@ -49,7 +49,7 @@ class EngineConfig:
     block_size: int = 16
     kv_cache_tokens: int | None = None  # size of the KV pool in tokens ...
     kv_cache_memory_gb: float | None = None  # ... or in GiB; neither: a default budget
-    max_model_len: int | None = None  # None = the model's max_position_embeddings
+    max_model_len: int | None = None  # None = the model's max_position_embeddings (at most its sliding_window)
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 2048  # token budget of one step
     enable_prefix_caching: bool = True
