@@ -352,11 +352,13 @@ def _rename_moe_keys(tensors: dict[str, Tensor], to_mixtral: bool) -> dict[str, 
 def state_dict_from_hf(tensors: dict[str, Tensor], config: ModelConfig) -> dict[str, Tensor]:
     """Map HF tensors onto CausalLM names (per-expert layout): drop zero o_proj biases and the
     duplicate lm_head of tied embeddings."""
-    if FAMILIES[config.model_type].mixtral:
+    # decided by the names in the file, not by config.model_type: a training run's config may
+    # name no family, and its checkpoints are written as whichever family fits
+    if any(".block_sparse_moe." in key for key in tensors):
         tensors = _rename_moe_keys(tensors, to_mixtral=False)
     out: dict[str, Tensor] = {}
     for key, t in split_experts(tensors).items():
-        if _O_BIAS.match(key) and FAMILIES[config.model_type].bias_on_o:
+        if _O_BIAS.match(key):  # astrai's attention has no output bias: only zeros can be dropped
             if bool(t.any()):
                 raise HFFormatError(
                     f"weight '{key}' is nonzero but astrai's attention has no output bias; "

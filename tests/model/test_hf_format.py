@@ -198,6 +198,17 @@ def test_mixtral_files_round_trip_and_router_noise_is_refused(tmp_path):
         load_model(tmp_path)
 
 
+def test_weights_read_back_whatever_model_type_the_config_names(tmp_path):
+    # a training config may name no HF family; its checkpoints are written as one that fits
+    from astrai.model.hf import read_safetensors, state_dict_from_hf
+
+    for features in ({"attention_bias": True, "qk_norm": True}, {"num_experts": 4, "norm_topk_prob": True}):
+        model = tiny(model_type="my-model", **features)
+        save_model(model, tmp_path / str(len(features)))
+        tensors = state_dict_from_hf(read_safetensors(tmp_path / str(len(features))), model.config)
+        assert not any("o_proj.bias" in k for k in tensors)  # the zero output biases qwen3 carries
+
+
 def test_legacy_rope_keys_and_missing_weights_file(tmp_path):
     model = tiny(rope_theta=5e5, rope_scaling={"rope_type": "linear", "factor": 2.0})
     save_model(model, tmp_path)
