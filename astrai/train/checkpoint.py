@@ -558,15 +558,29 @@ def _cmd_verify(target: Path) -> int:
     return 1 if failed else 0
 
 
+def _cmd_latest(ckpt_dir: Path) -> int:
+    """The checkpoint `--resume` (and the container entrypoint) would continue from."""
+    try:
+        print(find_resume_checkpoint(ckpt_dir))
+    except CheckpointError as e:
+        print(f"astrai ckpt latest: {e}", file=sys.stderr)
+        return 1
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="astrai ckpt", description="List or verify training checkpoints.")
+    parser = argparse.ArgumentParser(prog="astrai ckpt", description="List, verify or pick training checkpoints.")
     sub = parser.add_subparsers(dest="command", required=True)
     sub.add_parser("list", help="checkpoints in a ckpt_dir, their size and status").add_argument("dir", type=Path)
     sub.add_parser(
         "verify", help="recompute the checksums of one checkpoint, or of every checkpoint in a ckpt_dir"
     ).add_argument("dir", type=Path)
+    sub.add_parser(
+        "latest", help="print the newest complete checkpoint in a ckpt_dir (what --resume picks), or exit 1"
+    ).add_argument("dir", type=Path)
     args = parser.parse_args(argv)
-    return _cmd_list(args.dir) if args.command == "list" else _cmd_verify(args.dir)
+    commands = {"list": _cmd_list, "verify": _cmd_verify, "latest": _cmd_latest}
+    return commands[args.command](args.dir)
 
 
 if __name__ == "__main__":

@@ -219,3 +219,15 @@ def test_cli_list_and_verify(tmp_path, capsys):
     assert C.main(["verify", str(path)]) == 1
     assert "model.safetensors" in capsys.readouterr().out
     assert C.main(["verify", str(tmp_path / "nothing")]) == 2
+
+
+def test_cli_latest_prints_the_newest_complete_checkpoint_or_fails(tmp_path, capsys):
+    assert C.main(["latest", str(tmp_path)]) == 1
+    assert "no checkpoint" in capsys.readouterr().err
+    C.publish(tmp_path, 1, _writer())
+    newer = C.publish(tmp_path, 2, _writer())
+    (newer / "manifest.json").write_text("not json")  # damaged: skipped with a warning naming it
+    assert C.main(["latest", str(tmp_path)]) == 0
+    captured = capsys.readouterr()
+    assert captured.out.strip() == str(tmp_path / "step_00000001")
+    assert "manifest.json" in captured.err
