@@ -12,7 +12,7 @@ and a value of the wrong type names the field, the value and the expected type.
 from __future__ import annotations
 
 import dataclasses
-import difflib
+import math
 import types
 import typing
 from dataclasses import dataclass, field
@@ -21,8 +21,7 @@ from typing import Any
 
 import yaml
 
-TRAIN_TYPES = ("seq", "sft", "dpo", "grpo", "online_dpo", "online_grpo", "online_ppo")
-AVAILABLE_TRAIN_TYPES = ("seq", "sft", "dpo")
+from astrai.model.config import did_you_mean
 
 
 class ConfigError(ValueError):
@@ -31,7 +30,7 @@ class ConfigError(ValueError):
 
 @dataclass
 class DataConfig:
-    train_type: str = "sft"  # seq | sft | dpo (grpo, online_* come later)
+    train_type: str = "sft"  # a key of astrai.train.objectives.OBJECTIVES (seq | sft | dpo | ...)
     data_path: str | None = None  # JSONL file or preprocessed shard dir
     tokenizer_path: str | None = None  # defaults to param_path
     max_seq_len: int = 128
@@ -63,6 +62,7 @@ class TrainSection:
     early_stopping_patience: int = 3  # evaluations without improvement before stopping
     early_stopping_min_delta: float = 0.0
     early_stopping_mode: str = "min"  # min | max
+    max_nonfinite_steps: int = 10  # consecutive skipped (non-finite loss or grad norm) steps before the run stops
 
 
 @dataclass
@@ -84,8 +84,9 @@ class OptimConfig:
 
 @dataclass
 class ObjectiveConfig:
-    label_smoothing: float = 0.0
+    label_smoothing: float = 0.0  # cross-entropy label smoothing (seq, sft)
     beta: float = 0.1  # DPO temperature
+    dpo_label_noise: float = 0.0  # DPO sigmoid loss: assumed share of flipped preference labels (cDPO), < 0.5
     loss_type: str = "sigmoid"  # sigmoid | ipo | hinge
     ref_model_path: str | None = None  # DPO reference; default: a frozen copy of the initial policy
     reference_free: bool = False
@@ -123,14 +124,21 @@ SECTIONS: dict[str, type] = {
     "dist": DistConfig,
 }
 
-CHOICES: dict[str, tuple[str, ...]] = {
-    "train_type": TRAIN_TYPES,
-    "optimizer": ("adamw", "muon"),
-    "schedule": ("constant", "cosine", "wsd"),
-    "loss_type": ("sigmoid", "ipo", "hinge"),
-    "early_stopping_mode": ("min", "max"),
-    "parallel_mode": ("none", "ddp", "fsdp"),
-}
+def choices() -> dict[str, tuple[str, ...]]:
+    """Allowed values of the fields that name a choice, each read from the module that owns it."""
+    from astrai.train.dist import PARALLEL_MODES
+    from astrai.train.losses import DPO_LOSS_TYPES
+    from astrai.train.objectives import OBJECTIVES
+    from astrai.train.optim import OPTIMIZERS, SCHEDULES
+
+    return {
+        "train_type": tuple(OBJECTIVES),
+        "optimizer": OPTIMIZERS,
+        "schedule": SCHEDULES,
+        "loss_type": DPO_LOSS_TYPES,
+        "early_stopping_mode": ("min", "max"),
+        "parallel_mode": PARALLEL_MODES,
+    }
 
 
 @dataclass
@@ -170,11 +178,9 @@ class Config:
 
 
 def model_field_types() -> dict[str, Any]:
-    """ModelConfig field names -> types; empty until the model package provides ModelConfig."""
-    try:
-        from astrai.model.config import ModelConfig
-    except ImportError:
-        return {}
+    """ModelConfig field names -> types."""
+    from astrai.model.config import ModelConfig
+
     hints = typing.get_type_hints(ModelConfig)
     return {f.name: hints[f.name] for f in dataclasses.fields(ModelConfig) if not f.name.startswith("_")}
 
@@ -286,11 +292,6 @@ def parse_flag_value(name: str, section: str, text: str, tp: Any) -> Any:
     raise ConfigError(f"flag --{name} has value {text!r}; expected {_type_name(tp)}")
 
 
-def _did_you_mean(name: str, candidates: list[str]) -> str:
-    close = difflib.get_close_matches(name, candidates, n=1, cutoff=0.6)
-    return f"; did you mean {close[0]!r}?" if close else ""
-
-
 # ----------------------------------------------------------------------------- assembling
 
 
@@ -312,17 +313,15 @@ def build_config(yaml_data: dict[str, Any], overrides: dict[str, Any]) -> Config
             values[key] = check_value(key, table[key][0], content, table[key][1])
         else:
             names = ["model", *SECTIONS, *table]
-            raise ConfigError(f"unknown config section or key {key!r}{_did_you_mean(key, names)}")
+            raise ConfigError(f"unknown config section or key {key!r}{did_you_mean(key, names)}")
     values.update(overrides)
     return _assemble(values, table)
 
 
 def _check_key(name: str, section: str, value: Any, table: dict[str, tuple[str, Any]]) -> Any:
     if name not in table:
-        if section == "model" and not model_field_types():
-            return value  # ModelConfig not importable yet: it validates these fields itself
         in_section = [k for k, (s, _) in table.items() if s == section]
-        raise ConfigError(f"unknown config key {name!r} in section {section!r}{_did_you_mean(name, in_section)}")
+        raise ConfigError(f"unknown config key {name!r} in section {section!r}{did_you_mean(name, in_section)}")
     owner, tp = table[name]
     if owner != section:
         raise ConfigError(f"config key {name!r} belongs to section {owner!r}, not {section!r}; move it there")
@@ -342,15 +341,13 @@ def _assemble(values: dict[str, Any], table: dict[str, tuple[str, Any]]) -> Conf
 def validate(cfg: Config) -> None:
     """Choices and ranges that a type alone does not capture."""
     flat = cfg.flat()
-    for name, allowed in CHOICES.items():
+    for name, allowed in choices().items():
         if flat[name] not in allowed:
             raise ConfigError(f"{name}={flat[name]!r} is not one of {', '.join(allowed)}")
-    if cfg.data.train_type not in AVAILABLE_TRAIN_TYPES:
-        raise ConfigError(
-            f"train_type={cfg.data.train_type!r} is not available in this version; "
-            f"choose one of {', '.join(AVAILABLE_TRAIN_TYPES)}"
-        )
-    positive = ["n_epoch", "batch_per_device", "grad_accum_steps", "max_seq_len", "nprocs"]
+    for name, value in flat.items():
+        if isinstance(value, float) and not math.isfinite(value):
+            raise ConfigError(f"{name}={value} is not a finite number; give a finite value")
+    positive = ["n_epoch", "batch_per_device", "grad_accum_steps", "max_seq_len", "nprocs", "max_nonfinite_steps"]
     for name in positive:
         if flat[name] < 1:
             raise ConfigError(f"{name}={flat[name]} must be >= 1")
@@ -363,6 +360,8 @@ def validate(cfg: Config) -> None:
     for name in ["warmup_ratio", "min_lr_ratio", "decay_ratio", "label_smoothing"]:
         if not 0.0 <= flat[name] <= 1.0:
             raise ConfigError(f"{name}={flat[name]} must be within [0, 1]")
+    if not 0.0 <= cfg.objective.dpo_label_noise < 0.5:
+        raise ConfigError(f"dpo_label_noise={cfg.objective.dpo_label_noise} must be within [0, 0.5)")
     if not 0.0 <= cfg.data.val_split < 1.0:
         raise ConfigError(f"val_split={cfg.data.val_split} must be within [0, 1)")
 
@@ -397,7 +396,7 @@ def parse_overrides(args: list[str]) -> dict[str, Any]:
         if "." in name:  # allow --optim.max_lr
             name = name.split(".", 1)[1]
         if name not in table:
-            raise ConfigError(f"unknown flag --{name}{_did_you_mean(name, list(table))}")
+            raise ConfigError(f"unknown flag --{name}{did_you_mean(name, list(table))}")
         section, tp = table[name]
         if not eq:
             nxt = args[i + 1] if i + 1 < len(args) else None

@@ -23,10 +23,9 @@ import math
 import sys
 from collections.abc import Iterable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
-if TYPE_CHECKING:
-    from astrai.train.trainer import Trainer
+from astrai.train.context import Loop
 
 HOOKS = (
     "on_train_begin", "on_epoch_begin", "on_batch_begin", "on_batch_end", "before_optimizer_step",
@@ -38,15 +37,15 @@ HOOKS = (
 class Callback(Protocol):
     """Every hook is optional; implement the ones you need with these signatures."""
 
-    def on_train_begin(self, trainer: Trainer) -> None: ...
-    def on_epoch_begin(self, trainer: Trainer) -> None: ...
-    def on_batch_begin(self, trainer: Trainer, batch: dict[str, Any]) -> None: ...
-    def on_batch_end(self, trainer: Trainer, batch: dict[str, Any], output: Any) -> None: ...
-    def before_optimizer_step(self, trainer: Trainer) -> None: ...
-    def after_optimizer_step(self, trainer: Trainer) -> None: ...
-    def on_epoch_end(self, trainer: Trainer) -> None: ...
-    def on_error(self, trainer: Trainer, error: BaseException) -> None: ...
-    def on_train_end(self, trainer: Trainer) -> None: ...
+    def on_train_begin(self, trainer: Loop) -> None: ...
+    def on_epoch_begin(self, trainer: Loop) -> None: ...
+    def on_batch_begin(self, trainer: Loop, batch: dict[str, Any]) -> None: ...
+    def on_batch_end(self, trainer: Loop, batch: dict[str, Any], output: Any) -> None: ...
+    def before_optimizer_step(self, trainer: Loop) -> None: ...
+    def after_optimizer_step(self, trainer: Loop) -> None: ...
+    def on_epoch_end(self, trainer: Loop) -> None: ...
+    def on_error(self, trainer: Loop, error: BaseException) -> None: ...
+    def on_train_end(self, trainer: Loop) -> None: ...
 
 
 def requested_metrics(callbacks: Iterable[Any]) -> frozenset[str] | None:
@@ -101,7 +100,7 @@ class MetricsLogger:
         self.path = Path(log_dir) / "metrics.jsonl"
         self.requested_metrics = None if metrics is None else frozenset(metrics)
 
-    def on_train_begin(self, trainer: Trainer) -> None:
+    def on_train_begin(self, trainer: Loop) -> None:
         if not trainer.is_main:
             return
         self.path.parent.mkdir(parents=True, exist_ok=True)
@@ -112,7 +111,7 @@ class MetricsLogger:
                     if line.strip() and json.loads(line).get("step", 0) <= trainer.ctx.step]
             self.path.write_text("".join(line + "\n" for line in kept))
 
-    def after_optimizer_step(self, trainer: Trainer) -> None:
+    def after_optimizer_step(self, trainer: Loop) -> None:
         if not trainer.is_main:
             return
         m = trainer.step_metrics
@@ -130,7 +129,8 @@ class MetricsLogger:
 
 
 class CheckpointSaver:
-    """Publishes ``step_N`` after every ``interval`` optimizer steps, and at a stop or the end."""
+    """Publishes ``step_N`` after every ``interval`` optimizer steps, and at a stop or the end:
+    the loop's model, optimizer, schedule, state and whatever ``extra_state()`` reports."""
 
     requested_metrics = frozenset()
 
@@ -139,29 +139,30 @@ class CheckpointSaver:
         self.last_saved = -1
         self.failed = False
 
-    def _save(self, trainer: Trainer) -> None:
+    def _save(self, trainer: Loop) -> None:
         from astrai.train.checkpoint import save_training_checkpoint
 
         cfg = trainer.config
         save_training_checkpoint(  # a collective: every rank calls it, rank 0 writes
             cfg.ckpt.ckpt_dir, trainer.ctx.step, model=trainer.raw_model, tokenizer=trainer.tokenizer,
             optimizer=trainer.optimizer, scheduler=trainer.scheduler, trainer_state=trainer.state_dict(),
+            extra_state=trainer.extra_state(),
             metrics_path=Path(cfg.log.log_dir) / "metrics.jsonl", keep_last=cfg.ckpt.keep_last,
             background=cfg.ckpt.ckpt_background,
         )
         self.last_saved = trainer.ctx.step
 
-    def on_train_begin(self, trainer: Trainer) -> None:
+    def on_train_begin(self, trainer: Loop) -> None:
         self.last_saved = trainer.ctx.step  # a resumed run's start is already on disk
 
-    def after_optimizer_step(self, trainer: Trainer) -> None:
+    def after_optimizer_step(self, trainer: Loop) -> None:
         if self.interval and trainer.ctx.step % self.interval == 0:
             self._save(trainer)
 
-    def on_error(self, trainer: Trainer, error: BaseException) -> None:
+    def on_error(self, trainer: Loop, error: BaseException) -> None:
         self.failed = True  # never publish after a failure: the last good checkpoint stays newest
 
-    def on_train_end(self, trainer: Trainer) -> None:
+    def on_train_end(self, trainer: Loop) -> None:
         from astrai.train.checkpoint import wait_for_publish
 
         if not self.failed and trainer.ctx.step != self.last_saved:
@@ -181,21 +182,21 @@ class ProgressBar:
         self.total_steps = total_steps
         self.bar = None
 
-    def on_train_begin(self, trainer: Trainer) -> None:
+    def on_train_begin(self, trainer: Loop) -> None:
         if trainer.is_main:
             from tqdm.auto import tqdm
 
             self.bar = tqdm(total=self.total_steps, initial=trainer.ctx.step, unit="step",
                             file=sys.stderr, dynamic_ncols=True)
 
-    def after_optimizer_step(self, trainer: Trainer) -> None:
+    def after_optimizer_step(self, trainer: Loop) -> None:
         if self.bar is not None:
             m = trainer.step_metrics
             self.bar.set_postfix(loss=f"{m['loss']:.4f}", lr=f"{m['lr']:.2e}", tok_s=f"{m['tokens_per_s']:.0f}",
                                  refresh=False)
             self.bar.update(1)
 
-    def on_train_end(self, trainer: Trainer) -> None:
+    def on_train_end(self, trainer: Loop) -> None:
         if self.bar is not None:
             self.bar.close()
 
@@ -220,11 +221,11 @@ class EarlyStopping:
         gain = self.best - value if self.mode == "min" else value - self.best
         return gain > self.min_delta
 
-    def after_optimizer_step(self, trainer: Trainer) -> None:
+    def after_optimizer_step(self, trainer: Loop) -> None:
         value = trainer.step_metrics.get(self.metric)
-        if value is None or math.isnan(value):
+        if value is None:  # no evaluation at this step
             return
-        if self._improved(value):
+        if not math.isnan(value) and self._improved(value):  # NaN never improves
             self.best, self.num_bad = value, 0
         else:
             self.num_bad += 1
@@ -249,7 +250,7 @@ class TensorBoardLogger:
         self.writer = None
         self.requested_metrics = None if metrics is None else frozenset(metrics)
 
-    def on_train_begin(self, trainer: Trainer) -> None:
+    def on_train_begin(self, trainer: Loop) -> None:
         if not trainer.is_main:
             return
         try:
@@ -260,18 +261,18 @@ class TensorBoardLogger:
             return
         self.writer = SummaryWriter(str(self.log_dir))
 
-    def after_optimizer_step(self, trainer: Trainer) -> None:
+    def after_optimizer_step(self, trainer: Loop) -> None:
         if self.writer is not None:
             for k, v in trainer.step_metrics.items():
                 if isinstance(v, int | float) and k not in ("step", "epoch"):
                     self.writer.add_scalar(k, v, trainer.ctx.step)
 
-    def on_train_end(self, trainer: Trainer) -> None:
+    def on_train_end(self, trainer: Loop) -> None:
         if self.writer is not None:
             self.writer.close()
 
 
-def default_callbacks(trainer: Trainer) -> list[Any]:
+def default_callbacks(trainer: Loop) -> list[Any]:
     """The built-in callbacks a config asks for; metrics come before checkpoints so that a
     checkpoint's copy of metrics.jsonl holds its own step."""
     cfg = trainer.config

@@ -28,6 +28,7 @@ from typing import Any
 import torch
 
 from astrai.train import dist
+from astrai.train.signals import pause_point
 
 FORMAT = "astrai-checkpoint"
 VERSION = 1
@@ -151,11 +152,13 @@ def publish(
 def _finish(staging: Path, final: Path, step: int, keep_last: int | None) -> None:
     """Seal the staging directory and move it into place (the atomic part of publish)."""
     ckpt_dir, name = final.parent, final.name
+    pause_point(f"publish-staged:{step}")  # test hook: files written, nothing sealed yet
     try:
         _seal(staging, step)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
+    pause_point(f"publish-sealed:{step}")  # manifest written, not yet renamed into place
     retired = None
     if final.exists():
         retired = ckpt_dir / f".{name}.retired-{os.getpid()}"
@@ -163,6 +166,7 @@ def _finish(staging: Path, final: Path, step: int, keep_last: int | None) -> Non
         os.replace(final, retired)
     os.replace(staging, final)
     _fsync_dir(ckpt_dir)
+    pause_point(f"publish-renamed:{step}")  # public, before the retired copy and retention go
     if retired is not None:
         shutil.rmtree(retired, ignore_errors=True)
     if keep_last is not None:

@@ -1,16 +1,19 @@
-"""TrainContext: the counters of a training run and its stop request.
+"""TrainContext (the counters of a run and its stop request) and ``Loop``, what a loop exposes.
 
 Created by the trainer (or the CLI, so that signal handlers installed before the model is built
 have somewhere to write), read by callbacks, saved into ``trainer_state.json`` by checkpoints and
 restored on ``--resume``. ``step`` counts optimizer steps; ``consumed_samples`` counts samples of
 the current epoch consumed by completed optimizer steps, over all ranks.
+
+``Loop`` is the protocol that callbacks, checkpoints and resume depend on, so they work with
+every loop (the offline ``Trainer``, the online RL loop) and never import a concrete one.
 """
 
 from __future__ import annotations
 
 import threading
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 
 @dataclass
@@ -45,3 +48,29 @@ class TrainContext:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         for key in ("epoch", "step", "consumed_samples", "tokens_seen", "policy_version"):
             setattr(self, key, int(state[key]))
+
+
+class Loop(Protocol):
+    """What a training loop exposes to callbacks, checkpoints and resume."""
+
+    config: Any  # astrai.config.Config
+    ctx: TrainContext
+    is_main: bool  # rank 0: the rank that logs and writes
+    raw_model: Any  # the unwrapped policy module (its weights are the checkpoint's model)
+    tokenizer: Any
+    optimizer: Any
+    scheduler: Any
+    total_steps: int
+    step_metrics: dict[str, Any]  # the last optimizer step's metrics
+
+    def state_dict(self) -> dict[str, Any]:
+        """JSON-able counters, sampler, RNG and config (trainer_state.json)."""
+        ...
+
+    def load_state_dict(self, state: dict[str, Any]) -> None: ...
+
+    def extra_state(self) -> dict[str, dict[str, Any]]:
+        """Further state saved as ``<name>.pt`` in each checkpoint (e.g. a critic and its optimizer)."""
+        ...
+
+    def load_extra_state(self, states: dict[str, dict[str, Any]]) -> None: ...

@@ -32,9 +32,19 @@ class LossOutput:
     metrics: dict[str, Tensor] = field(default_factory=dict)
 
 
-class Objective:
-    """What every objective shares: which of its metrics anyone asked for."""
+def num_tokens(batch: Batch) -> Tensor | int:
+    """Non-padding input tokens of a batch (every ``*attention_mask``), for throughput metrics."""
+    masks = [v for k, v in batch.items() if k.endswith("attention_mask")]
+    if masks:
+        return sum(m.sum() for m in masks)
+    return sum(t.numel() for k, t in batch.items() if k.endswith("input_ids"))
 
+
+class Objective:
+    """What every objective shares: which of its metrics anyone asked for, and the record kind
+    (``astrai.data.records``) its dataset reads."""
+
+    record_kind = "seq"
     requested_metrics: frozenset[str] | None = None  # None: compute every metric
 
     def wants(self, name: str) -> bool:
@@ -106,6 +116,8 @@ class SeqObjective(Objective):
 class SFTObjective(SeqObjective):
     """Masked cross entropy: the dataset sets labels to -100 outside assistant turns."""
 
+    record_kind = "sft"
+
 
 def _concat_pairs(batch: Batch) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """Chosen and rejected rows padded to one length and stacked: one forward for both."""
@@ -122,9 +134,11 @@ def _concat_pairs(batch: Batch) -> tuple[Tensor, Tensor, Tensor, Tensor]:
 class DPOObjective(Objective):
     """Direct preference optimisation against a frozen reference (or none, reference-free)."""
 
+    record_kind = "dpo"
+
     def __init__(self, cfg: Config, model: nn.Module, reference: nn.Module | None = None):
         o = cfg.objective
-        self.beta, self.loss_type, self.label_smoothing = o.beta, o.loss_type, o.label_smoothing
+        self.beta, self.loss_type, self.label_noise = o.beta, o.loss_type, o.dpo_label_noise
         self.aux_coef = _aux_coef(cfg, model)
         self.reference: nn.Module | None = None
         if not o.reference_free:
@@ -161,7 +175,7 @@ class DPOObjective(Objective):
                 _, ref_logps = self._logps(self.reference, ids, labels, mask, pos)
             ref_c, ref_r = ref_logps[:B], ref_logps[B:]
         losses, chosen_rewards, rejected_rewards = dpo_loss(
-            logps[:B], logps[B:], ref_c, ref_r, self.beta, self.loss_type, self.label_smoothing
+            logps[:B], logps[B:], ref_c, ref_r, self.beta, self.loss_type, self.label_noise
         )  # (B,) each
         candidates = {
             "rewards/chosen": lambda: chosen_rewards.sum(),
@@ -176,11 +190,20 @@ class DPOObjective(Objective):
         return LossOutput(loss, metrics)
 
 
+# The one list of train types: config choices, docs and the CLI are derived from it.
 OBJECTIVES = {"seq": SeqObjective, "sft": SFTObjective, "dpo": DPOObjective}
 
 
-def build_objective(cfg: Config, model: nn.Module) -> SeqObjective | DPOObjective:
-    train_type = cfg.data.train_type
+def _objective_class(train_type: str) -> type:
     if train_type not in OBJECTIVES:
         raise ValueError(f"train_type={train_type!r} has no objective here; choose one of {', '.join(OBJECTIVES)}")
-    return OBJECTIVES[train_type](cfg, model)
+    return OBJECTIVES[train_type]
+
+
+def record_kind(train_type: str) -> str:
+    """The record kind (seq, sft, dpo, prompt) the datasets of `train_type` read."""
+    return _objective_class(train_type).record_kind
+
+
+def build_objective(cfg: Config, model: nn.Module) -> Objective:
+    return _objective_class(cfg.data.train_type)(cfg, model)

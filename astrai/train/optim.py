@@ -17,6 +17,9 @@ from torch import nn
 
 from astrai.config import OptimConfig
 
+OPTIMIZERS = ("adamw", "muon")
+SCHEDULES = ("constant", "cosine", "wsd")
+
 
 class OptimizerList:
     """Several optimizers stepped as one (Muon + AdamW); exposes the union of their param groups."""
@@ -127,16 +130,17 @@ class LRSchedule:
         self.step_count = 0
         for group in optimizer.param_groups:
             group.setdefault("initial_lr", group["lr"])
-        self._apply()
+        self.apply()
 
-    def _apply(self) -> None:
+    def apply(self) -> None:
+        """Set every group's lr for the current step (also after a resume changed initial_lr)."""
         factor = lr_factor(self.step_count, self.total_steps, self.cfg)
         for group in self.optimizer.param_groups:
             group["lr"] = group["initial_lr"] * factor
 
     def step(self) -> None:
         self.step_count += 1
-        self._apply()
+        self.apply()
 
     def get_last_lr(self) -> list[float]:
         return [g["lr"] for g in self.optimizer.param_groups]
@@ -148,4 +152,4 @@ class LRSchedule:
         # the schedule's length comes from this run's config (a resumed run may extend max_steps);
         # the trainer reports when it differs from the checkpoint's
         self.step_count = int(state["step_count"])
-        self._apply()
+        self.apply()

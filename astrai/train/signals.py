@@ -13,6 +13,8 @@ from __future__ import annotations
 import os
 import signal
 import threading
+import time
+from pathlib import Path
 from typing import Any, Protocol
 
 EXIT_CODE_INTERRUPTED = 130  # 128 + SIGINT, the shell's convention
@@ -26,6 +28,7 @@ class _State:
     ctx: StopTarget | None = None
     pending: str | None = None  # a stop reason that arrived before a context was attached
     last_signal: int | None = None
+    num_signals = 0
     num_sigint = 0
     previous: dict[int, Any] = {}
 
@@ -35,6 +38,7 @@ _state = _State()
 
 def _handle(signum: int, frame: Any) -> None:
     _state.last_signal = signum
+    _state.num_signals += 1
     if signum == signal.SIGINT:
         _state.num_sigint += 1
         if _state.num_sigint >= 2:
@@ -91,3 +95,18 @@ def uninstall_signal_handlers() -> None:
     _state.pending = None
     _state.last_signal = None
     _state.num_sigint = 0
+
+
+def pause_point(event: str) -> None:
+    """Test hook: lets a test kill or stop a run at an exact moment instead of racing the clock.
+
+    With ``ASTRAI_PAUSE_AT`` equal to `event` (e.g. ``step:3``, ``publish-sealed:4``), the process
+    creates the file ``$ASTRAI_PAUSE_FILE.<pid>`` and then waits until a SIGTERM/SIGINT arrives
+    (the run then stops gracefully) or it is killed. A no-op otherwise (one dict lookup).
+    """
+    if os.environ.get("ASTRAI_PAUSE_AT") != event:
+        return
+    Path(f"{os.environ['ASTRAI_PAUSE_FILE']}.{os.getpid()}").write_text(event)
+    seen = _state.num_signals
+    while _state.num_signals == seen:
+        time.sleep(0.01)

@@ -32,7 +32,7 @@ def test_metrics_lines_and_validation(tmp_path):
 
 def test_val_split_holds_out_rows(tmp_path, monkeypatch):
     import astrai.data.datasets as datasets
-    from astrai.train.trainer import build_datasets
+    from astrai.train.build import build_datasets
 
     monkeypatch.setattr(datasets, "build_dataset", lambda *a, **k: ToySeqDataset(16))
     (tmp_path / "d.jsonl").write_text("{}\n")

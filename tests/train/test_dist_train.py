@@ -83,16 +83,15 @@ def test_sigterm_to_launcher_then_resume_with_1_and_2_ranks(tmp_path, tok_dir):
     flags = {"batch_per_device": 2, "n_epoch": 2, "stop_timeout": 120}
     cfg_a = write_run(tmp_path / "a", tok_dir, "sft", num_records=64, **flags)
     cfg_b = write_run(tmp_path / "b", tok_dir, "sft", num_records=64, **flags)
-    metrics = tmp_path / "a" / "log" / "metrics.jsonl"
-    env = {**os.environ, "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    # both ranks pause right after optimizer step 2 (the test hook) until the SIGTERM reaches them
+    env = {**os.environ, "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
+           "ASTRAI_PAUSE_AT": "step:2", "ASTRAI_PAUSE_FILE": str(tmp_path / "paused")}
     with open(tmp_path / "launcher.log", "w") as log:
         launcher = subprocess.Popen(
             [sys.executable, "-m", "astrai", "train", "--config", str(cfg_a), "--nprocs", "2",
              "--parallel_mode", "ddp"], stdout=log, stderr=subprocess.STDOUT, env=env, cwd=tmp_path)
-        deadline = time.monotonic() + 240
-        while time.monotonic() < deadline and launcher.poll() is None:
-            if metrics.exists() and len(metrics.read_text().splitlines()) >= 2:
-                break
+        deadline = time.monotonic() + 240  # a guard against a hung run, not the property under test
+        while time.monotonic() < deadline and launcher.poll() is None and len(list(tmp_path.glob("paused.*"))) < 2:
             time.sleep(0.05)
         launcher.send_signal(signal.SIGTERM)
         code = launcher.wait(timeout=240)
@@ -106,7 +105,7 @@ def test_sigterm_to_launcher_then_resume_with_1_and_2_ranks(tmp_path, tok_dir):
     state = json.loads((path / "trainer_state.json").read_text())
     total = 2 * 64 // 4
     assert state["step"] == stop_step and state["world_size"] == 2
-    assert 2 <= stop_step < total, "the SIGTERM should have come mid-run"
+    assert stop_step == 2 < total, "the SIGTERM came while both ranks waited after step 2"
     assert [m["step"] for m in read_metrics(tmp_path / "a")] == list(range(1, stop_step + 1))
     assert f"stopped at step {stop_step}" in output
 

@@ -1,11 +1,14 @@
 """Kill -9 fuzz: training killed at random moments (many during checkpoint saves) never loses a checkpoint.
 
 One driver process (this file run as a script) imports astrai once and then forks a training
-run per trial, each resuming from the newest complete checkpoint, and SIGKILLs it after a random
-delay, or right after a checkpoint's staging directory appears (a kill in the middle of a save).
-After every kill: each public `step_*` directory verifies (checksums), `latest_checkpoint` finds
-one, and the next trial resumes from it. A last trial runs to the end, and its final weights and
-per-step losses equal those of an uninterrupted run: nothing was lost or applied twice.
+run per trial, each resuming from the newest complete checkpoint, and SIGKILLs it at a random
+but exact moment: right after optimizer step N, or inside the publish of checkpoint N (files
+staged, manifest sealed, or renamed into place). The moment is reached through the
+`ASTRAI_PAUSE_AT` test hook (`signals.pause_point`): the run announces it with a file and waits
+there, so every kill lands where it was aimed, however fast or slow the machine. After every kill:
+each public `step_*` directory verifies (checksums), `latest_checkpoint` finds one, and the next
+trial resumes from it. A last trial runs to the end, and its final weights and per-step losses
+equal those of an uninterrupted run: nothing was lost or applied twice.
 """
 
 from __future__ import annotations
@@ -25,26 +28,47 @@ NUM_TRIALS = 24
 REPO = Path(__file__).resolve().parents[2]
 
 
-def _fork_train(argv: list[str]) -> int:
+KILL_POINTS = ("step", "publish-staged", "publish-sealed", "publish-renamed")
+
+
+def _fork_train(argv: list[str], env: dict[str, str] | None = None) -> int:
     from astrai.cli import main
 
     pid = os.fork()
     if pid == 0:  # child: train, then leave without running the parent's cleanup
         code = 1
         try:
+            os.environ.update(env or {})
             code = main(["train", *argv])
         finally:
             os._exit(code)
     return pid
 
 
-def _wait_for_staging(ckpt_dir: Path, timeout: float) -> bool:
-    deadline = time.monotonic() + timeout
+def _wait_for_pause(pid: int, marker: Path, guard_s: float = 300.0) -> bool:
+    """True once the run announced the pause point; False if it exited first (a failure)."""
+    deadline = time.monotonic() + guard_s  # only a guard against a hung test, never the property
     while time.monotonic() < deadline:
-        if ckpt_dir.is_dir() and any(".staging-" in p.name for p in ckpt_dir.iterdir()):
+        if marker.exists():
             return True
-        time.sleep(0.0005)
+        done, _ = os.waitpid(pid, os.WNOHANG)
+        if done:
+            return False
+        time.sleep(0.005)
     return False
+
+
+def _resume_step(ckpt_dir: Path) -> int:
+    """The step the next run resumes at: its newest complete checkpoint, counting a sealed staging
+    directory that the run's start-up cleanup will move into place."""
+    from astrai.train.checkpoint import HIDDEN_DIR, is_complete, list_checkpoints
+
+    steps = [step for step, _ in list_checkpoints(ckpt_dir)]
+    for p in ckpt_dir.iterdir() if ckpt_dir.is_dir() else []:
+        m = HIDDEN_DIR.match(p.name)
+        if m and m.group(2) == "staging" and is_complete(p, checksums=True):
+            steps.append(int(m.group(1).removeprefix("step_")))
+    return max(steps, default=0)
 
 
 def _check_public_dirs(ckpt_dir: Path) -> list[str]:
@@ -72,23 +96,27 @@ def drive(config: Path, straight_config: Path, trials: int, seed: int) -> dict:
     ckpt_dir = Path(yaml_value(config, "ckpt_dir"))
     report = {"trials": [], "during_save": 0}
     for trial in range(trials):
-        resume = latest_checkpoint(ckpt_dir) is not None
-        pid = _fork_train(["--config", str(config), *(["--resume"] if resume else [])])
-        if trial % 2:  # wait for a save to begin, then kill inside it
-            _wait_for_staging(ckpt_dir, timeout=5.0)
-            time.sleep(rng.uniform(0, 0.03))
-        else:
-            time.sleep(rng.uniform(0.05, 0.7))
+        latest = latest_checkpoint(ckpt_dir)
+        start = _resume_step(ckpt_dir)
+        event = f"{rng.choice(KILL_POINTS)}:{start + rng.randint(1, 3)}"
+        marker = config.parent / f"pause-{trial}"
+        pid = _fork_train(["--config", str(config), *(["--resume"] if latest is not None else [])],
+                          {"ASTRAI_PAUSE_AT": event, "ASTRAI_PAUSE_FILE": str(marker)})
+        paused = _wait_for_pause(pid, Path(f"{marker}.{pid}"))
         staging_now = ckpt_dir.is_dir() and any(".staging-" in p.name for p in ckpt_dir.iterdir())
-        os.kill(pid, signal.SIGKILL)
-        _, status = os.waitpid(pid, 0)
+        if paused:
+            os.kill(pid, signal.SIGKILL)
+            _, status = os.waitpid(pid, 0)
+        else:
+            status = 0
         report["during_save"] += int(staging_now)
         public = _check_public_dirs(ckpt_dir)
         latest = latest_checkpoint(ckpt_dir)
         if latest is not None:
             verify_checkpoint(latest)
-        report["trials"].append({"killed": os.WIFSIGNALED(status), "public": public,
-                                 "latest": latest.name if latest else None, "staging": staging_now})
+        report["trials"].append({"event": event, "paused": paused, "killed": paused and os.WIFSIGNALED(status),
+                                 "public": public, "latest": latest.name if latest else None,
+                                 "staging": staging_now})
     # finish the interrupted run, and run the same config uninterrupted for comparison
     for cfg, flags in ((config, ["--resume"]), (straight_config, [])):
         _, status = os.waitpid(_fork_train(["--config", str(cfg), *flags]), 0)
@@ -114,7 +142,7 @@ def test_kill9_fuzz_never_loses_a_checkpoint(tmp_path):
 
     tok = write_tokenizer(tmp_path / "tok")
     # a checkpoint after every optimizer step, so many kills land inside a save
-    # long enough (120 steps) that the 24 trials, each advancing a few steps, never finish the run
+    # long enough (120 steps) that the 24 trials, each advancing at most 3 steps, never finish the run
     flags = {"grad_accum_steps": 2, "batch_per_device": 2, "n_epoch": 12}
     config = write_run(tmp_path / "fuzz", tok, "sft", num_records=40, **flags)
     straight = write_run(tmp_path / "straight", tok, "sft", num_records=40, **flags)
@@ -131,7 +159,8 @@ def test_kill9_fuzz_never_loses_a_checkpoint(tmp_path):
 
     trials = report["trials"]
     assert len(trials) == NUM_TRIALS
-    assert sum(t["killed"] for t in trials) >= NUM_TRIALS - 2  # (a trial may rarely finish first)
+    assert all(t["paused"] and t["killed"] for t in trials), trials  # every kill landed where aimed
+    assert {t["event"].split(":")[0] for t in trials} == set(KILL_POINTS), trials
     assert report["during_save"] >= 5, report  # kills really hit saves in progress
     assert sum(t["latest"] is not None for t in trials) >= NUM_TRIALS // 2
     assert report["final_codes"] == [0, 0]

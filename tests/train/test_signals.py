@@ -103,8 +103,8 @@ if mode == "ignore":
 open(os.path.join(out, f"ready{rank}"), "w").write(json.dumps(env))
 if mode == "fail" and rank == 1:
     sys.exit(3)
-deadline = time.time() + (0.2 if mode == "exit" else 30)
-while time.time() < deadline and not got:
+# "exit" leaves at once; the others wait for a signal as long as it takes (the test's timeout guards)
+while mode != "exit" and not got:
     time.sleep(0.02)
 open(os.path.join(out, f"done{rank}"), "w").write(",".join(got))
 sys.exit(0)
@@ -116,16 +116,14 @@ def _launch(tmp_path: Path, mode: str, nprocs: int = 2, stop_timeout: float = 30
     script.write_text(RANK_SCRIPT)
 
     def send_when_ready():
-        deadline = time.time() + 30
-        while time.time() < deadline and len(list(tmp_path.glob("ready*"))) < nprocs:
+        while len(list(tmp_path.glob("ready*"))) < nprocs:
             time.sleep(0.02)
         os.kill(os.getpid(), signum)
 
     if signum is not None:
         threading.Thread(target=send_when_ready, daemon=True).start()
-    t0 = time.monotonic()
     code = launch_mod.launch([str(tmp_path), mode], nprocs, stop_timeout, program=[sys.executable, str(script)])
-    return code, time.monotonic() - t0
+    return code, None
 
 
 def test_launch_sets_rank_environment_and_returns_0(tmp_path):
@@ -149,14 +147,12 @@ def test_launch_forwards_signals(tmp_path, signum, name):
 
 
 def test_launch_kills_ranks_after_stop_timeout(tmp_path):
-    code, elapsed = _launch(tmp_path, "ignore", stop_timeout=1.0, signum=signal.SIGTERM)
+    code, _ = _launch(tmp_path, "ignore", stop_timeout=1.0, signum=signal.SIGTERM)
     assert code != 0
-    assert elapsed < 15
-    assert not list(tmp_path.glob("done*"))  # killed, never finished
+    assert not list(tmp_path.glob("done*"))  # killed (they ignore SIGTERM and would wait forever)
 
 
 def test_launch_stops_the_others_when_a_rank_fails(tmp_path):
-    code, elapsed = _launch(tmp_path, "fail")
+    code, _ = _launch(tmp_path, "fail")
     assert code == 3
-    assert elapsed < 15  # rank 0 was told to stop instead of waiting its 30 s
-    assert (tmp_path / "done0").read_text() == "TERM"
+    assert (tmp_path / "done0").read_text() == "TERM"  # rank 0 (waiting for a signal) was told to stop

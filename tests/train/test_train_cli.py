@@ -63,7 +63,7 @@ def test_dry_run_prints_resolved_config(workdir, capsys):
         ("train:\n  n_epcoh: 2\n", [], "unknown config key 'n_epcoh' in section 'train'; did you mean 'n_epoch'?"),
         ("train:\n  batch_per_device: 2.5\n", [], "'batch_per_device' in section 'train' has value 2.5"),
         ("{}\n", ["--lr", "0.1"], "unknown flag --lr"),
-        ("{}\n", ["--train_type", "grpo"], "not available in this version"),
+        ("{}\n", ["--train_type", "rlhf"], "is not one of"),
     ],
 )
 def test_bad_input_gives_clear_message_and_nonzero_exit(tmp_path, capsys, yaml_text, flags, message):
@@ -145,7 +145,7 @@ def test_resume_without_any_checkpoint_is_an_error(workdir, tmp_path, capsys):
 def test_resume_uses_param_path_only_when_it_is_a_training_checkpoint(tmp_path):
     from astrai.config import load_config
     from astrai.train.checkpoint import publish
-    from astrai.train.cli import resume_path
+    from astrai.train.resume import resume_path
 
     ckpt_dir, prev_run = tmp_path / "ckpt", tmp_path / "prev" / "ckpt"
     for root in (ckpt_dir, prev_run):

@@ -1,0 +1,120 @@
+"""Builders: a resolved ``Config`` -> tokenizer, model and datasets, for any training loop.
+
+Sits before the loops in the training data flow: the offline trainer and the online RL loop both
+call these when the caller does not hand in its own objects. ``param_path`` may name a model
+directory, a checkpoint directory, or another run's ``ckpt_dir`` (its newest complete
+checkpoint), so configs can chain stages. Which record kind a dataset reads is declared by the
+train type's objective (``objectives.record_kind``); the data layer knows only record kinds.
+"""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from astrai.config import Config
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+
+
+
+def build_tokenizer(cfg: Config) -> Any:
+    """The tokenizer at tokenizer_path (default: param_path); None when neither is set."""
+    path = cfg.data.tokenizer_path or cfg.train.param_path
+    if path is None:
+        return None
+    path = resolve_param_path(path)
+    from astrai.data.tokenizer import load_tokenizer
+
+    if not Path(path).exists():
+        raise FileNotFoundError(f"tokenizer_path {str(path)!r} does not exist; check --tokenizer_path")
+    return load_tokenizer(path)
+
+
+def resolve_param_path(path: str) -> str:
+    """A model or checkpoint directory as it is; a ckpt_dir (holding step_N checkpoints) stands
+    for its newest complete checkpoint, so a config can chain stages without knowing N."""
+    p = Path(path)
+    if p.is_dir() and not (p / "config.json").exists():
+        from astrai.train.checkpoint import latest_checkpoint
+
+        latest = latest_checkpoint(p)
+        if latest is not None:
+            return str(latest)
+    return path
+
+
+def build_model(cfg: Config) -> torch.nn.Module:
+    """Weights from param_path (any checkpoint or model dir), else a fresh model from ``model:``."""
+    from astrai.model.config import ModelConfig
+    from astrai.model.transformer import CausalLM
+
+    if cfg.train.param_path is not None:
+        from astrai.model.hf import load_model
+
+        cfg.train.param_path = resolve_param_path(cfg.train.param_path)
+        if not Path(cfg.train.param_path).is_dir():
+            raise FileNotFoundError(f"param_path {cfg.train.param_path!r} is not a directory; "
+                                    "give a model or checkpoint directory")
+        extra = sorted(set(cfg.model) - {"router_aux_loss_coef"})
+        if extra:
+            raise ValueError(f"model fields {extra} are given together with param_path, whose config.json "
+                             "defines the model; remove them or drop param_path")
+        # fp32 master weights whatever the checkpoint's dtype; bf16 is an autocast option
+        return load_model(cfg.train.param_path, dtype=torch.float32)
+    if not cfg.model:
+        raise ValueError("no model to train: give a 'model:' section (vocab_size, hidden_size, ...) "
+                         "or --param_path DIR")
+    return CausalLM(ModelConfig.from_dict(cfg.model), seed=cfg.train.random_seed)
+
+
+class _Subset:
+    """A view of some rows of a dataset that keeps its collate function."""
+
+    def __init__(self, dataset: Any, indices: list[int]):
+        self.dataset, self.indices = dataset, indices
+        self.collate = dataset.collate
+
+    def __len__(self) -> int:
+        return len(self.indices)
+
+    def __getitem__(self, i: int) -> Any:
+        return self.dataset[self.indices[i]]
+
+
+def build_datasets(cfg: Config, tokenizer: Any) -> tuple[Any, Any]:
+    """(train, val) datasets; val from val_data_path, else a seeded val_split of data_path, else None."""
+    from astrai.data.datasets import build_dataset
+    from astrai.train.objectives import record_kind
+
+    d = cfg.data
+    for name in ("data_path", "val_data_path"):
+        path = getattr(d, name)
+        if name == "data_path" and path is None:
+            raise ValueError("data_path is not set; give --data_path FILE.jsonl or a preprocessed shard dir")
+        if path is not None and not Path(path).exists():
+            raise FileNotFoundError(f"{name} {path!r} does not exist; check --{name}")
+    if tokenizer is None and Path(d.data_path).is_file():  # shard dirs are already tokenized
+        raise ValueError("no tokenizer: set tokenizer_path (or param_path, whose directory holds one)")
+
+    def build(path: str) -> Any:
+        return build_dataset(record_kind(d.train_type), path, tokenizer, d.max_seq_len, pack=d.pack,
+                             stride=d.seq_stride)
+
+    train = build(d.data_path)
+    if d.val_data_path is not None:
+        return train, build(d.val_data_path)
+    if d.val_split > 0:
+        g = torch.Generator().manual_seed(cfg.train.random_seed)
+        order = torch.randperm(len(train), generator=g).tolist()
+        n_val = max(1, round(d.val_split * len(train)))
+        return _Subset(train, sorted(order[n_val:])), _Subset(train, sorted(order[:n_val]))
+    return train, None

@@ -1,0 +1,130 @@
+"""The gradient-step window: accumulate micro-batches, then one optimizer step. Every loop calls it.
+
+The offline trainer, the online RL loop and the PPO critic's optimizer all end a window the same
+way, so the arithmetic lives here once. Objectives report *sums* over their loss units; after the
+window's micro-batches have been backpropagated, ``step()`` all-reduces the unit count, loss and
+metric sums over the ranks in one collective, scales the gradients so that the update equals
+(sum over the window and all ranks) / (the window's loss units), clips them (the pre-clip norm is
+the step's ``grad_norm``), and steps the optimizer and the schedule. A non-finite loss or
+gradient norm skips the update (gradients dropped, ``nonfinite_steps`` counts it, one warning
+names the step); ``max_nonfinite_steps`` skips in a row stop the run with ``NonFiniteError``.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from astrai.train import dist
+
+
+class NonFiniteError(RuntimeError):
+    """Training diverged: too many consecutive steps had a non-finite loss or gradient norm."""
+
+
+class GradientStep:
+    """One accumulation window over `params`: ``add`` after each backward, ``step`` to finish it."""
+
+    def __init__(self, params: list[torch.nn.Parameter], optimizer: Any, scheduler: Any, *,
+                 max_grad_norm: float, world_size: int, device: torch.device,
+                 max_nonfinite_steps: int = 10, name: str = "policy"):
+        self.params = [p for p in params if p.requires_grad]
+        self.optimizer, self.scheduler = optimizer, scheduler
+        self.max_grad_norm, self.world_size, self.device = max_grad_norm, world_size, device
+        self.max_nonfinite_steps, self.name = max_nonfinite_steps, name
+        self.num_nonfinite_in_row = 0
+        self.num_nonfinite_total = 0
+        self.reset()
+
+    def reset(self) -> None:
+        """Forget the window's sums (the gradients are the caller's: see ``drop``)."""
+        self.size = 0
+        self._units = torch.zeros((), dtype=torch.long, device=self.device)
+        self._tokens = torch.zeros((), dtype=torch.long, device=self.device)
+        self._loss = torch.zeros((), device=self.device)
+        self._metrics: dict[str, Tensor] = {}
+
+    def drop(self) -> None:
+        """Abandon a partial window: its gradients and sums go (a stop inside a window)."""
+        self.optimizer.zero_grad(set_to_none=True)
+        self.reset()
+
+    def add(self, loss: Tensor, units: Tensor | int, num_tokens: Tensor | int,
+            metrics: dict[str, Tensor] | None = None) -> None:
+        """Record one backpropagated micro-batch: its summed loss, loss units, tokens and metric sums."""
+        self.size += 1
+        self._units += units
+        self._tokens += num_tokens
+        self._loss += loss.detach().float()
+        for k, v in (metrics or {}).items():
+            self._metrics[k] = self._metrics.get(k, 0.0) + v.detach().float()
+
+    def step(self, number: int, before_update: Callable[[], None] | None = None) -> dict[str, Any]:
+        """Finish the window as optimizer step `number`: normalise, clip, check, then (after
+        `before_update`, which sees the final gradients: the loop's callback hook) step. Returns the
+        window means and ``lr``, ``grad_norm``, ``num_loss_units``, ``num_tokens``, ``skipped``
+        (1 when a non-finite value skipped the update) and ``nonfinite_steps`` (the run's total)."""
+        names = sorted(self._metrics)
+        local = torch.stack([self._units.float(), self._loss, self._tokens.float(),
+                             *[self._metrics[k] for k in names]])
+        totals = dist.all_reduce_sum(local)  # one collective for every sum of the window
+        units = totals[0].clamp(min=1)
+        # DDP/FSDP average gradients over ranks; scaling by world_size / units turns that mean of
+        # per-rank sums into (sum over the window and all ranks) / (the window's loss units)
+        grads = [p.grad for p in self.params if p.grad is not None]
+        torch._foreach_mul_(grads, self.world_size / units.item())
+        max_norm = self.max_grad_norm if self.max_grad_norm > 0 else math.inf
+        grad_norm = _to_float(torch.nn.utils.clip_grad_norm_(self.params, max_norm))  # the pre-clip norm
+        loss = (totals[1] / units).item()
+        lr = self.scheduler.get_last_lr()[0]
+        skipped = not (math.isfinite(loss) and math.isfinite(grad_norm))
+        if before_update is not None:
+            before_update()
+        if skipped:
+            self._skip(number, loss, grad_norm)
+        else:
+            self.num_nonfinite_in_row = 0
+            self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.scheduler.step()  # the schedule follows the step count, applied or skipped
+        out = {
+            "lr": lr, "loss": loss, "grad_norm": grad_norm, "num_loss_units": int(units.item()),
+            "num_tokens": int(totals[2].item()), "skipped": int(skipped),
+            "nonfinite_steps": self.num_nonfinite_total,
+            **{k: (totals[3 + i] / units).item() for i, k in enumerate(names)},
+        }
+        self.reset()
+        return out
+
+    def state_dict(self) -> dict[str, int]:
+        return {"nonfinite_in_row": self.num_nonfinite_in_row, "nonfinite_total": self.num_nonfinite_total}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self.num_nonfinite_in_row = int(state.get("nonfinite_in_row", 0))
+        self.num_nonfinite_total = int(state.get("nonfinite_total", 0))
+
+    def _skip(self, number: int, loss: float, grad_norm: float) -> None:
+        self.num_nonfinite_in_row += 1
+        self.num_nonfinite_total += 1
+        if self.num_nonfinite_in_row >= self.max_nonfinite_steps:
+            raise NonFiniteError(
+                f"{self.name}: {self.num_nonfinite_in_row} optimizer steps in a row had a non-finite loss or "
+                f"gradient norm (last: loss={loss}, grad_norm={grad_norm}); training diverged. Lower --max_lr, "
+                "add warmup (--warmup_steps) or clipping (--max_grad_norm), and resume from the last checkpoint"
+            )
+        if dist.get_rank() == 0:
+            print(f"warning: {self.name} step {number} skipped: non-finite loss={loss} or grad_norm={grad_norm}; gradients "
+                  f"dropped ({self.num_nonfinite_in_row} in a row, the run stops at {self.max_nonfinite_steps})",
+                  file=sys.stderr)
+
+
+def _to_float(x: Tensor | float) -> float:
+    if isinstance(x, Tensor):
+        x = x.full_tensor() if hasattr(x, "full_tensor") else x  # FSDP2 returns a DTensor norm
+        return float(x.item())
+    return float(x)
