@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from contextlib import nullcontext
 
 from astrai.config import Config, ConfigError, load_config
 from astrai.train.context import TrainContext
@@ -36,20 +37,21 @@ def _fail(message: str, code: int = 2) -> int:
 
 def run(cfg: Config, ctx: TrainContext) -> int:
     from astrai.train import dist, resume
-    from astrai.train.checkpoint import cleanup_leftovers
+    from astrai.train.publish import cleanup_leftovers, run_lock
     from astrai.train.trainer import Trainer
 
     info = dist.init_distributed(cfg.train.device)
-    if info.rank == 0:
-        cleanup_leftovers(cfg.ckpt.ckpt_dir)  # staging dirs of a killed save; half-done republishes
-    ckpt = resume.find(cfg)
-    loop = Trainer(resume.initial_config(cfg, ckpt) if ckpt else cfg, ctx=ctx)
-    if ckpt is not None:
-        resume.restore(loop, ckpt)
-    try:
-        loop.train()
-    finally:
-        dist.cleanup()
+    with run_lock(cfg.ckpt.ckpt_dir) if info.rank == 0 else nullcontext():  # one run per ckpt_dir
+        if info.rank == 0:
+            cleanup_leftovers(cfg.ckpt.ckpt_dir)  # staging dirs of a killed save; half-done republishes
+        ckpt = resume.find(cfg)
+        loop = Trainer(resume.initial_config(cfg, ckpt) if ckpt else cfg, ctx=ctx)
+        if ckpt is not None:
+            resume.restore(loop, ckpt)
+        try:
+            loop.train()
+        finally:
+            dist.cleanup()
     if ctx.stop_requested and loop.is_main:
         saved = "checkpoint published" if ctx.step > 0 else "no optimizer step completed, nothing to save"
         print(f"stopped at step {ctx.step} ({ctx.stop_reason}); {saved}", file=sys.stderr)
@@ -82,7 +84,7 @@ def main(argv: list[str] | None = None) -> int:
         return run(cfg, ctx)
     except (ConfigError, FileNotFoundError, ValueError) as e:
         return _fail(str(e), 1)
-    except Exception as e:  # a checkpoint error names its file; keep the message, not a traceback
-        if type(e).__name__ in ("CheckpointError", "HFFormatError"):
+    except Exception as e:  # these name their file or cause; keep the message, not a traceback
+        if type(e).__name__ in ("CheckpointError", "HFFormatError", "CkptDirLocked", "NonFiniteError"):
             return _fail(str(e), 1)
         raise

@@ -9,7 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from astrai.train import checkpoint as C
+from astrai.train import checkpoint as CK
+from astrai.train import publish as C
 
 
 def _writer(payload: bytes = b"weights", extra: bool = True):
@@ -209,25 +210,25 @@ def test_cli_list_and_verify(tmp_path, capsys):
     C.publish(tmp_path, 1, _writer())
     path = C.publish(tmp_path, 2, _writer(b"0123"))
     (tmp_path / ".step_00000003.staging-1").mkdir()
-    assert C.main(["list", str(tmp_path)]) == 0
+    assert CK.main(["list", str(tmp_path)]) == 0
     out = capsys.readouterr().out
     assert "step_00000001" in out and "complete" in out and "leftover" in out
     assert "latest complete: step_00000002" in out
-    assert C.main(["verify", str(tmp_path)]) == 0
+    assert CK.main(["verify", str(tmp_path)]) == 0
     assert capsys.readouterr().out.count("OK") == 2
     (path / "model.safetensors").write_bytes(b"0124")
-    assert C.main(["verify", str(path)]) == 1
+    assert CK.main(["verify", str(path)]) == 1
     assert "model.safetensors" in capsys.readouterr().out
-    assert C.main(["verify", str(tmp_path / "nothing")]) == 2
+    assert CK.main(["verify", str(tmp_path / "nothing")]) == 2
 
 
 def test_cli_latest_prints_the_newest_complete_checkpoint_or_fails(tmp_path, capsys):
-    assert C.main(["latest", str(tmp_path)]) == 1
+    assert CK.main(["latest", str(tmp_path)]) == 1
     assert "no checkpoint" in capsys.readouterr().err
     C.publish(tmp_path, 1, _writer())
     newer = C.publish(tmp_path, 2, _writer())
     (newer / "manifest.json").write_text("not json")  # damaged: skipped with a warning naming it
-    assert C.main(["latest", str(tmp_path)]) == 0
+    assert CK.main(["latest", str(tmp_path)]) == 0
     captured = capsys.readouterr()
     assert captured.out.strip() == str(tmp_path / "step_00000001")
     assert "manifest.json" in captured.err

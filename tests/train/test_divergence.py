@@ -1,0 +1,134 @@
+"""Divergence never poisons checkpoints; one run per ckpt_dir; NaN is never an improvement."""
+
+from __future__ import annotations
+
+import os
+import signal
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from astrai.train import publish
+from astrai.train.callbacks import EarlyStopping
+from astrai.train.cli import main
+from astrai.train.context import TrainContext
+from astrai.train.step import GradientStep, NonFiniteError
+from tests.train.resume_data import write_run, write_tokenizer
+
+
+class _Schedule:
+    def __init__(self):
+        self.num_steps = 0
+
+    def get_last_lr(self):
+        return [0.1]
+
+    def step(self):
+        self.num_steps += 1
+
+
+def _window(max_nonfinite_steps=2):
+    w = torch.nn.Parameter(torch.ones(3))
+    opt = torch.optim.SGD([w], lr=0.1)
+    sched = _Schedule()
+    step = GradientStep([w], opt, sched, max_grad_norm=1.0, world_size=1, device=torch.device("cpu"),
+                        max_nonfinite_steps=max_nonfinite_steps)
+    return w, step, sched
+
+
+def _micro_batch(w, step, scale):
+    loss = (w * scale).sum()
+    loss.backward()
+    step.add(loss, 1, 3)
+
+
+def test_nonfinite_loss_skips_the_update_and_counts_it(capsys):
+    w, step, sched = _window()
+    _micro_batch(w, step, float("nan"))
+    out = step.step(1)
+    assert out["skipped"] == 1 and out["nonfinite_steps"] == 1
+    assert torch.equal(w.detach(), torch.ones(3)) and w.grad is None  # no update, gradients dropped
+    assert sched.num_steps == 1  # the schedule still follows the step count
+    assert "step 1 skipped" in capsys.readouterr().err
+    _micro_batch(w, step, 1.0)
+    out = step.step(2)
+    assert out["skipped"] == 0 and out["nonfinite_steps"] == 1 and step.num_nonfinite_in_row == 0
+    assert not torch.equal(w.detach(), torch.ones(3))  # a finite step updates again
+
+
+def test_consecutive_nonfinite_steps_stop_the_run():
+    w, step, _ = _window(max_nonfinite_steps=2)
+    _micro_batch(w, step, float("inf"))
+    step.step(1)
+    _micro_batch(w, step, float("inf"))
+    with pytest.raises(NonFiniteError, match="2 optimizer steps in a row"):
+        step.step(2)
+
+
+@pytest.fixture(scope="module")
+def tok_dir(tmp_path_factory):
+    return write_tokenizer(tmp_path_factory.mktemp("tok"))
+
+
+def test_a_diverging_run_fails_and_never_publishes_nonfinite_weights(tmp_path, tok_dir, capsys):
+    config = write_run(tmp_path, tok_dir, "sft", num_records=48, n_epoch=4)
+    code = main(["--config", str(config), "--max_lr", "1e30", "--warmup_steps", "0", "--ckpt_interval", "1",
+                 "--keep_last", "2", "--max_nonfinite_steps", "3"])
+    err = capsys.readouterr().err
+    assert code != 0
+    assert "diverged" in err or "not finite" in err, err[-2000:]
+    published = publish.list_checkpoints(tmp_path / "ckpt")
+    for _, path in published:
+        tensors = load_file(str(path / "model.safetensors"))
+        assert all(bool(torch.isfinite(t).all()) for t in tensors.values()), path
+    # the newest finite checkpoint survived retention (or none was ever finite enough to publish)
+    assert all(publish.is_complete(p, checksums=True) for _, p in published)
+
+
+def test_second_run_on_the_same_ckpt_dir_fails_at_once_naming_the_holder(tmp_path, tok_dir, capsys):
+    config = write_run(tmp_path, tok_dir, "sft", num_records=8, n_epoch=1)
+    with publish.run_lock(tmp_path / "ckpt"):
+        assert main(["--config", str(config)]) == 1
+        err = capsys.readouterr().err
+        assert f"pid {os.getpid()}" in err and "in use by another run" in err
+        assert publish.list_checkpoints(tmp_path / "ckpt") == []  # the second run touched nothing
+    assert main(["--config", str(config)]) == 0  # released when the holder's block ends
+    assert len(publish.list_checkpoints(tmp_path / "ckpt")) == 1
+
+
+def test_the_lock_of_a_killed_run_is_not_stale(tmp_path):
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # child: take the lock, say so, then wait to be killed
+        os.close(read)
+        with publish.run_lock(tmp_path):
+            os.write(write, b"locked")
+            signal.pause()
+        os._exit(0)
+    os.close(write)
+    assert os.read(read, 6) == b"locked"  # the child holds the lock now
+    with pytest.raises(publish.CkptDirLocked, match=f"pid {pid}"), publish.run_lock(tmp_path):
+        pass
+    os.kill(pid, signal.SIGKILL)
+    os.waitpid(pid, 0)
+    with publish.run_lock(tmp_path):  # the kernel released it with the process
+        pass
+
+
+def test_ckpt_dir_that_is_a_file_is_a_clear_error(tmp_path):
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(publish.CheckpointError, match="is a file"), publish.run_lock(tmp_path / "file"):
+        pass
+
+
+def test_early_stopping_counts_nan_as_no_improvement():
+    class Loop:
+        ctx = TrainContext()
+        step_metrics: dict = {}
+
+    loop, stopper = Loop(), EarlyStopping("val/loss", patience=2)
+    for value in (1.0, float("nan"), float("nan")):
+        loop.step_metrics = {"val/loss": value}
+        stopper.after_optimizer_step(loop)
+    assert stopper.best == 1.0 and loop.ctx.stop_requested
