@@ -93,6 +93,27 @@ class ObjectiveConfig:
 
 
 @dataclass
+class RLConfig:
+    group_size: int = 4  # samples per prompt (GRPO group; online DPO picks best and worst of them)
+    rollout_interval: int = 1  # optimizer steps that reuse one rollout before it is regenerated
+    rollout_max_tokens: int = 64  # new tokens per sample
+    rollout_temperature: float = 1.0  # the trainer's log-probs use the same temperature
+    rollout_top_p: float = 1.0
+    rollout_top_k: int = 0  # 0 = off
+    max_prompt_len: int = 256  # longer prompts are skipped and counted, never a crash
+    max_policy_lag: int = 8  # a rollout more policy versions old than this is an error
+    clip_eps: float = 0.2  # PPO clip of the token ratio, below 1
+    clip_eps_high: float | None = None  # above 1 (DAPO); None = clip_eps
+    kl_coef: float = 0.0  # KL to the reference (k3); 0 loads no reference model
+    scale_rewards: str = "group"  # group: (r - mean) / std per group | none: r - mean (Dr. GRPO)
+    rl_loss_agg: str = "token_mean"  # token_mean | seq_mean | seq_mean_token_sum_norm
+    rewards: list[str] = field(default_factory=lambda: ["exact_match"])  # names or module:function
+    reward_weights: list[float] | None = None  # one per reward; None = all 1.0
+    format_pattern: str = r"^\s*-?\d+\s*$"  # the `format` reward: 1 when the completion matches
+    length_target: int = 64  # the `length` reward: 0 up to this many characters, then down to -1 at twice
+
+
+@dataclass
 class CkptConfig:
     ckpt_dir: str = "out/ckpt"
     ckpt_interval: int = 100  # optimizer steps; 0 = only at stop/end
@@ -119,6 +140,7 @@ SECTIONS: dict[str, type] = {
     "train": TrainSection,
     "optim": OptimConfig,
     "objective": ObjectiveConfig,
+    "rl": RLConfig,
     "ckpt": CkptConfig,
     "log": LogConfig,
     "dist": DistConfig,
@@ -127,9 +149,9 @@ SECTIONS: dict[str, type] = {
 def choices() -> dict[str, tuple[str, ...]]:
     """Allowed values of the fields that name a choice, each read from the module that owns it."""
     from astrai.train.dist import PARALLEL_MODES
-    from astrai.train.losses import DPO_LOSS_TYPES
-    from astrai.train.objectives import OBJECTIVES
+    from astrai.train.losses import DPO_LOSS_TYPES, RL_LOSS_AGGREGATIONS
     from astrai.train.optim import OPTIMIZERS, SCHEDULES
+    from astrai.train.types import OBJECTIVES
 
     return {
         "train_type": tuple(OBJECTIVES),
@@ -138,6 +160,8 @@ def choices() -> dict[str, tuple[str, ...]]:
         "loss_type": DPO_LOSS_TYPES,
         "early_stopping_mode": ("min", "max"),
         "parallel_mode": PARALLEL_MODES,
+        "scale_rewards": ("group", "none"),
+        "rl_loss_agg": RL_LOSS_AGGREGATIONS,
     }
 
 
@@ -150,6 +174,7 @@ class Config:
     train: TrainSection = field(default_factory=TrainSection)
     optim: OptimConfig = field(default_factory=OptimConfig)
     objective: ObjectiveConfig = field(default_factory=ObjectiveConfig)
+    rl: RLConfig = field(default_factory=RLConfig)
     ckpt: CkptConfig = field(default_factory=CkptConfig)
     log: LogConfig = field(default_factory=LogConfig)
     dist: DistConfig = field(default_factory=DistConfig)
@@ -347,7 +372,8 @@ def validate(cfg: Config) -> None:
     for name, value in flat.items():
         if isinstance(value, float) and not math.isfinite(value):
             raise ConfigError(f"{name}={value} is not a finite number; give a finite value")
-    positive = ["n_epoch", "batch_per_device", "grad_accum_steps", "max_seq_len", "nprocs", "max_nonfinite_steps"]
+    positive = ["n_epoch", "batch_per_device", "grad_accum_steps", "max_seq_len", "nprocs", "max_nonfinite_steps",
+                "group_size", "rollout_interval", "rollout_max_tokens", "max_prompt_len"]
     for name in positive:
         if flat[name] < 1:
             raise ConfigError(f"{name}={flat[name]} must be >= 1")
@@ -362,6 +388,20 @@ def validate(cfg: Config) -> None:
             raise ConfigError(f"{name}={flat[name]} must be within [0, 1]")
     if not 0.0 <= cfg.objective.dpo_label_noise < 0.5:
         raise ConfigError(f"dpo_label_noise={cfg.objective.dpo_label_noise} must be within [0, 0.5)")
+    rl = cfg.rl
+    if rl.reward_weights is not None and len(rl.reward_weights) != len(rl.rewards):
+        raise ConfigError(f"reward_weights has {len(rl.reward_weights)} entries for {len(rl.rewards)} rewards "
+                          f"{rl.rewards}; give one weight per reward")
+    if not rl.rewards:
+        raise ConfigError("rewards is empty; name at least one reward (e.g. [exact_match])")
+    for name in ["rollout_temperature", "clip_eps", "kl_coef", "max_policy_lag"]:
+        if flat[name] < 0:
+            raise ConfigError(f"{name}={flat[name]} must be >= 0")
+    if not 0.0 < rl.rollout_top_p <= 1.0:
+        raise ConfigError(f"rollout_top_p={rl.rollout_top_p} must be within (0, 1]")
+    if cfg.data.train_type == "online_dpo" and rl.group_size < 2:
+        raise ConfigError(f"online_dpo needs group_size >= 2 (a best and a worst sample per prompt), got "
+                          f"{rl.group_size}; set --group_size 2 or more")
     if not 0.0 <= cfg.data.val_split < 1.0:
         raise ConfigError(f"val_split={cfg.data.val_split} must be within [0, 1)")
 

@@ -93,7 +93,7 @@ class _Subset:
 def build_datasets(cfg: Config, tokenizer: Any) -> tuple[Any, Any]:
     """(train, val) datasets; val from val_data_path, else a seeded val_split of data_path, else None."""
     from astrai.data.datasets import build_dataset
-    from astrai.train.objectives import record_kind
+    from astrai.train.types import record_kind
 
     d = cfg.data
     for name in ("data_path", "val_data_path"):

@@ -38,14 +38,17 @@ def _fail(message: str, code: int = 2) -> int:
 def run(cfg: Config, ctx: TrainContext) -> int:
     from astrai.train import dist, resume
     from astrai.train.publish import cleanup_leftovers, run_lock
+    from astrai.train.rl.loop import OnlineLoop
     from astrai.train.trainer import Trainer
+    from astrai.train.types import is_online
 
     info = dist.init_distributed(cfg.train.device)
     with run_lock(cfg.ckpt.ckpt_dir) if info.rank == 0 else nullcontext():  # one run per ckpt_dir
         if info.rank == 0:
             cleanup_leftovers(cfg.ckpt.ckpt_dir)  # staging dirs of a killed save; half-done republishes
         ckpt = resume.find(cfg)
-        loop = Trainer(resume.initial_config(cfg, ckpt) if ckpt else cfg, ctx=ctx)
+        build_cfg = resume.initial_config(cfg, ckpt) if ckpt else cfg
+        loop = OnlineLoop(build_cfg, ctx=ctx) if is_online(cfg.data.train_type) else Trainer(build_cfg, ctx=ctx)
         if ckpt is not None:
             resume.restore(loop, ckpt)
         try:

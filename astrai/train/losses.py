@@ -156,27 +156,55 @@ def dpo_loss(
 # Reinforcement learning
 
 
-def grpo_advantages(rewards: Tensor, group_size: int, scale: bool = True, eps: float = 1e-4) -> Tensor:
-    """Group-relative advantages: each reward minus its group's mean (divided by the group's std).
+def grpo_advantages(rewards: Tensor, group_size: int, scale: bool = True, eps: float = 1e-8,
+                    unbiased: bool = False) -> Tensor:
+    """Group-relative advantages: each reward minus its group's mean, divided by the group's std.
 
     rewards: (N,) with N = num_groups * group_size, the completions of one prompt contiguous.
-    The std is the unbiased one and `eps` guards groups whose rewards are all equal (those get
-    advantage 0), as in DeepSeekMath's GRPO and TRL.
+    Default: the population std and eps 1e-8, as the GRPO specification has it; a group whose
+    rewards are all equal gets advantage 0. `unbiased=True, eps=1e-4` is TRL's choice.
+    `scale=False` (Dr. GRPO) only centres.
     """
     if group_size < 1 or rewards.numel() % group_size:
         raise ValueError(
             f"grpo_advantages got {rewards.numel()} rewards, not a multiple of group_size={group_size}; "
             "pass num_prompts * num_generations rewards"
         )
-    if scale and group_size < 2:
-        raise ValueError(
-            "grpo_advantages with scale=True needs group_size >= 2 (a std over one sample is undefined)"
-        )
+    if scale and unbiased and group_size < 2:
+        raise ValueError("grpo_advantages with an unbiased std needs group_size >= 2 (one sample has no std)")
     grouped = rewards.reshape(-1, group_size).float()  # (G, group_size)
     advantages = grouped - grouped.mean(dim=1, keepdim=True)
     if scale:
-        advantages = advantages / (grouped.std(dim=1, keepdim=True) + eps)
+        advantages = advantages / (grouped.std(dim=1, keepdim=True, unbiased=unbiased) + eps)
     return advantages.reshape(-1)  # (N,)
+
+
+RL_LOSS_AGGREGATIONS = ("token_mean", "seq_mean", "seq_mean_token_sum_norm")
+
+
+def aggregate_token_loss(per_token: Tensor, mask: Tensor, mode: str = "token_mean",
+                         max_len: int | None = None) -> tuple[Tensor, Tensor]:
+    """Reduce a per-token loss (B, T) over the mask into (sum, number of loss units).
+
+    The caller (the gradient-step window) divides the sum of a whole window by its units:
+      token_mean:               every response token weighs the same; units = tokens.
+      seq_mean:                 each sequence's token mean, then the mean over sequences; units = sequences.
+      seq_mean_token_sum_norm:  each sequence's token sum / max_len (Dr. GRPO), mean over sequences.
+    A fully masked row contributes 0 to the sum (and, for the seq modes, still counts as a unit).
+    """
+    mask = mask.to(per_token.dtype)
+    if mode == "token_mean":
+        return masked_sum(per_token, mask), mask.sum()
+    per_seq = masked_sum(per_token, mask, dim=-1)  # (B,)
+    if mode == "seq_mean":
+        per_seq = per_seq / mask.sum(dim=-1).clamp(min=1)
+    elif mode == "seq_mean_token_sum_norm":
+        if not max_len or max_len < 1:
+            raise ValueError("seq_mean_token_sum_norm needs max_len >= 1 (the rollout's max tokens)")
+        per_seq = per_seq / max_len
+    else:
+        raise ValueError(f"unknown rl_loss_agg {mode!r}; expected one of {list(RL_LOSS_AGGREGATIONS)}")
+    return per_seq.sum(), torch.tensor(float(per_token.size(0)), device=per_token.device)
 
 
 def kl_estimate(logps: Tensor, ref_logps: Tensor, kind: str = "k3") -> Tensor:

@@ -188,22 +188,3 @@ class DPOObjective(Objective):
         metrics = {name: compute() for name, compute in candidates.items() if self.wants(name)}
         loss = self._add_moe_terms(out, losses.sum(), torch.tensor(float(B), device=ids.device), self.aux_coef, metrics)
         return LossOutput(loss, metrics)
-
-
-# The one list of train types: config choices, docs and the CLI are derived from it.
-OBJECTIVES = {"seq": SeqObjective, "sft": SFTObjective, "dpo": DPOObjective}
-
-
-def _objective_class(train_type: str) -> type:
-    if train_type not in OBJECTIVES:
-        raise ValueError(f"train_type={train_type!r} has no objective here; choose one of {', '.join(OBJECTIVES)}")
-    return OBJECTIVES[train_type]
-
-
-def record_kind(train_type: str) -> str:
-    """The record kind (seq, sft, dpo, prompt) the datasets of `train_type` read."""
-    return _objective_class(train_type).record_kind
-
-
-def build_objective(cfg: Config, model: nn.Module) -> Objective:
-    return _objective_class(cfg.data.train_type)(cfg, model)

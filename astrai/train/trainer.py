@@ -28,10 +28,11 @@ from astrai.train import dist, resume
 from astrai.train.build import build_datasets, build_model, build_tokenizer, seed_everything
 from astrai.train.callbacks import CallbackList, CheckpointSaver, default_callbacks, requested_metrics
 from astrai.train.context import TrainContext
-from astrai.train.objectives import build_objective, num_tokens
+from astrai.train.objectives import num_tokens
 from astrai.train.optim import LRSchedule, build_optimizer
 from astrai.train.signals import pause_point
 from astrai.train.step import GradientStep
+from astrai.train.types import build_objective
 
 Batch = dict[str, Any]
 

@@ -155,7 +155,8 @@ def test_grpo_advantages_hand_computed():
     # group 1: mean 0.5, unbiased std sqrt(1/3); group 2: constant -> 0
     std = math.sqrt(1 / 3)
     expected = torch.tensor([0.5, -0.5, -0.5, 0.5, 0, 0, 0, 0]) / torch.tensor([std + 1e-4] * 4 + [1e-4] * 4)
-    torch.testing.assert_close(L.grpo_advantages(rewards, 4), expected, atol=1e-6, rtol=0)
+    # TRL's choice, kept as an explicit option
+    torch.testing.assert_close(L.grpo_advantages(rewards, 4, eps=1e-4, unbiased=True), expected, atol=1e-6, rtol=0)
     torch.testing.assert_close(
         L.grpo_advantages(rewards, 4, scale=False), torch.tensor([0.5, -0.5, -0.5, 0.5, 0, 0, 0, 0])
     )
@@ -292,3 +293,51 @@ def test_dpo_matches_trl(loss_type, beta):
     if loss_type != "ipo":
         assert chosen_r.mean().item() == pytest.approx(metrics["rewards/chosen"][0], rel=1e-5, abs=1e-6)
         assert rejected_r.mean().item() == pytest.approx(metrics["rewards/rejected"][0], rel=1e-5, abs=1e-6)
+
+
+def test_grpo_advantages_default_is_population_std():
+    rewards = torch.tensor([1.0, 0.0, 0.0, 1.0, 2.0, 2.0, 2.0, 2.0])
+    # group 1: mean 0.5, population std 0.5 -> +-1 (up to eps 1e-8); group 2: identical rewards -> 0
+    expected = torch.tensor([1.0, -1.0, -1.0, 1.0, 0, 0, 0, 0])
+    torch.testing.assert_close(L.grpo_advantages(rewards, 4), expected, atol=1e-6, rtol=0)
+    assert L.grpo_advantages(torch.tensor([3.0, 3.0]), 2).eq(0).all()
+
+
+def test_aggregation_modes_hand_computed():
+    per_token = torch.tensor([[1.0, 2.0, 3.0, 0.0], [4.0, 0.0, 0.0, 0.0]])
+    mask = torch.tensor([[1, 1, 1, 0], [1, 0, 0, 0]])
+    total, units = L.aggregate_token_loss(per_token, mask, "token_mean")
+    assert total.item() == 10.0 and units.item() == 4  # (1 + 2 + 3 + 4) / 4 tokens = 2.5
+    total, units = L.aggregate_token_loss(per_token, mask, "seq_mean")
+    assert total.item() == 6.0 and units.item() == 2  # (mean 2 + mean 4) / 2 sequences = 3
+    total, units = L.aggregate_token_loss(per_token, mask, "seq_mean_token_sum_norm", max_len=4)
+    assert total.item() == 2.5 and units.item() == 2  # (6 / 4 + 4 / 4) / 2 = 1.25
+    with pytest.raises(ValueError, match="rl_loss_agg"):
+        L.aggregate_token_loss(per_token, mask, "sum")
+
+
+def test_fully_masked_response_gives_zero_loss_and_zero_gradient():
+    logps = torch.zeros(2, 3, requires_grad=True)
+    loss, _ = L.clipped_surrogate(logps, torch.zeros(2, 3), torch.tensor([1.0, -1.0]))
+    total, _ = L.aggregate_token_loss(loss, torch.zeros(2, 3), "token_mean")
+    total.backward()
+    assert total.item() == 0.0 and logps.grad.abs().sum().item() == 0.0
+
+
+def test_clipping_on_both_sides():
+    old = torch.zeros(1, 4)
+    logps = torch.log(torch.tensor([[1.5, 1.5, 0.5, 0.5]]))  # ratios 1.5 and 0.5
+    adv = torch.tensor([[1.0, -1.0, 1.0, -1.0]])
+    loss, clipped = L.clipped_surrogate(logps, old, adv, clip_eps=0.2)
+    # A > 0, ratio 1.5: clipped to 1.2; A < 0, ratio 1.5: unclipped 1.5 (min picks the worse);
+    # A > 0, ratio 0.5: unclipped 0.5; A < 0, ratio 0.5: clipped to 0.8
+    torch.testing.assert_close(loss, torch.tensor([[-1.2, 1.5, -0.5, 0.8]]))
+    assert clipped.tolist() == [[True, False, False, True]]
+    loss_high, _ = L.clipped_surrogate(logps, old, adv, clip_eps=0.2, clip_eps_high=0.28)
+    torch.testing.assert_close(loss_high[0, 0], torch.tensor(-1.28))  # DAPO's wider upper clip
+
+
+def test_k3_kl_is_never_negative():
+    logps = torch.randn(100)
+    ref = torch.randn(100)
+    assert (L.kl_estimate(logps, ref, "k3") >= 0).all()

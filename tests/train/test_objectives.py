@@ -8,8 +8,9 @@ import math
 import pytest
 import torch
 
-from astrai.train.objectives import OBJECTIVES, DPOObjective, SeqObjective, SFTObjective, labelled_positions
+from astrai.train.objectives import DPOObjective, SeqObjective, SFTObjective, labelled_positions
 from astrai.train.trainer import Trainer
+from astrai.train.types import OBJECTIVES
 from tests.train.toydata import ToyPairDataset, ToySeqDataset
 from tests.train.trainer_utils import tiny_config, tiny_model, without_checkpoints
 
@@ -24,7 +25,7 @@ def run(tmp_path, dataset, *flags, model=None):
 
 
 def test_objectives_table():
-    assert set(OBJECTIVES) == {"seq", "sft", "dpo"}
+    assert set(OBJECTIVES) == {"seq", "sft", "dpo", "grpo", "online_grpo", "online_dpo"}
 
 
 def test_seq_learns(tmp_path):

@@ -1,0 +1,158 @@
+"""Reward functions for online RL: built-ins, user functions, a reward model, and their weighted sum.
+
+Sits after generation in the online RL data flow: the rollout runner hands every completion,
+with its prompt text and prompt record, to ``RewardSet``, which returns the weighted sum and each
+function's own scores. A reward entry in the config (``rewards``) is one of:
+  - a built-in name: ``exact_match`` (the completion equals the record's ``answer`` after strip),
+    ``format`` (1 when the completion matches ``format_pattern``), ``length`` (0 up to
+    ``length_target`` characters, falling linearly to -1 at twice that);
+  - ``module:function``: a user function ``f(prompt, completion, record) -> float``;
+  - a model directory (config.json + model.safetensors with a scalar head, ``score.weight`` as
+    transformers' sequence-classification models write it, or ``value_head.weight``/``.bias``):
+    a reward model scored on prompt + completion in batches, the value at the last token.
+Every score must be a finite number; anything else is an error naming the function and prompt.
+"""
+
+from __future__ import annotations
+
+import importlib
+import math
+import re
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from astrai.config import RLConfig
+from astrai.data.tasks import score as exact_score
+
+RewardFn = Callable[[str, str, dict[str, Any]], float]
+
+
+def exact_match(prompt: str, completion: str, record: dict[str, Any]) -> float:
+    answer = record.get("answer")
+    if answer is None:
+        raise ValueError("exact_match needs an 'answer' in every prompt record (or 'output' in instruction "
+                         "records); add it or choose another reward")
+    return exact_score(completion, answer)
+
+
+def format_reward(pattern: str) -> RewardFn:
+    regex = re.compile(pattern)
+    return lambda prompt, completion, record: 1.0 if regex.search(completion) else 0.0
+
+
+def length_reward(target: int) -> RewardFn:
+    def length(prompt: str, completion: str, record: dict[str, Any]) -> float:
+        over = max(0, len(completion) - target)
+        return -min(1.0, over / max(target, 1))
+
+    return length
+
+
+BUILTINS: dict[str, Callable[[RLConfig], RewardFn]] = {
+    "exact_match": lambda cfg: exact_match,
+    "format": lambda cfg: format_reward(cfg.format_pattern),
+    "length": lambda cfg: length_reward(cfg.length_target),
+}
+
+
+def _user_function(spec: str) -> RewardFn:
+    module_name, _, attr = spec.partition(":")
+    try:
+        fn = getattr(importlib.import_module(module_name), attr)
+    except (ImportError, AttributeError) as e:
+        raise ValueError(f"reward {spec!r} cannot be loaded ({e}); give module:function importable from "
+                         "the working directory or PYTHONPATH") from e
+    if not callable(fn):
+        raise ValueError(f"reward {spec!r} is not callable")
+    return fn
+
+
+class RewardModel:
+    """A scalar-head model that scores prompt + completion token ids (the value at the last token)."""
+
+    def __init__(self, path: str | Path, device: torch.device, batch_size: int = 16):
+        from astrai.model.hf import load_config, read_safetensors, state_dict_from_hf
+        from astrai.model.value import ValueModel
+
+        config = load_config(path)
+        tensors = read_safetensors(path)
+        weight = tensors.pop("score.weight", None)
+        bias = tensors.pop("score.bias", None)
+        if weight is None:
+            weight, bias = tensors.pop("value_head.weight", None), tensors.pop("value_head.bias", None)
+        if weight is None or weight.shape != (1, config.hidden_size):
+            raise ValueError(f"reward model {path} needs a scalar head 'score.weight' (or 'value_head.weight') of "
+                             f"shape (1, {config.hidden_size}) in model.safetensors")
+        self.model = ValueModel(config, seed=None)
+        trunk = {k.removeprefix("model."): v for k, v in state_dict_from_hf(tensors, config).items()
+                 if k.startswith("model.")}
+        self.model.model.load_state_dict(trunk)
+        with torch.no_grad():
+            self.model.value_head.weight.copy_(weight)
+            self.model.value_head.bias.copy_(bias if bias is not None else torch.zeros(1))
+        self.model.to(device).eval().requires_grad_(False)
+        self.device, self.batch_size = device, batch_size
+
+    @torch.no_grad()
+    def score(self, sequences: list[list[int]]) -> list[float]:
+        out: list[float] = []
+        for start in range(0, len(sequences), self.batch_size):
+            rows = sequences[start:start + self.batch_size]
+            T = max(len(r) for r in rows)
+            ids = torch.zeros(len(rows), T, dtype=torch.long)
+            mask = torch.zeros(len(rows), T, dtype=torch.long)
+            for i, r in enumerate(rows):
+                ids[i, :len(r)] = torch.tensor(r)
+                mask[i, :len(r)] = 1
+            values = self.model(ids.to(self.device), attention_mask=mask.to(self.device))  # (b, T)
+            last = mask.sum(dim=1) - 1  # (b,)
+            out += values[torch.arange(len(rows)), last.to(self.device)].tolist()
+        return out
+
+
+class RewardSet:
+    """The configured rewards and weights: ``__call__`` scores a rollout's completions."""
+
+    def __init__(self, cfg: RLConfig, device: torch.device | None = None):
+        self.names = list(cfg.rewards)
+        self.weights = list(cfg.reward_weights) if cfg.reward_weights is not None else [1.0] * len(self.names)
+        self.functions: list[RewardFn | RewardModel] = []
+        for name in self.names:
+            if name in BUILTINS:
+                self.functions.append(BUILTINS[name](cfg))
+            elif (Path(name) / "config.json").is_file():
+                self.functions.append(RewardModel(name, device or torch.device("cpu")))
+            elif ":" in name:
+                self.functions.append(_user_function(name))
+            else:
+                raise ValueError(f"unknown reward {name!r}; use one of {', '.join(BUILTINS)}, module:function, "
+                                 "or a reward model directory")
+
+    def __call__(self, prompts: list[str], completions: list[str], records: list[dict[str, Any]],
+                 sequences: list[list[int]], group_size: int) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """(weighted sum (N,), {name: scores (N,)}) for N completions; completion i belongs to
+        prompt i // group_size (used in error messages)."""
+        per_fn: dict[str, torch.Tensor] = {}
+        for name, fn in zip(self.names, self.functions):
+            if isinstance(fn, RewardModel):
+                scores = fn.score(sequences)
+            else:
+                scores = [fn(p, c, r) for p, c, r in zip(prompts, completions, records)]
+            per_fn[name] = _checked(name, scores, len(completions), group_size)
+        total = sum(w * per_fn[n] for n, w in zip(self.names, self.weights))
+        return total, per_fn
+
+
+def _checked(name: str, scores: Any, expected: int, group_size: int) -> torch.Tensor:
+    if not isinstance(scores, list | tuple) or len(scores) != expected:
+        got = len(scores) if hasattr(scores, "__len__") else type(scores).__name__
+        raise ValueError(f"reward {name!r} returned {got} scores for {expected} completions; return one float "
+                         "per completion")
+    for i, value in enumerate(scores):
+        if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+            raise ValueError(f"reward {name!r} gave {value!r} for completion {i % group_size} of prompt "
+                             f"{i // group_size}; a reward must be a finite number")
+    return torch.tensor([float(v) for v in scores], dtype=torch.float32)

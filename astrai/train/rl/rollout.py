@@ -1,0 +1,147 @@
+"""Rollouts on the live policy: prompts -> the paged-KV engine -> scored, padded training rows.
+
+The one bridge from training to inference (the only module of ``astrai.train`` that imports
+``astrai.infer``). ``RolloutRunner`` keeps an ``LLMEngine`` over the live training module (no
+copy of the weights); per prompt it asks for ``group_size`` samples that share one prefill, with
+a seed derived from (random_seed, step, prompt index) so a rollout is reproducible, and the
+engine's behaviour log-probs (the sampler's, under the rollout temperature). Completions are
+scored by the ``RewardSet`` and packed into a ``Rollout``: right-padded prompt + response rows,
+labels on the response tokens only, the sampler's log-probs at the same positions, rewards
+(B, G) and the policy version the samples came from. The loop publishes each new policy version
+to the engine, whose prefix cache is keyed by version, so KV of older weights is never reused.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from astrai.config import RLConfig
+from astrai.infer.engine import LLMEngine
+from astrai.infer.sampling import SamplingParams
+from astrai.train.losses import IGNORE_INDEX
+from astrai.train.rl.rewards import RewardSet
+
+_TENSORS = ("input_ids", "attention_mask", "labels", "old_logps", "rewards")
+
+
+@dataclass
+class Rollout:
+    """One rollout: N = num_prompts * group_size samples, rows right-padded to one length T."""
+
+    input_ids: Tensor  # (N, T) prompt + response tokens, 0 after the end
+    attention_mask: Tensor  # (N, T) 1 on prompt and response tokens
+    labels: Tensor  # (N, T) next-token targets: the response tokens, IGNORE_INDEX elsewhere
+    old_logps: Tensor  # (N, T) the sampler's log-prob of each label (0 where no label)
+    rewards: Tensor  # (B, G) weighted reward per sample
+    group_size: int
+    policy_version: int  # the weights the samples were drawn from
+    texts: list[str] = field(default_factory=list)  # N completions
+    reward_terms: dict[str, Tensor] = field(default_factory=dict)  # name -> (B, G)
+    stats: dict[str, float] = field(default_factory=dict)
+    pinned: dict[str, Tensor] = field(default_factory=dict)  # per-sample targets fixed once (advantages)
+    pairs: Tensor | None = None  # (P, 2) chosen / rejected sample indices (online DPO)
+    num_uses: int = 0  # optimizer steps taken on it so far
+
+    @property
+    def num_samples(self) -> int:
+        return self.input_ids.size(0)
+
+    def rows(self, index: Tensor | slice) -> dict[str, Any]:
+        """A training batch of some samples, with their pinned targets."""
+        batch = {k: getattr(self, k)[index] for k in _TENSORS if k != "rewards"}
+        batch.update({k: v[index] for k, v in self.pinned.items()})
+        return batch
+
+    def state_dict(self) -> dict[str, Any]:
+        return {**{k: getattr(self, k) for k in _TENSORS}, "group_size": self.group_size,
+                "policy_version": self.policy_version, "num_uses": self.num_uses, "texts": list(self.texts),
+                "stats": dict(self.stats), "pinned": dict(self.pinned), "pairs": self.pairs,
+                "reward_terms": dict(self.reward_terms)}
+
+    @classmethod
+    def from_state_dict(cls, state: dict[str, Any]) -> Rollout:
+        return cls(**state)
+
+
+def rollout_seed(random_seed: int, step: int, prompt_index: int) -> int:
+    """A reproducible 63-bit sampling seed per (run seed, step, prompt)."""
+    return hash((random_seed, step, prompt_index)) & ((1 << 63) - 1)
+
+
+class RolloutRunner:
+    """Generates and scores rollouts with the live policy module."""
+
+    def __init__(self, model: torch.nn.Module, tokenizer: Any, cfg: RLConfig, num_prompts: int, rewards: RewardSet,
+                 random_seed: int = 0):
+        self.cfg, self.rewards, self.random_seed, self.tokenizer = cfg, rewards, random_seed, tokenizer
+        max_len = cfg.max_prompt_len + cfg.rollout_max_tokens
+        num_seqs = max(1, num_prompts * cfg.group_size)
+        # room for every sample of one rollout at full length: no preemption inside a rollout
+        self.engine = LLMEngine(model, tokenizer, max_num_seqs=num_seqs, max_model_len=max_len,
+                                kv_cache_tokens=num_seqs * (max_len + 16), max_num_batched_tokens=max(2048, max_len))
+        self.num_skipped_total = 0
+
+    def set_policy_version(self, version: int) -> None:
+        self.engine.set_policy_version(version)  # monotonic; older prefixes are never served again
+
+    def generate(self, batch: dict[str, list[Any]], step: int, policy_version: int) -> Rollout | None:
+        """Sample, score and pack a rollout for one batch of prompt records; None when every
+        prompt was too long. Prompts over max_prompt_len are skipped and counted."""
+        cfg, G = self.cfg, self.cfg.group_size
+        keep = [i for i, ids in enumerate(batch["prompt_ids"]) if len(ids) <= cfg.max_prompt_len]
+        skipped = len(batch["prompt_ids"]) - len(keep)
+        if skipped:
+            self.num_skipped_total += skipped
+            longest = max(len(ids) for ids in batch["prompt_ids"])
+            print(f"warning: step {step}: skipped {skipped} prompt(s) longer than max_prompt_len="
+                  f"{cfg.max_prompt_len} (longest {longest} tokens); raise --max_prompt_len to keep them",
+                  file=sys.stderr)
+        if not keep:
+            return None
+        prompts = [list(batch["prompt_ids"][i]) for i in keep]
+        params = [SamplingParams(temperature=cfg.rollout_temperature, top_p=cfg.rollout_top_p, top_k=cfg.rollout_top_k,
+                                 max_tokens=cfg.rollout_max_tokens, n=G, seed=rollout_seed(self.random_seed, step, i))
+                  for i in keep]
+        start = time.perf_counter()
+        outputs = self.engine.run_batch(prompts, params, return_logprobs=True)
+        seconds = time.perf_counter() - start
+        samples = [(p, c) for p, out in zip(prompts, outputs) for c in out.outputs]  # N = B * G, groups contiguous
+        records = [{"messages": batch["messages"][i], "answer": batch["answer"][i],
+                    **dict(batch["metadata"][i] or {})} for i in keep for _ in range(G)]
+        prompt_texts = [self.tokenizer.decode(p) for p, _ in samples]
+        texts = [c.text for _, c in samples]
+        total, terms = self.rewards(prompt_texts, texts, records, [p + c.token_ids for p, c in samples], G)
+        rollout = _pack(samples, G, policy_version)
+        rollout.rewards = total.view(-1, G)
+        rollout.reward_terms = {k: v.view(-1, G) for k, v in terms.items()}
+        rollout.texts = texts
+        num_new = int(sum(len(c.token_ids) for _, c in samples))
+        rollout.stats = {"rollout_seconds": seconds, "rollout_tokens": float(num_new),
+                         "rollout_tokens_per_s": num_new / max(seconds, 1e-9), "skipped_prompts": float(skipped)}
+        return rollout
+
+
+def _pack(samples: list[tuple[list[int], Any]], group_size: int, policy_version: int) -> Rollout:
+    """Right-padded rows: response token j (at position P + j) is the label of position P + j - 1."""
+    T = max(len(p) + len(c.token_ids) for p, c in samples)
+    N = len(samples)
+    input_ids = torch.zeros(N, T, dtype=torch.long)
+    attention_mask = torch.zeros(N, T, dtype=torch.long)
+    labels = torch.full((N, T), IGNORE_INDEX, dtype=torch.long)
+    old_logps = torch.zeros(N, T, dtype=torch.float32)
+    for i, (prompt, completion) in enumerate(samples):
+        P, R = len(prompt), len(completion.token_ids)
+        if R and len(completion.logprobs or []) != R:
+            raise ValueError(f"sample {i} has {R} tokens but {len(completion.logprobs or [])} behaviour log-probs")
+        input_ids[i, :P + R] = torch.tensor(prompt + list(completion.token_ids))
+        attention_mask[i, :P + R] = 1
+        if R:
+            labels[i, P - 1:P + R - 1] = torch.tensor(completion.token_ids)
+            old_logps[i, P - 1:P + R - 1] = torch.tensor(completion.logprobs, dtype=torch.float32)
+    return Rollout(input_ids, attention_mask, labels, old_logps, torch.zeros(0), group_size, policy_version)
