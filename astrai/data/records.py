@@ -207,6 +207,7 @@ def _encode_prompt(record: dict[str, Any], tokenizer: Tokenizer, max_seq_len: in
     if not isinstance(metadata, dict):
         raise RecordError(f"field 'metadata' must be an object, got {_type_name(metadata)}")
     metadata = {**{k: v for k, v in record.items() if k not in _PROMPT_KEYS}, **metadata}
-    side = {"messages": messages, "answer": record.get("answer"), "metadata": metadata}
+    answer = record.get("answer", record.get("output"))  # instruction records: output is the reference
+    side = {"messages": messages, "answer": answer, "metadata": metadata}
     return {"prompt_ids": prompt_ids, "record_json": list(json.dumps(side, ensure_ascii=False).encode())}
 

@@ -106,8 +106,10 @@ def build_datasets(cfg: Config, tokenizer: Any) -> tuple[Any, Any]:
         raise ValueError("no tokenizer: set tokenizer_path (or param_path, whose directory holds one)")
 
     def build(path: str) -> Any:
-        return build_dataset(record_kind(d.train_type), path, tokenizer, d.max_seq_len, pack=d.pack,
-                             stride=d.seq_stride)
+        kind = record_kind(d.train_type)
+        # prompts are checked against max_prompt_len at rollout time: skipped and counted there
+        max_len = 1 << 30 if kind == "prompt" else d.max_seq_len
+        return build_dataset(kind, path, tokenizer, max_len, pack=d.pack, stride=d.seq_stride)
 
     train = build(d.data_path)
     if d.val_data_path is not None:

@@ -8,6 +8,7 @@ metric sums over the ranks in one collective, scales the gradients so that the u
 the step's ``grad_norm``), and steps the optimizer and the schedule. A non-finite loss or
 gradient norm skips the update (gradients dropped, ``nonfinite_steps`` counts it, one warning
 names the step); ``max_nonfinite_steps`` skips in a row stop the run with ``NonFiniteError``.
+A window without loss units (nothing to learn from) leaves the weights as they are.
 """
 
 from __future__ import annotations
@@ -77,7 +78,8 @@ class GradientStep:
         # DDP/FSDP average gradients over ranks; scaling by world_size / units turns that mean of
         # per-rank sums into (sum over the window and all ranks) / (the window's loss units)
         grads = [p.grad for p in self.params if p.grad is not None]
-        torch._foreach_mul_(grads, self.world_size / units.item())
+        if grads:
+            torch._foreach_mul_(grads, self.world_size / units.item())
         max_norm = self.max_grad_norm if self.max_grad_norm > 0 else math.inf
         grad_norm = _to_float(torch.nn.utils.clip_grad_norm_(self.params, max_norm))  # the pre-clip norm
         loss = (totals[1] / units).item()
@@ -85,9 +87,10 @@ class GradientStep:
         skipped = not (math.isfinite(loss) and math.isfinite(grad_norm))
         if before_update is not None:
             before_update()
+        empty = totals[0].item() == 0  # nothing to learn from (e.g. online DPO with only tied groups)
         if skipped:
             self._skip(number, loss, grad_norm)
-        else:
+        elif not empty:
             self.num_nonfinite_in_row = 0
             self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)

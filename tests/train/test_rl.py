@@ -1,0 +1,216 @@
+"""Online RL: rollouts, rewards, policy versions, the online loop through the CLI, exact resume."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+from safetensors.torch import load_file
+
+from astrai.config import ConfigError, RLConfig, load_config
+from astrai.data.tasks import generate_items, prompt_record
+from astrai.train.checkpoint import latest_checkpoint, verify_checkpoint
+from astrai.train.cli import main
+from astrai.train.rl.loop import check_policy_lag
+from astrai.train.rl.rewards import RewardSet
+from tests.train.resume_data import MODEL, read_metrics, write_tokenizer
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="module")
+def tok_dir(tmp_path_factory):
+    return write_tokenizer(tmp_path_factory.mktemp("tok"))
+
+
+def write_rl_run(run_dir: Path, tok_dir: Path, train_type: str = "online_grpo", num_prompts: int = 16,
+                 records: list[dict] | None = None, **rl) -> Path:
+    run_dir.mkdir(parents=True, exist_ok=True)
+    items = generate_items(num_prompts, ["add"], digits=2, seed=1)
+    records = records if records is not None else [prompt_record(it) for it in items]
+    (run_dir / "prompts.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    cfg = {
+        "model": MODEL,
+        "data": {"train_type": train_type, "data_path": str(run_dir / "prompts.jsonl"), "tokenizer_path": str(tok_dir)},
+        "train": {"max_steps": 4, "batch_per_device": 4, "grad_accum_steps": 2, "device": "cpu", "random_seed": 0},
+        "optim": {"max_lr": 1e-2, "warmup_steps": 0},
+        "rl": {"group_size": 4, "rollout_max_tokens": 6, "rewards": ["exact_match", "format"], **rl},
+        "ckpt": {"ckpt_dir": str(run_dir / "ckpt"), "ckpt_interval": 0},
+        "log": {"log_dir": str(run_dir / "log"), "progress": False},
+    }
+    path = run_dir / "run.yaml"
+    path.write_text(yaml.safe_dump(cfg, sort_keys=False))
+    return path
+
+
+# ------------------------------------------------------------------------------ rewards
+
+
+def bad_reward(prompt, completion, record):
+    return float("nan") if record.get("n") == 3 else 1.0
+
+
+def test_reward_errors_name_the_function_and_prompt():
+    rewards = RewardSet(RLConfig(rewards=["tests.train.test_rl:bad_reward"]))
+    records = [{"n": i} for i in range(6)]
+    with pytest.raises(ValueError, match=r"tests.train.test_rl:bad_reward.*completion 1 of prompt 1"):
+        rewards(["p"] * 6, ["c"] * 6, records, [[1]] * 6, group_size=2)
+
+    rewards.functions = [lambda p, c, r: [1.0, 2.0]]  # a list where a float is due: wrong type
+    with pytest.raises(ValueError, match="completion 0 of prompt 0"):
+        rewards(["p"] * 2, ["c"] * 2, [{}, {}], [[1]] * 2, group_size=2)
+
+
+def test_builtin_rewards_and_weights():
+    cfg = RLConfig(rewards=["exact_match", "format", "length"], reward_weights=[1.0, 0.5, 2.0], length_target=4)
+    total, terms = RewardSet(cfg)(["p", "p"], [" 12 ", "twelve and more"], [{"answer": "12"}] * 2, [[1], [1]], 2)
+    assert terms["exact_match"].tolist() == [1.0, 0.0]
+    assert terms["format"].tolist() == [1.0, 0.0]
+    assert terms["length"].tolist() == [0.0, -1.0]  # 15 characters: past twice the target of 4
+    assert total.tolist() == [1.5, -2.0]
+    with pytest.raises(ValueError, match="unknown reward 'exact'"):
+        RewardSet(RLConfig(rewards=["exact"]))
+
+
+def test_policy_lag_and_future_versions_are_errors():
+    check_policy_lag(3, 4, max_lag=1)
+    with pytest.raises(ValueError, match="version 2 is 2 versions behind the current version 4"):
+        check_policy_lag(2, 4, max_lag=1)
+    with pytest.raises(ValueError, match="generated at policy version 5, newer than the current version 4"):
+        check_policy_lag(5, 4, max_lag=1)
+
+
+def test_online_dpo_needs_two_samples_per_prompt():
+    with pytest.raises(ConfigError, match="online_dpo needs group_size >= 2"):
+        load_config(None, ["--train_type", "online_dpo", "--group_size", "1"])
+
+
+def test_rl_fields_are_in_the_dry_run(capsys):
+    from astrai.train.cli import main as train_main
+
+    assert train_main(["--train_type", "online_grpo", "--group_size", "8", "--dry_run"]) == 0
+    out = yaml.safe_load(capsys.readouterr().out)
+    assert out["rl"]["group_size"] == 8 and out["rl"]["rewards"] == ["exact_match"]
+    for name in ("rollout_interval", "rollout_max_tokens", "rollout_temperature", "rollout_top_p", "rollout_top_k",
+                 "max_prompt_len", "max_policy_lag", "clip_eps", "clip_eps_high", "kl_coef", "scale_rewards",
+                 "rl_loss_agg", "reward_weights"):
+        assert name in out["rl"]
+
+
+# ------------------------------------------------------------------------------ the loop
+
+
+def test_online_grpo_runs_and_logs_rollout_metrics(tmp_path, tok_dir):
+    config = write_rl_run(tmp_path, tok_dir, rollout_interval=2)
+    assert main(["--config", str(config)]) == 0
+    lines = read_metrics(tmp_path)
+    assert [m["step"] for m in lines] == [1, 2, 3, 4]
+    assert [m["policy_version"] for m in lines] == [1, 2, 3, 4]
+    assert [m["rollout_policy_version"] for m in lines] == [0, 0, 2, 2]  # each rollout serves two steps
+    first = lines[0]
+    for key in ("reward_mean", "reward_std", "rewards/exact_match", "rewards/exact_match_rate", "rewards/format",
+                "response_length_mean", "response_length_max", "clip_fraction", "approx_kl", "rollout_tokens_per_s",
+                "rollout_time_share", "skipped_prompts"):
+        assert key in first, key
+    # the trainer recomputes the sampler's log-probs: in fp32 they agree to rounding
+    assert first["sampler_logp_diff"] < 1e-5
+    assert "sampler_logp_diff" not in lines[1] and "rollout_tokens_per_s" not in lines[1]  # a reused rollout
+    ckpt = latest_checkpoint(tmp_path / "ckpt")
+    state = json.loads((ckpt / "trainer_state.json").read_text())
+    assert state["policy_version"] == 4
+    verify_checkpoint(ckpt)
+    assert "rollout.pt" in json.loads((ckpt / "manifest.json").read_text())["files"]
+
+
+def test_over_long_prompts_are_skipped_and_counted(tmp_path, tok_dir, capsys):
+    items = generate_items(8, ["add"], digits=2, seed=1)
+    records = [prompt_record(it) for it in items]
+    records[1]["messages"][-1]["content"] = "what is " + "1 + " * 40 + "1?"  # far over max_prompt_len
+    config = write_rl_run(tmp_path, tok_dir, records=records, max_prompt_len=48)
+    assert main(["--config", str(config), "--max_steps", "2"]) == 0
+    assert "skipped 1 prompt(s) longer than max_prompt_len=48" in capsys.readouterr().err
+    assert sum(m.get("skipped_prompts", 0) for m in read_metrics(tmp_path)) == 1
+
+
+def test_online_dpo_runs(tmp_path, tok_dir):
+    config = write_rl_run(tmp_path, tok_dir, train_type="online_dpo", rewards=["format"])
+    assert main(["--config", str(config)]) == 0
+    lines = read_metrics(tmp_path)
+    assert len(lines) == 4 and all("skipped_groups" in m for m in lines if "rollout_seconds" in m)
+
+
+def test_instruction_records_use_output_as_the_answer_and_never_render_it(tmp_path, tok_dir):
+    from astrai.data.datasets import build_dataset
+    from astrai.data.tokenizer import load_tokenizer
+
+    path = tmp_path / "p.jsonl"
+    path.write_text(json.dumps({"instruction": "add", "input": "2 + 3", "output": "5"}) + "\n")
+    tok = load_tokenizer(tok_dir)
+    row = build_dataset("prompt", path, tok, 128)[0]
+    assert row["answer"] == "5"
+    assert [m["role"] for m in row["messages"]] == ["system", "user"]
+    assert "5" not in tok.decode(row["prompt_ids"]).replace("2 + 3", "")
+
+
+def test_prefix_cache_never_serves_kv_across_a_policy_update():
+    from astrai.infer.engine import LLMEngine
+    from astrai.infer.sampling import SamplingParams
+    from astrai.model.config import ModelConfig
+    from astrai.model.transformer import CausalLM
+
+    model = CausalLM(ModelConfig(**MODEL), seed=0).eval()
+    engine = LLMEngine(model, None, block_size=4, kv_cache_tokens=512)
+    prompt = list(range(3, 23))
+    params = SamplingParams(temperature=0, max_tokens=2)
+    engine.run_batch([prompt], params)
+    assert engine.run_batch([prompt], params)[0].num_cached_tokens > 0  # same weights: a prefix hit
+    engine.set_policy_version(1)
+    out = engine.run_batch([prompt], params)[0]
+    assert out.num_cached_tokens == 0 and out.policy_version == 1  # new weights: recomputed
+    with pytest.raises(ValueError, match="must not decrease"):
+        engine.set_policy_version(0)
+
+
+# ------------------------------------------------------------------------------ exact resume
+
+
+def _weights(run_dir: Path) -> dict[str, torch.Tensor]:
+    return load_file(str(latest_checkpoint(run_dir / "ckpt") / "model.safetensors"))
+
+
+@pytest.mark.slow
+def test_sigterm_and_resume_equals_the_uninterrupted_run(tmp_path, tok_dir):
+    """A stop after step 3 (inside a rollout reused for two steps) resumes bit for bit."""
+    straight = write_rl_run(tmp_path / "straight", tok_dir, rollout_interval=2)
+    stopped = write_rl_run(tmp_path / "stopped", tok_dir, rollout_interval=2)
+    for cfg in (straight, stopped):
+        cfg.write_text(cfg.read_text().replace("max_steps: 4", "max_steps: 6"))
+    assert main(["--config", str(straight)]) == 0
+
+    env = {**os.environ, "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
+           "ASTRAI_PAUSE_AT": "step:3", "ASTRAI_PAUSE_FILE": str(tmp_path / "paused")}
+    proc = subprocess.Popen([sys.executable, "-m", "astrai", "train", "--config", str(stopped)], env=env,
+                            stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 300  # a guard against a hung run, not the property under test
+    while not list(tmp_path.glob("paused.*")) and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=300)
+    assert proc.returncode == 0 and "stopped at step 3" in err, err[-2000:]
+    assert latest_checkpoint(tmp_path / "stopped" / "ckpt").name == "step_00000003"
+    assert main(["--config", str(stopped), "--resume"]) == 0
+
+    keys = ("step", "policy_version", "rollout_policy_version", "loss", "grad_norm", "reward_mean", "lr")
+    got = [{k: m.get(k) for k in keys} for m in read_metrics(tmp_path / "stopped")]
+    want = [{k: m.get(k) for k in keys} for m in read_metrics(tmp_path / "straight")]
+    assert got == want
+    a, b = _weights(tmp_path / "stopped"), _weights(tmp_path / "straight")
+    assert a.keys() == b.keys() and all(a[k].equal(b[k]) for k in a)
