@@ -21,12 +21,9 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
-from astrai.data.records import TRAIN_TYPES, RecordError, encode_record, iter_jsonl
+from astrai.data.records import RECORD_KINDS, RecordError, encode_record, iter_jsonl
 from astrai.data.shards import RecordStore
 from astrai.data.tokenizer import Tokenizer
-
-# Online RL objectives read prompts.
-_PROMPT_ALIASES = {"grpo", "online_dpo", "online_grpo", "online_ppo"}
 
 
 class Packer:
@@ -242,7 +239,49 @@ class PromptDataset(Dataset):
         return {key: [s[key] for s in samples] for key in ("prompt_ids", "messages", "answer", "metadata")}
 
 
-def encode_jsonl(paths: list[Path], train_type: str, tokenizer: Tokenizer, max_seq_len: int,
+class RolloutDataset(Dataset):
+    """Scored samples for offline GRPO: one item per prompt, all its responses and rewards."""
+
+    def __init__(self, store: RecordStore, pad_token_id: int = 0):
+        self.store, self.pad_token_id = store, pad_token_id
+
+    def __len__(self) -> int:
+        return self.store.num_records
+
+    def __getitem__(self, i: int) -> dict[str, Any]:
+        side = json.loads(self.store.get("record_json", i).tobytes().decode("utf-8"))
+        prompt = np.asarray(self.store.get("prompt_ids", i), dtype=np.int64)
+        flat = np.asarray(self.store.get("response_ids", i), dtype=np.int64)
+        cuts = np.cumsum([0, *side["lengths"]])
+        return {"prompt_ids": prompt, "responses": [flat[a:b] for a, b in zip(cuts[:-1], cuts[1:])],
+                "rewards": side["rewards"], "logprobs": side["logprobs"]}
+
+    def collate(self, samples: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
+        """Every response a row (prompt + response, right-padded); labels only on response tokens;
+        old_logps aligned with the labels (NaN where a record gave none); rewards and group ids per row."""
+        rows, logps, rewards, groups = [], [], [], []
+        for g, s in enumerate(samples):
+            P = len(s["prompt_ids"])
+            for j, response in enumerate(s["responses"]):
+                ids = np.concatenate([s["prompt_ids"], response])
+                mask = np.concatenate([np.zeros(P, dtype=np.int64), np.ones(len(response), dtype=np.int64)])
+                rows.append(_row(ids, shifted_labels(ids, mask, np.arange(len(ids))), np.arange(len(ids))))
+                lp = np.full(len(ids), np.nan, dtype=np.float32)
+                if s["logprobs"] is not None:
+                    lp[P - 1:P - 1 + len(response)] = s["logprobs"][j]
+                logps.append(torch.as_tensor(lp))
+                rewards.append(s["rewards"][j])
+                groups.append(g)
+        batch = pad_rows(rows, self.pad_token_id)
+        T = batch["input_ids"].size(1)
+        batch["old_logps"] = torch.stack([torch.nn.functional.pad(x, (0, T - len(x)), value=float("nan"))
+                                          for x in logps])
+        batch["rewards"] = torch.tensor(rewards, dtype=torch.float32)
+        batch["group_ids"] = torch.tensor(groups, dtype=torch.long)
+        return batch
+
+
+def encode_jsonl(paths: list[Path], kind: str, tokenizer: Tokenizer, max_seq_len: int,
                  truncation: str = "keep_start", strict: bool = False) -> RecordStore:
     """Tokenise small JSONL files in memory; bad records are skipped with a warning (or raise)."""
     records, bad = [], []
@@ -250,7 +289,7 @@ def encode_jsonl(paths: list[Path], train_type: str, tokenizer: Tokenizer, max_s
         try:
             if isinstance(record, RecordError):
                 raise record
-            records.append(encode_record(record, train_type, tokenizer, max_seq_len, truncation))
+            records.append(encode_record(record, kind, tokenizer, max_seq_len, truncation))
         except RecordError as e:
             if strict:
                 raise RecordError(f"{where}: {e}") from e
@@ -259,45 +298,45 @@ def encode_jsonl(paths: list[Path], train_type: str, tokenizer: Tokenizer, max_s
         print(f"warning: skipped {len(bad)} bad record(s); first: {'; '.join(bad[:3])}", file=sys.stderr)
     if not records:
         names = ", ".join(str(p) for p in paths)
-        raise ValueError(f"no usable {train_type} records in {names}" + (f" ({len(bad)} bad)" if bad else
+        raise ValueError(f"no usable {kind} records in {names}" + (f" ({len(bad)} bad)" if bad else
                                                                          " (empty input)"))
-    return RecordStore.from_records(records, tokenizer.vocab_size, {"train_type": train_type})
+    return RecordStore.from_records(records, tokenizer.vocab_size, {"train_type": kind})
 
 
-def _open_store(train_type: str, data_path: str | Path | list, tokenizer: Tokenizer | None, max_seq_len: int,
+def _open_store(kind: str, data_path: str | Path | list, tokenizer: Tokenizer | None, max_seq_len: int,
                 truncation: str) -> RecordStore:
     paths = [Path(p) for p in (data_path if isinstance(data_path, list | tuple) else [data_path])]
     if len(paths) == 1 and paths[0].is_dir():
         store = RecordStore.open(paths[0])
         found = store.meta.get("train_type")
-        if found != train_type:
-            raise ValueError(f"'{paths[0]}' was preprocessed for train_type '{found}', not '{train_type}'; "
-                             f"re-run `astrai preprocess --train_type {train_type}`")
+        if found != kind:
+            raise ValueError(f"'{paths[0]}' was preprocessed for train_type '{found}', not '{kind}'; "
+                             f"re-run `astrai preprocess --train_type {kind}`")
         if tokenizer is not None and store.meta.get("vocab_size", tokenizer.vocab_size) != tokenizer.vocab_size:
             raise ValueError(f"'{paths[0]}' was tokenised with vocab_size {store.meta['vocab_size']} but the "
                              f"tokenizer has {tokenizer.vocab_size}; preprocess again with this tokenizer")
         return store
     if tokenizer is None:
         raise ValueError(f"reading '{paths[0]}' needs a tokenizer; set tokenizer_path")
-    return encode_jsonl(paths, train_type, tokenizer, max_seq_len, truncation)
+    return encode_jsonl(paths, kind, tokenizer, max_seq_len, truncation)
 
 
-def build_dataset(train_type: str, data_path: str | Path | list, tokenizer: Tokenizer | None, max_seq_len: int,
+def build_dataset(kind: str, data_path: str | Path | list, tokenizer: Tokenizer | None, max_seq_len: int,
                   pack: bool = False, stride: int | None = None, truncation: str = "keep_start") -> Dataset:
-    """A dataset for `train_type` (seq | sft | dpo | prompt, or an online RL type) from JSONL or shards."""
-    train_type = "prompt" if train_type in _PROMPT_ALIASES else train_type
-    if train_type not in TRAIN_TYPES:
-        raise ValueError(f"unknown train_type '{train_type}'; expected one of {', '.join(TRAIN_TYPES)} "
-                         f"or {', '.join(sorted(_PROMPT_ALIASES))}")
-    store = _open_store(train_type, data_path, tokenizer, max_seq_len, truncation)
+    """A dataset of one record kind (seq | sft | dpo | prompt | rollout) from JSONL or shards."""
+    if kind not in RECORD_KINDS:
+        raise ValueError(f"unknown record kind '{kind}'; expected one of {', '.join(RECORD_KINDS)}")
+    store = _open_store(kind, data_path, tokenizer, max_seq_len, truncation)
     pad_id = _pad_id(tokenizer, store)
-    if train_type == "seq":
+    if kind == "seq":
         eos = tokenizer.eos_token_id if tokenizer is not None else store.meta.get("eos_token_id")
         return SeqDataset(store, max_seq_len, stride, pack, eos, pad_id)
-    if train_type == "sft":
+    if kind == "sft":
         return SFTDataset(store, max_seq_len, pack, pad_id)
-    if train_type == "dpo":
+    if kind == "dpo":
         return DPODataset(store, max_seq_len, pad_id)
+    if kind == "rollout":
+        return RolloutDataset(store, pad_id)
     return PromptDataset(store)
 
 

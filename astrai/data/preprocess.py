@@ -22,7 +22,7 @@ from typing import Any
 
 from astrai.data.datasets import Packer, document_positions
 from astrai.data.records import (
-    TRAIN_TYPES,
+    RECORD_KINDS,
     TRUNCATION_MODES,
     RecordError,
     encode_record,
@@ -38,6 +38,7 @@ KEYS = {
     "sft": ["input_ids", "loss_mask"],
     "dpo": ["chosen_input_ids", "chosen_loss_mask", "rejected_input_ids", "rejected_loss_mask"],
     "prompt": ["prompt_ids", "record_json"],
+    "rollout": ["prompt_ids", "response_ids", "record_json"],
 }
 _TEXT_BATCH = 1024
 
@@ -119,8 +120,8 @@ def preprocess(inputs: list[str | Path], out_dir: str | Path, tokenizer: Tokeniz
                max_seq_len: int, pack: bool = False, truncation: str = "keep_start", strict: bool = False,
                max_shard_tokens: int = 1 << 28, max_reports: int = 5) -> dict[str, Any]:
     """Write shards for `inputs` to `out_dir`; returns the dataset.json summary."""
-    if train_type not in TRAIN_TYPES:
-        raise ValueError(f"unknown --train_type '{train_type}'; expected one of {', '.join(TRAIN_TYPES)}")
+    if train_type not in RECORD_KINDS:
+        raise ValueError(f"unknown --train_type '{train_type}'; expected one of {', '.join(RECORD_KINDS)}")
     if truncation not in TRUNCATION_MODES:
         raise ValueError(f"unknown --truncation '{truncation}'; expected one of {', '.join(TRUNCATION_MODES)}")
     if max_seq_len <= 0:
@@ -179,7 +180,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--input", nargs="+", required=True, help="JSONL files")
     parser.add_argument("--out", required=True, help="output shard directory (must not hold shards yet)")
     parser.add_argument("--tokenizer", required=True, help="directory with tokenizer.json")
-    parser.add_argument("--train_type", required=True, choices=TRAIN_TYPES)
+    parser.add_argument("--train_type", required=True, choices=RECORD_KINDS)
     parser.add_argument("--max_seq_len", type=int, required=True)
     parser.add_argument("--pack", action="store_true", help="pack sft chats into rows of max_seq_len")
     parser.add_argument("--truncation", default="keep_start", choices=TRUNCATION_MODES,

@@ -5,21 +5,24 @@ the fly call `encode_record`, so a shard and its JSONL source give identical sam
 that cannot be used raises `RecordError` whose message names the field, what was found and the
 fix; callers skip and count such records (or stop, with --strict).
 
-Record forms: `{"text"}` (seq); `{"messages"}` or `{"instruction", "input", "output"}` (sft);
-`{"prompt" or "messages", "chosen", "rejected"}` with strings or message lists (dpo);
-`{"messages" or "prompt" or "instruction"/"input", "answer"?, "metadata"?}` (prompt).
+Record kinds and their forms: `{"text"}` (seq); `{"messages"}` or `{"instruction", "input",
+"output"}` (sft); `{"prompt" or "messages", "chosen", "rejected"}` with strings or message lists
+(dpo); `{"messages" or "prompt" or "instruction"/"input", "answer"?, "metadata"?}` (prompt);
+`{"prompt" or "messages", "responses", "rewards", "logprobs"?}` (rollout: scored samples).
+The data layer knows record kinds only; which kind a train type reads is the objective's choice.
 """
 
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
 from astrai.data.tokenizer import Tokenizer
 
-TRAIN_TYPES = ("seq", "sft", "dpo", "prompt")
+RECORD_KINDS = ("seq", "sft", "dpo", "prompt", "rollout")
 TRUNCATION_MODES = ("keep_start", "keep_end", "error")
 _PROMPT_KEYS = {"messages", "prompt", "instruction", "input", "answer", "metadata", "output"}
 
@@ -152,22 +155,60 @@ def finish_text(tokenizer: Tokenizer, ids: list[int]) -> dict[str, list[int]]:
     return {"input_ids": ids}
 
 
-def encode_record(record: Any, train_type: str, tokenizer: Tokenizer, max_seq_len: int,
+def encode_record(record: Any, kind: str, tokenizer: Tokenizer, max_seq_len: int,
                   truncation: str = "keep_start") -> dict[str, list[int]]:
-    """Token arrays for one record; keys depend on train_type (see module docstring)."""
+    """Token arrays for one record; keys depend on the record kind (see module docstring)."""
     if not isinstance(record, dict):
         raise RecordError(f"record must be a JSON object, got {_type_name(record)}")
-    if train_type == "seq":
+    if kind == "seq":
         return finish_text(tokenizer, tokenizer.encode(record_text(record), add_special_tokens=True))
-    if train_type == "sft":
+    if kind == "sft":
         ids, mask = _encode_chat(tokenizer, _chat_messages(record), record.get("tools"))
         ids, mask = _truncate(ids, mask, max_seq_len, truncation)
         return {"input_ids": ids, "loss_mask": mask}
-    if train_type == "dpo":
+    if kind == "dpo":
         return _encode_dpo(record, tokenizer, max_seq_len, truncation)
-    if train_type == "prompt":
+    if kind == "prompt":
         return _encode_prompt(record, tokenizer, max_seq_len)
-    raise ValueError(f"unknown train_type '{train_type}'; expected one of {', '.join(TRAIN_TYPES)}")
+    if kind == "rollout":
+        return _encode_rollout(record, tokenizer, max_seq_len)
+    raise ValueError(f"unknown record kind '{kind}'; expected one of {', '.join(RECORD_KINDS)}")
+
+
+def _encode_rollout(record: dict[str, Any], tokenizer: Tokenizer, max_seq_len: int) -> dict[str, list[int]]:
+    """A prompt with scored responses: prompt ids, every response's ids (concatenated) and, as
+    JSON, their lengths, rewards and optional behaviour log-probs (one per response token)."""
+    prompt = _prompt_messages(record, "rollout")
+    prompt_ids = tokenizer.apply_chat_template(prompt, add_generation_prompt=True)
+    responses, rewards = record.get("responses"), record.get("rewards")
+    if not isinstance(responses, list) or not responses:
+        raise RecordError(f"rollout record needs 'responses', a non-empty list of strings; found {responses!r:.80}")
+    if not isinstance(rewards, list) or len(rewards) != len(responses) or not all(
+            isinstance(r, int | float) and not isinstance(r, bool) and math.isfinite(r) for r in rewards):
+        raise RecordError(f"field 'rewards' must list one finite number per response ({len(responses)}), "
+                          f"got {rewards!r:.80}")
+    logprobs = record.get("logprobs")
+    if logprobs is not None and (not isinstance(logprobs, list) or len(logprobs) != len(responses)):
+        raise RecordError(f"field 'logprobs' must hold one list per response ({len(responses)}) or be absent")
+    ids_all: list[int] = []
+    lengths = []
+    for i, response in enumerate(responses):
+        ids, _ = _encode_chat(tokenizer, prompt + _messages(response, f"responses[{i}]", "assistant"))
+        if ids[:len(prompt_ids)] != prompt_ids:
+            raise RecordError(f"'responses[{i}]' does not render as a continuation of the prompt; "
+                              "the chat template must be prefix-preserving")
+        reply = ids[len(prompt_ids):]
+        if len(prompt_ids) + len(reply) > max_seq_len:
+            raise RecordError(f"prompt + responses[{i}] has {len(prompt_ids) + len(reply)} tokens but max_seq_len "
+                              f"is {max_seq_len}; raise --max_seq_len")
+        if logprobs is not None and len(logprobs[i]) != len(reply):
+            raise RecordError(f"'logprobs[{i}]' has {len(logprobs[i])} entries but responses[{i}] has {len(reply)} "
+                              "tokens under this tokenizer and chat template; give one log-prob per token or none")
+        ids_all += reply
+        lengths.append(len(reply))
+    side = {"lengths": lengths, "rewards": [float(r) for r in rewards], "logprobs": logprobs}
+    return {"prompt_ids": prompt_ids, "response_ids": ids_all,
+            "record_json": list(json.dumps(side).encode())}
 
 
 def _encode_dpo(record: dict[str, Any], tokenizer: Tokenizer, max_seq_len: int,

@@ -140,7 +140,7 @@ def test_dpo_batch(tok, files):
 
 
 def test_prompt_batch(tok, files):
-    ds = build_dataset("grpo", files["prompt"], tok, 64)
+    ds = build_dataset("prompt", files["prompt"], tok, 64)
     batch = ds.collate([ds[0], ds[len(ds) - 1]])
     assert batch["prompt_ids"][0] == tok.apply_chat_template(ITEMS[0].prompt_messages, add_generation_prompt=True)
     assert batch["answer"] == [ITEMS[0].answer, "4"]

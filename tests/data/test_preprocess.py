@@ -116,7 +116,7 @@ def test_dataset_errors(tok, tok_dir, tmp_path):
     preprocess([src], tmp_path / "sft", tok_dir, "sft", 64)
     with pytest.raises(ValueError, match="preprocessed for train_type 'sft', not 'dpo'"):
         build_dataset("dpo", tmp_path / "sft", tok, 64)
-    with pytest.raises(ValueError, match="unknown train_type 'rl'"):
+    with pytest.raises(ValueError, match="unknown record kind 'rl'"):
         build_dataset("rl", src, tok, 64)
     with pytest.raises(FileNotFoundError, match="not a finished shard directory"):
         build_dataset("sft", tmp_path, tok, 64)

@@ -214,3 +214,43 @@ def test_sigterm_and_resume_equals_the_uninterrupted_run(tmp_path, tok_dir):
     assert got == want
     a, b = _weights(tmp_path / "stopped"), _weights(tmp_path / "straight")
     assert a.keys() == b.keys() and all(a[k].equal(b[k]) for k in a)
+
+
+# ------------------------------------------------------------------------------ offline grpo
+
+
+def test_offline_grpo_without_logprobs_uses_the_policys_own_hand_checked_loss(tmp_path, tok_dir):
+    """With no behaviour log-probs the ratio is 1, so the first step's loss is -mean_token(A)."""
+    from astrai.data.datasets import build_dataset
+    from astrai.data.tokenizer import load_tokenizer
+
+    rec = {"messages": [{"role": "user", "content": "1 + 1"}], "responses": ["2", "one one one one", "2 2"],
+           "rewards": [1, 0, 0.5]}
+    path = tmp_path / "rollouts.jsonl"
+    path.write_text(json.dumps(rec) + "\n")
+    config = write_rl_run(tmp_path, tok_dir, train_type="grpo")
+    config.write_text(config.read_text().replace(str(tmp_path / "prompts.jsonl"), str(path)))
+    assert main(["--config", str(config), "--max_steps", "1", "--batch_per_device", "1", "--grad_accum_steps", "1",
+                 "--max_grad_norm", "0"]) == 0
+    ds = build_dataset("rollout", path, load_tokenizer(tok_dir), 128)
+    lengths = [len(r) for r in ds[0]["responses"]]
+    assert len(set(lengths)) == 3  # the loss weighs each response by its tokens
+    # rewards [1, 0, 0.5]: mean 0.5, population std sqrt(1/6)
+    std = (1 / 6) ** 0.5
+    adv = [0.5 / std, -0.5 / std, 0.0]
+    expected = -sum(a * n for a, n in zip(adv, lengths)) / sum(lengths)
+    assert abs(expected) > 0.1
+    assert read_metrics(tmp_path)[0]["loss"] == pytest.approx(expected, rel=1e-5)
+
+
+def test_rollout_records_are_checked_field_by_field(tmp_path, tok_dir):
+    from astrai.data.records import RecordError, encode_record
+    from astrai.data.tokenizer import load_tokenizer
+
+    tok = load_tokenizer(tok_dir)
+    base = {"prompt": "1 + 1", "responses": ["2", "3"], "rewards": [1.0, 0.0]}
+    encode_record(base, "rollout", tok, 128)
+    with pytest.raises(RecordError, match="'rewards' must list one finite number per response"):
+        encode_record({**base, "rewards": [1.0, float("nan")]}, "rollout", tok, 128)
+    with pytest.raises(RecordError, match=r"'logprobs\[0\]' has 1 entries"):
+        encode_record({**base, "logprobs": [[-0.1], [-0.2]]}, "rollout", tok, 128)

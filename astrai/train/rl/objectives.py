@@ -78,6 +78,15 @@ class GRPOObjective(Objective):
         """(B, G) rewards -> (B * G,) advantages, groups contiguous."""
         return grpo_advantages(rewards.reshape(-1), rewards.size(-1), scale=self.scale)
 
+    def _group_advantages(self, batch: Batch) -> Tensor:
+        """Offline records: advantages per record's group (groups may differ in size)."""
+        rewards, groups = batch["rewards"], batch["group_ids"]
+        advantages = torch.empty_like(rewards)
+        for g in groups.unique():
+            rows = (groups == g).nonzero().squeeze(1)
+            advantages[rows] = grpo_advantages(rewards[rows], len(rows), scale=self.scale)
+        return advantages
+
     def num_units(self, batch: Batch) -> Tensor:
         if self.agg == "token_mean":
             return (batch["labels"] != IGNORE_INDEX).sum()
@@ -87,7 +96,8 @@ class GRPOObjective(Objective):
         logps, mask, (_, idx) = token_logps(model, batch, self.temperature)
         old = batch["old_logps"] if idx is None else batch["old_logps"][:, idx]  # (B, K)
         old = torch.where(torch.isnan(old), logps.detach(), old)  # no behaviour log-probs: the policy's own
-        loss, clipped = clipped_surrogate(logps, old, batch["advantages"], self.clip_eps, self.clip_eps_high)
+        advantages = batch["advantages"] if "advantages" in batch else self._group_advantages(batch)
+        loss, clipped = clipped_surrogate(logps, old, advantages, self.clip_eps, self.clip_eps_high)
         metrics: dict[str, Tensor] = {}
         if self.reference is not None:
             with torch.no_grad():
