@@ -111,6 +111,13 @@ class RLConfig:
     reward_weights: list[float] | None = None  # one per reward; None = all 1.0
     format_pattern: str = r"^\s*-?\d+\s*$"  # the `format` reward: 1 when the completion matches
     length_target: int = 64  # the `length` reward: 0 up to this many characters, then down to -1 at twice
+    ppo_gamma: float = 1.0  # online_ppo: GAE discount
+    ppo_gae_lambda: float = 0.95  # online_ppo: GAE lambda
+    ppo_vf_coef: float = 0.5  # online_ppo: weight of the critic's (V - R)^2
+    critic_lr: float | None = None  # online_ppo: the critic's peak lr; None = max_lr
+    critic_model_path: str | None = None  # online_ppo: the critic's start; None = the policy's trunk, zero head
+    value_clip: float | None = None  # online_ppo: clip V - V_old to +-value_clip; None = unclipped
+    whiten_advantages: bool = False  # online_ppo: whiten advantages over each rollout
 
 
 @dataclass
@@ -394,9 +401,14 @@ def validate(cfg: Config) -> None:
                           f"{rl.rewards}; give one weight per reward")
     if not rl.rewards:
         raise ConfigError("rewards is empty; name at least one reward (e.g. [exact_match])")
-    for name in ["rollout_temperature", "clip_eps", "kl_coef", "max_policy_lag"]:
+    for name in ["rollout_temperature", "clip_eps", "kl_coef", "max_policy_lag", "ppo_vf_coef"]:
         if flat[name] < 0:
             raise ConfigError(f"{name}={flat[name]} must be >= 0")
+    if not (0.0 <= rl.ppo_gamma <= 1.0 and 0.0 <= rl.ppo_gae_lambda <= 1.0):
+        raise ConfigError(f"ppo_gamma={rl.ppo_gamma} and ppo_gae_lambda={rl.ppo_gae_lambda} must be within [0, 1]")
+    for name in ("critic_lr", "value_clip"):
+        if getattr(rl, name) is not None and getattr(rl, name) <= 0:
+            raise ConfigError(f"{name}={getattr(rl, name)} must be > 0 (or null)")
     if not 0.0 < rl.rollout_top_p <= 1.0:
         raise ConfigError(f"rollout_top_p={rl.rollout_top_p} must be within (0, 1]")
     if cfg.data.train_type == "online_dpo" and rl.group_size < 2:

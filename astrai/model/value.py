@@ -11,7 +11,9 @@ behave exactly as in the policy.
 from __future__ import annotations
 
 import copy
+from pathlib import Path
 
+import torch
 from torch import Tensor, nn
 
 from astrai.model.config import ModelConfig
@@ -38,6 +40,35 @@ class ValueModel(nn.Module):
         if not isinstance(getattr(policy, "model", None), Transformer):
             raise TypeError(f"from_policy needs a CausalLM, got {type(policy).__name__}")
         return cls(policy.config, trunk=copy.deepcopy(policy.model))
+
+    @classmethod
+    def from_pretrained(cls, path: str | Path, device: torch.device | str | None = None,
+                        require_head: bool = False) -> ValueModel:
+        """A critic (or reward model) from a model directory: the trunk from its weights, the head
+        from ``score.weight`` (transformers' sequence classification, one label) or
+        ``value_head.weight``/``.bias`` when present, else zero (a warm start from a policy)."""
+        from astrai.model.hf import load_config, read_safetensors, state_dict_from_hf
+
+        config = load_config(path)
+        tensors = read_safetensors(path)
+        weight, bias = tensors.pop("score.weight", None), tensors.pop("score.bias", None)
+        if weight is None:
+            weight, bias = tensors.pop("value_head.weight", None), tensors.pop("value_head.bias", None)
+        if weight is None and require_head:
+            raise ValueError(f"{path} has no scalar head ('score.weight' or 'value_head.weight' in "
+                             "model.safetensors); a reward model needs one")
+        if weight is not None and tuple(weight.shape) != (1, config.hidden_size):
+            raise ValueError(f"{path}: the scalar head has shape {tuple(weight.shape)}, expected "
+                             f"(1, {config.hidden_size}); a value or reward model has one output")
+        critic = cls(config, seed=None)
+        trunk = {k.removeprefix("model."): v for k, v in state_dict_from_hf(tensors, config).items()
+                 if k.startswith("model.")}
+        critic.model.load_state_dict(trunk)
+        if weight is not None:
+            with torch.no_grad():
+                critic.value_head.weight.copy_(weight)
+                critic.value_head.bias.copy_(bias if bias is not None else torch.zeros(1))
+        return critic.to(device) if device is not None else critic
 
     @property
     def gradient_checkpointing(self) -> bool:

@@ -49,6 +49,37 @@ SCHEDULER = "scheduler.pt"
 METRICS = "metrics.jsonl"
 
 
+# files a checkpoint of these train types must list to be resumable (the PPO critic, upstream names)
+REQUIRED_EXTRAS = {"online_ppo": ("value_model.pt", "value_optimizer.pt")}
+
+
+def missing_required_files(path: str | os.PathLike) -> list[str]:
+    """Files the checkpoint's train type needs (e.g. the PPO critic) that its manifest lacks."""
+    path = Path(path)
+    try:
+        train_type = json.loads((path / TRAINER_STATE).read_text())["config"]["data"]["train_type"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return []  # no readable trainer state: loading reports the file by name
+    listed = read_manifest(path)["files"] if (path / MANIFEST).exists() else {}
+    return [name for name in REQUIRED_EXTRAS.get(train_type, ()) if name not in listed]
+
+
+def find_resumable_checkpoint(ckpt_dir: str | os.PathLike) -> Path:
+    """The newest complete checkpoint that also lists every file its train type needs; newer
+    ones that lack some are skipped with a warning naming the files."""
+    newest = find_resume_checkpoint(ckpt_dir)
+    for _, path in reversed(list_checkpoints(ckpt_dir)):
+        if path.name > newest.name:
+            continue
+        missing = missing_required_files(path)
+        if not missing:
+            return path
+        print(f"warning: skipping {path}: it lacks {', '.join(missing)}, which its train type needs to resume",
+              file=sys.stderr)
+    raise CheckpointError(f"no checkpoint in {ckpt_dir} can resume its run: each lacks files its train type needs "
+                          f"({', '.join(missing_required_files(newest))}); start without --resume")
+
+
 def save_training_checkpoint(
     ckpt_dir: str | os.PathLike,
     step: int,
@@ -276,7 +307,7 @@ def _cmd_verify(target: Path) -> int:
 def _cmd_latest(ckpt_dir: Path) -> int:
     """The checkpoint `--resume` (and the container entrypoint) would continue from."""
     try:
-        print(find_resume_checkpoint(ckpt_dir))
+        print(find_resumable_checkpoint(ckpt_dir))
     except CheckpointError as e:
         print(f"astrai ckpt latest: {e}", file=sys.stderr)
         return 1

@@ -278,17 +278,42 @@ def gae(
 
 
 def value_loss(
-    values: Tensor, old_values: Tensor, returns: Tensor, clip_eps: float | None = 0.2
+    values: Tensor, old_values: Tensor, returns: Tensor, clip_eps: float | None = 0.2, coef: float = 0.5
 ) -> tuple[Tensor, Tensor]:
     """Critic loss per token, and which tokens the clip was active on.
 
     values: (B, T) current predictions; old_values: (B, T) predictions at rollout time;
-    returns: (B, T) targets. Unclipped: 0.5 (V - R)^2. Clipped (PPO): 0.5 max((V - R)^2,
-    (V_old + clip(V - V_old, -eps, eps) - R)^2); `clip_eps=None` turns clipping off.
+    returns: (B, T) targets. Unclipped: coef (V - R)^2. Clipped (PPO): coef max((V - R)^2,
+    (V_old + clip(V - V_old, -eps, eps) - R)^2); `clip_eps=None` turns clipping off. `coef` is
+    0.5 by convention; astrai's online PPO uses 1 (its ppo_vf_coef multiplies (V - R)^2).
     """
     unclipped = (values - returns) ** 2
     if clip_eps is None:
-        return 0.5 * unclipped, torch.zeros_like(unclipped, dtype=torch.bool)
+        return coef * unclipped, torch.zeros_like(unclipped, dtype=torch.bool)
     values_clipped = old_values + torch.clamp(values - old_values, -clip_eps, clip_eps)
     clipped = (values_clipped - returns) ** 2
-    return 0.5 * torch.maximum(unclipped, clipped), clipped > unclipped
+    return coef * torch.maximum(unclipped, clipped), clipped > unclipped
+
+
+def token_rewards(scores: Tensor, mask: Tensor, logps: Tensor | None = None, ref_logps: Tensor | None = None,
+                  kl_coef: float = 0.0) -> Tensor:
+    """PPO's per-token rewards (B, T): the sequence score on the last masked token of each row and,
+    with a reference, - kl_coef * (logps - ref_logps) (the plain log-ratio, "k1") on every masked
+    token. scores: (B,); mask: (B, T), one contiguous span per row; 0 outside the mask."""
+    mask = mask.to(torch.float32)
+    rewards = torch.zeros_like(mask)
+    if kl_coef and logps is not None and ref_logps is not None:
+        rewards = -kl_coef * (logps - ref_logps).float() * mask
+    positions = torch.arange(mask.size(1), device=mask.device)
+    last = torch.where(mask.bool(), positions, -1).max(dim=1).values  # (B,), -1 for an empty row
+    has = last >= 0
+    rewards[has, last[has]] += scores.float()[has]
+    return rewards
+
+
+def explained_variance(values: Tensor, returns: Tensor, mask: Tensor) -> Tensor:
+    """1 - Var(R - V) / max(Var(R), 1e-8) over the masked tokens (population variances)."""
+    var_r = masked_mean((returns - masked_mean(returns, mask)) ** 2, mask)
+    diff = returns - values
+    var_d = masked_mean((diff - masked_mean(diff, mask)) ** 2, mask)
+    return 1 - var_d / var_r.clamp(min=1e-8)

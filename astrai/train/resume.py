@@ -32,7 +32,7 @@ def resume_path(cfg: Config) -> Path:
     """The checkpoint ``--resume`` continues from: param_path when it names one training
     checkpoint, else the latest in ckpt_dir. A param_path that is a model directory or another
     run's ckpt_dir is this run's initial weights (a chained stage), not a state to resume."""
-    from astrai.train.checkpoint import find_resume_checkpoint
+    from astrai.train.checkpoint import find_resumable_checkpoint
 
     if cfg.train.param_path is not None:
         path = Path(cfg.train.param_path)
@@ -41,7 +41,7 @@ def resume_path(cfg: Config) -> Path:
         if any((path / name).exists() for name in TRAINING_STATE_FILES):
             return path
     # the newest complete one; raises naming the damaged file when checkpoints exist but none is complete
-    return find_resume_checkpoint(cfg.ckpt.ckpt_dir)
+    return find_resumable_checkpoint(cfg.ckpt.ckpt_dir)
 
 
 def find(cfg: Config) -> Path | None:

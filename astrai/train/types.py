@@ -12,7 +12,12 @@ from torch import nn
 
 from astrai.config import Config
 from astrai.train.objectives import DPOObjective, Objective, SeqObjective, SFTObjective
-from astrai.train.rl.objectives import GRPOObjective, OnlineDPOObjective, OnlineGRPOObjective
+from astrai.train.rl.objectives import (
+    GRPOObjective,
+    OnlineDPOObjective,
+    OnlineGRPOObjective,
+    OnlinePPOObjective,
+)
 
 OBJECTIVES = {
     "seq": SeqObjective,
@@ -21,6 +26,7 @@ OBJECTIVES = {
     "grpo": GRPOObjective,
     "online_grpo": OnlineGRPOObjective,
     "online_dpo": OnlineDPOObjective,
+    "online_ppo": OnlinePPOObjective,
 }
 
 

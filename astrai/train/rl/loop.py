@@ -1,20 +1,21 @@
-"""The online RL loop: rollout -> micro-batches -> gradient step -> publish the new policy version.
+"""The online RL loop: rollout -> micro-batches -> gradient step -> publish the new policy version -> critic step.
 
 Reads top to bottom in ``train``: every ``rollout_interval`` steps a batch of prompt records is
 drawn (the same seeded, resumable sampler as offline training) and the live policy generates and
 scores a rollout (``rl/rollout.py``); the objective pins its targets once; each optimizer step
 backpropagates the rollout's micro-batches and ends the window in the shared gradient step
 (``train/step.py``); then the policy version goes up by one and is published to the engine, so
-no KV of older weights is reused. A rollout more than ``max_policy_lag`` versions old, or from a
+no KV of older weights is reused; PPO's critic steps last, with its own optimizer. A rollout more than ``max_policy_lag`` versions old, or from a
 future version, is an error. Checkpoints carry the policy version and, as extra state, the
 rollout being reused, so a stopped run resumes bit for bit.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
-from contextlib import nullcontext
+from contextlib import ExitStack, nullcontext
 from typing import Any
 
 import torch
@@ -74,6 +75,7 @@ class OnlineLoop:
         self.grad_step = GradientStep(list(self.raw_model.parameters()), self.optimizer, self.scheduler,
                                       max_grad_norm=cfg.train.max_grad_norm, world_size=self.dist.world_size,
                                       device=self.device, max_nonfinite_steps=cfg.train.max_nonfinite_steps)
+        self._build_critic()
         rewards = RewardSet(cfg.rl, self.device)
         self.runner = RolloutRunner(self.raw_model, self.tokenizer, cfg.rl, self.num_prompts, rewards,
                                     cfg.train.random_seed)
@@ -83,6 +85,23 @@ class OnlineLoop:
         self.objective.requested_metrics = requested_metrics(self.callbacks.callbacks)
         self.rollout: Rollout | None = None
         self.step_metrics: dict[str, Any] = {}
+
+    def _build_critic(self) -> None:
+        """PPO: the objective's critic gets its own optimizer, schedule and gradient step, and is
+        wrapped for DDP/FSDP like the policy."""
+        cfg = self.config
+        self.critic = getattr(self.objective, "critic", None)
+        if self.critic is None:
+            return
+        self.critic_model = dist.wrap_model(self.critic, cfg.dist.parallel_mode, self.dist)
+        self.objective.critic_module = self.critic_model
+        optim = dataclasses.replace(cfg.optim, max_lr=cfg.rl.critic_lr or cfg.optim.max_lr)
+        self.critic_optimizer = build_optimizer(self.critic, optim)
+        self.critic_scheduler = LRSchedule(self.critic_optimizer, optim, self.total_steps)
+        self.critic_step = GradientStep(list(self.critic.parameters()), self.critic_optimizer, self.critic_scheduler,
+                                        max_grad_norm=cfg.train.max_grad_norm, world_size=self.dist.world_size,
+                                        device=self.device, max_nonfinite_steps=cfg.train.max_nonfinite_steps,
+                                        name="critic")
 
     # ---------------------------------------------------------------------------- the loop
 
@@ -101,15 +120,22 @@ class OnlineLoop:
                 batches = self.objective.batches(rollout, cfg.train.grad_accum_steps)
                 for i, batch in enumerate(batches):
                     batch = {k: v.to(self.device) for k, v in batch.items()}
-                    with dist.no_sync(self.model, i < len(batches) - 1), self._autocast():
+                    with self._no_sync(i < len(batches) - 1), self._autocast():
                         out = self.objective(self.model, batch)
                     out.loss.backward()  # a sum over loss units; the window normalises it
-                    self.grad_step.add(out.loss, self.objective.num_units(batch), num_tokens(batch), out.metrics)
+                    units = self.objective.num_units(batch)
+                    self.grad_step.add(out.loss, units, num_tokens(batch), out.metrics)
+                    if self.critic is not None:
+                        self.critic_step.add(out.metrics.get("value_loss", out.loss), units, 0)
                 result = self.grad_step.step(ctx.step + 1, before_update=lambda: cbs.before_optimizer_step(self))
                 rollout.num_uses += 1
                 ctx.step += 1
                 ctx.policy_version += 1
                 self.runner.set_policy_version(ctx.policy_version)  # new weights: older KV is never served
+                if self.critic is not None:  # after the policy step, outside the version publication
+                    critic = self.critic_step.step(ctx.step)
+                    result.update({"critic_lr": critic["lr"], "critic_grad_norm": critic["grad_norm"],
+                                   "critic_skipped": critic["skipped"]})
                 ctx.tokens_seen += result.pop("num_tokens")
                 self.step_metrics = self._metrics(result, rollout, fresh, time.perf_counter() - t0)
                 pause_point(f"step:{ctx.step}")  # test hook: a kill or a stop lands exactly here
@@ -172,6 +198,14 @@ class OnlineLoop:
             self.ctx.request_stop("another rank stopped")
         return stop
 
+    def _no_sync(self, enabled: bool):
+        """DDP: gradients are all-reduced only in the window's last backward (policy and critic)."""
+        stack = ExitStack()
+        stack.enter_context(dist.no_sync(self.model, enabled))
+        if self.critic is not None:
+            stack.enter_context(dist.no_sync(self.critic_model, enabled))
+        return stack
+
     def _autocast(self):
         if not self.config.train.bf16:
             return nullcontext()
@@ -180,7 +214,10 @@ class OnlineLoop:
     # ---------------------------------------------------------------------------- state
 
     def state_dict(self) -> dict[str, Any]:
-        return {**self.ctx.state_dict(), "grad_step": self.grad_step.state_dict(), "rng": resume.rng_state(),
+        steps = {"grad_step": self.grad_step.state_dict()}
+        if self.critic is not None:
+            steps["critic_step"] = self.critic_step.state_dict()
+        return {**self.ctx.state_dict(), **steps, "rng": resume.rng_state(),
                 "callbacks": self.callbacks.state_dict(), "world_size": self.dist.world_size,
                 "total_steps": self.total_steps, "config": self.config.to_dict()}
 
@@ -188,13 +225,31 @@ class OnlineLoop:
         resume.report_mismatches(state, self.config, self.dist.world_size, self.total_steps)
         self.ctx.load_state_dict(state)
         self.grad_step.load_state_dict(state.get("grad_step", {}))
+        if self.critic is not None:
+            self.critic_step.load_state_dict(state.get("critic_step", {}))
         self.callbacks.load_state_dict(state.get("callbacks", {}))
         resume.set_rng_state(state["rng"])
 
     def extra_state(self) -> dict[str, dict[str, Any]]:
-        """The rollout being reused (empty when the next step draws a fresh one)."""
-        return {"rollout": self.rollout.state_dict() if self.rollout is not None else {}}
+        """The rollout being reused (empty when the next step draws a fresh one) and, for PPO, the
+        critic and its optimizer and schedule (value_model.pt, value_optimizer.pt)."""
+        states = {"rollout": self.rollout.state_dict() if self.rollout is not None else {}}
+        if self.critic is not None:
+            full = dist.is_fsdp(self.critic_model)
+            states["value_model"] = dist.full_model_state_dict(self.critic_model) if full else self.critic.state_dict()
+            states["value_optimizer"] = {
+                "optimizer": dist.full_optimizer_state_dict(self.critic_model, self.critic_optimizer),
+                "scheduler": self.critic_scheduler.state_dict()}
+        return states
 
     def load_extra_state(self, states: dict[str, dict[str, Any]]) -> None:
         state = states.get("rollout") or {}
         self.rollout = Rollout.from_state_dict(state) if state else None
+        if self.critic is not None:
+            dist.load_full_model_state_dict(self.critic_model, states["value_model"])
+            configured = [{k: v for k, v in g.items() if k != "params"} for g in self.critic_optimizer.param_groups]
+            dist.load_full_optimizer_state_dict(self.critic_model, self.critic_optimizer,
+                                                states["value_optimizer"]["optimizer"])
+            for group, values in zip(self.critic_optimizer.param_groups, configured, strict=True):
+                group.update(values)  # the config's critic_lr and betas win, as for the policy
+            self.critic_scheduler.load_state_dict(states["value_optimizer"]["scheduler"])

@@ -1,4 +1,4 @@
-"""RL objectives: GRPO (offline and online) and online DPO, batches of scored samples -> LossOutput.
+"""RL objectives: GRPO (offline and online), online DPO and online PPO: scored samples -> LossOutput.
 
 Sits where the offline objectives sit, between a loop and ``train/losses.py``, which holds every
 formula (group advantages, the clipped surrogate, the k3 KL estimator, loss aggregation, the DPO
@@ -9,7 +9,8 @@ every objective; the gradient-step window normalises them.
 
 GRPO batch keys: input_ids, attention_mask, labels (response tokens, -100 elsewhere), old_logps
 (the sampler's, aligned with labels; NaN = use the policy's own at the start of the step) and
-advantages (one per sequence).
+advantages (one per sequence). PPO pins per-token advantages, returns and the critic's rollout-
+time values; its critic (``critic``) is trained by the loop's second gradient step.
 """
 
 from __future__ import annotations
@@ -26,8 +27,14 @@ from astrai.train.losses import (
     IGNORE_INDEX,
     aggregate_token_loss,
     clipped_surrogate,
+    explained_variance,
+    gae,
     grpo_advantages,
     kl_estimate,
+    masked_mean,
+    masked_whiten,
+    token_rewards,
+    value_loss,
 )
 from astrai.train.objectives import DPOObjective, LossOutput, Objective, labelled_positions
 
@@ -190,3 +197,93 @@ class OnlineDPOObjective(Objective):
 
     def __call__(self, model: nn.Module, batch: Batch) -> LossOutput:
         return self.dpo(model, batch)
+
+
+class OnlinePPOObjective(Objective):
+    """PPO with a critic: per-token GAE advantages under the clipped surrogate, plus the critic's
+    ``ppo_vf_coef * (V - R)^2``; the KL to the reference is folded into the per-token rewards."""
+
+    record_kind = "prompt"
+    online = True
+
+    def __init__(self, cfg: Config, model: nn.Module):
+        from astrai.model.value import ValueModel
+
+        rl = cfg.rl
+        self.rl, self.temperature = rl, rl.rollout_temperature
+        self.reference = frozen_reference(cfg, model) if rl.kl_coef > 0 else None
+        device = next(model.parameters()).device
+        if rl.critic_model_path is not None:
+            self.critic = ValueModel.from_pretrained(rl.critic_model_path, device)
+        else:
+            self.critic = ValueModel.from_policy(model)  # the policy's trunk, zero head: first values are 0
+        self.critic.gradient_checkpointing = getattr(model, "gradient_checkpointing", False)
+        self.critic_module: nn.Module = self.critic  # the loop swaps in the DDP/FSDP-wrapped critic
+
+    def num_units(self, batch: Batch) -> Tensor:
+        if self.rl.rl_loss_agg == "token_mean":
+            return (batch["labels"] != IGNORE_INDEX).sum()
+        return torch.tensor(batch["labels"].size(0), device=batch["labels"].device)
+
+    @torch.no_grad()
+    def prepare(self, rollout: Any) -> None:
+        """Values (critic, no gradients), per-token rewards, GAE advantages and returns, pinned."""
+        rl, device = self.rl, next(self.critic.parameters()).device
+        mask = rollout.labels != IGNORE_INDEX  # (N, T): the positions that predict response tokens
+        values, ref_logps = torch.zeros(mask.shape), None
+        if self.reference is not None:
+            ref_logps = torch.zeros(mask.shape)
+        for rows in torch.arange(rollout.num_samples).split(16):
+            ids, att = rollout.input_ids[rows].to(device), rollout.attention_mask[rows].to(device)
+            values[rows] = self.critic(ids, attention_mask=att).float().cpu()
+            if self.reference is not None:
+                batch = {"input_ids": ids, "attention_mask": att, "labels": rollout.labels[rows].to(device)}
+                lp, _, (_, idx) = token_logps(self.reference, batch, self.temperature)
+                full = torch.zeros(len(rows), mask.size(1))
+                full[:, idx if idx is not None else slice(None)] = lp.cpu()
+                ref_logps[rows] = full
+        values = values * mask
+        rewards = token_rewards(rollout.rewards.reshape(-1), mask, rollout.old_logps, ref_logps, rl.kl_coef)
+        advantages, returns = gae(rewards, values, mask, rl.ppo_gamma, rl.ppo_gae_lambda)
+        if rl.whiten_advantages:
+            advantages = masked_whiten(advantages, mask) * mask
+        rollout.pinned.update({"advantages": advantages, "returns": returns, "old_values": values})
+        rollout.stats.update({
+            "explained_variance": explained_variance(values, returns, mask).item(),
+            "value_mean": masked_mean(values, mask).item(), "return_mean": masked_mean(returns, mask).item(),
+        })
+
+    def batches(self, rollout: Any, num_micro: int) -> list[Batch]:
+        chunks = torch.arange(rollout.num_samples).tensor_split(min(num_micro, rollout.num_samples))
+        return [rollout.rows(idx) for idx in chunks if len(idx)]
+
+    def __call__(self, model: nn.Module, batch: Batch) -> LossOutput:
+        rl = self.rl
+        logps, mask, (_, idx) = token_logps(model, batch, self.temperature)
+
+        def at(key: str) -> Tensor:  # a pinned (B, T) tensor at the labelled positions (B, K)
+            return batch[key] if idx is None else batch[key][:, idx]
+
+        old = at("old_logps")
+        for key, value in (("old_logps", old), ("advantages", at("advantages"))):
+            if value.shape != logps.shape or not bool(torch.isfinite(value[mask]).all()):
+                raise ValueError(f"PPO batch field {key!r} has shape {tuple(value.shape)} or non-finite values; "
+                                 f"expected finite values of shape {tuple(logps.shape)} on the response tokens")
+        policy, clipped = clipped_surrogate(logps, old, at("advantages"), rl.clip_eps, rl.clip_eps_high)
+        values = self.critic_module(batch["input_ids"], attention_mask=batch["attention_mask"])  # (B, T)
+        values = values if idx is None else values[:, idx]
+        vloss, vclipped = value_loss(values, at("old_values"), at("returns"), rl.value_clip, coef=1.0)
+        policy_sum, _ = aggregate_token_loss(policy, mask, rl.rl_loss_agg, rl.rollout_max_tokens)
+        value_sum, _ = aggregate_token_loss(vloss, mask, rl.rl_loss_agg, rl.rollout_max_tokens)
+        agg = "token_mean" if rl.rl_loss_agg == "token_mean" else "seq_mean"
+        diff = logps.detach() - old
+        candidates = {
+            "policy_loss": lambda: policy_sum.detach(),
+            "value_loss": lambda: value_sum.detach(),
+            "clip_fraction": lambda: aggregate_token_loss(clipped.float(), mask, agg)[0],
+            "value_clip_fraction": lambda: aggregate_token_loss(vclipped.float(), mask, agg)[0],
+            "approx_kl": lambda: aggregate_token_loss(0.5 * diff**2, mask, agg)[0],
+            "sampler_logp_diff": lambda: aggregate_token_loss(diff.abs(), mask, agg)[0],
+        }
+        metrics = {k: f() for k, f in candidates.items() if self.wants(k)}
+        return LossOutput(policy_sum + rl.ppo_vf_coef * value_sum, metrics)

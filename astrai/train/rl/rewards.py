@@ -74,26 +74,10 @@ class RewardModel:
     """A scalar-head model that scores prompt + completion token ids (the value at the last token)."""
 
     def __init__(self, path: str | Path, device: torch.device, batch_size: int = 16):
-        from astrai.model.hf import load_config, read_safetensors, state_dict_from_hf
         from astrai.model.value import ValueModel
 
-        config = load_config(path)
-        tensors = read_safetensors(path)
-        weight = tensors.pop("score.weight", None)
-        bias = tensors.pop("score.bias", None)
-        if weight is None:
-            weight, bias = tensors.pop("value_head.weight", None), tensors.pop("value_head.bias", None)
-        if weight is None or weight.shape != (1, config.hidden_size):
-            raise ValueError(f"reward model {path} needs a scalar head 'score.weight' (or 'value_head.weight') of "
-                             f"shape (1, {config.hidden_size}) in model.safetensors")
-        self.model = ValueModel(config, seed=None)
-        trunk = {k.removeprefix("model."): v for k, v in state_dict_from_hf(tensors, config).items()
-                 if k.startswith("model.")}
-        self.model.model.load_state_dict(trunk)
-        with torch.no_grad():
-            self.model.value_head.weight.copy_(weight)
-            self.model.value_head.bias.copy_(bias if bias is not None else torch.zeros(1))
-        self.model.to(device).eval().requires_grad_(False)
+        self.model = ValueModel.from_pretrained(path, device, require_head=True)
+        self.model.eval().requires_grad_(False)
         self.device, self.batch_size = device, batch_size
 
     @torch.no_grad()

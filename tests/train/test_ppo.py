@@ -1,0 +1,171 @@
+"""Online PPO: GAE by hand, KL folded into rewards, pinned targets, critic warm start, critic checkpoints."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+from safetensors.torch import load_file
+
+from astrai.train import losses as L
+from astrai.train.checkpoint import latest_checkpoint
+from astrai.train.cli import main
+from tests.train.resume_data import read_metrics, write_tokenizer
+from tests.train.test_rl import write_rl_run
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="module")
+def tok_dir(tmp_path_factory):
+    return write_tokenizer(tmp_path_factory.mktemp("tok"))
+
+
+def test_gae_with_gamma_lambda_one_and_zero_values_gives_the_terminal_reward_everywhere():
+    mask = torch.tensor([[0, 1, 1, 1, 0]])
+    rewards = L.token_rewards(torch.tensor([2.0]), mask)
+    assert rewards.tolist() == [[0.0, 0.0, 0.0, 2.0, 0.0]]  # the score sits on the last response token
+    adv, ret = L.gae(rewards, torch.zeros(1, 5), mask, gamma=1.0, lam=1.0)
+    assert adv.tolist() == [[0.0, 2.0, 2.0, 2.0, 0.0]] and ret.tolist() == adv.tolist()
+
+
+def test_gae_with_lambda_zero_gives_td_residuals_and_padding_never_leaks():
+    r, v, m = torch.tensor([[0.0, 0.0, 2.0]]), torch.tensor([[0.5, 1.0, -0.5]]), torch.ones(1, 3)
+    adv, _ = L.gae(r, v, m, gamma=0.9, lam=0.0)
+    torch.testing.assert_close(adv, torch.tensor([[0.4, -1.45, 2.5]]))
+    # padding after the trajectory, with garbage rewards and values, changes no valid position
+    padded, _ = L.gae(torch.tensor([[0.0, 0.0, 2.0, 7.0, -3.0]]), torch.tensor([[0.5, 1.0, -0.5, 9.0, 4.0]]),
+                      torch.tensor([[1, 1, 1, 0, 0]]), gamma=0.9, lam=0.0)
+    torch.testing.assert_close(padded[:, :3], adv)
+    assert padded[0, 3:].tolist() == [0.0, 0.0]
+
+
+def test_kl_in_reward_per_token_is_minus_coef_times_log_ratio():
+    mask = torch.tensor([[1, 1, 1, 0]])
+    logps = torch.tensor([[-1.0, -2.0, -0.5, 0.0]])
+    ref = torch.tensor([[-1.5, -1.0, -0.5, 9.0]])
+    rewards = L.token_rewards(torch.tensor([1.0]), mask, logps, ref, kl_coef=0.1)
+    torch.testing.assert_close(rewards, torch.tensor([[-0.05, 0.1, 1.0, 0.0]]))
+
+
+def test_explained_variance():
+    mask = torch.tensor([[1, 1, 1, 1, 0]])
+    returns = torch.tensor([[1.0, 2.0, 3.0, 4.0, 99.0]])
+    assert L.explained_variance(returns, returns, mask).item() == pytest.approx(1.0)
+    assert L.explained_variance(torch.zeros(1, 5) + 2.5, returns, mask).item() == pytest.approx(0.0)
+
+
+def test_critic_warm_start_equals_the_policy_trunk_with_a_zero_head(tok_dir):
+    from astrai.config import load_config
+    from astrai.model.config import ModelConfig
+    from astrai.model.transformer import CausalLM
+    from astrai.train.rl.objectives import OnlinePPOObjective
+    from tests.train.resume_data import MODEL
+
+    policy = CausalLM(ModelConfig(**MODEL), seed=0).eval()
+    objective = OnlinePPOObjective(load_config(None, ["--train_type", "online_ppo"]), policy)
+    critic = objective.critic.eval()
+    ids = torch.randint(3, 300, (2, 9))
+    hidden, _, _ = policy.model(ids, None, None, None)
+    trunk, _, _ = critic.model(ids, None, None, None)
+    torch.testing.assert_close(trunk, hidden)
+    assert critic(ids).abs().max().item() == 0.0
+    assert critic.model is not policy.model  # a copy: the critic trains on its own
+
+
+def test_online_ppo_pins_targets_across_replayed_steps_and_checkpoints_the_critic(tmp_path, tok_dir):
+    from astrai.train.rl import loop as loop_mod
+
+    seen = []
+    original = loop_mod.OnlineLoop._metrics
+
+    def spy(self, result, rollout, fresh, seconds):
+        seen.append((rollout.policy_version, {k: v.clone() for k, v in rollout.pinned.items()}))
+        return original(self, result, rollout, fresh, seconds)
+
+    loop_mod.OnlineLoop._metrics = spy
+    try:
+        config = write_rl_run(tmp_path, tok_dir, train_type="online_ppo", rollout_interval=2,
+                              rewards=["format"], kl_coef=0.05)
+        assert main(["--config", str(config)]) == 0
+    finally:
+        loop_mod.OnlineLoop._metrics = original
+    assert [v for v, _ in seen] == [0, 0, 2, 2]
+    for (_, a), (_, b) in ((seen[0], seen[1]), (seen[2], seen[3])):  # a replayed step: the same targets
+        assert a.keys() == {"advantages", "returns", "old_values"}
+        assert all(torch.equal(a[k], b[k]) for k in a)
+    lines = read_metrics(tmp_path)
+    for key in ("policy_loss", "value_loss", "explained_variance", "clip_fraction", "approx_kl", "value_mean",
+                "return_mean", "critic_grad_norm"):
+        assert key in lines[0], key
+    ckpt = latest_checkpoint(tmp_path / "ckpt")
+    files = json.loads((ckpt / "manifest.json").read_text())["files"]
+    assert "value_model.pt" in files and "value_optimizer.pt" in files
+    # the critic learned something: its head is no longer zero
+    head = torch.load(ckpt / "value_model.pt", weights_only=True)["value_head.weight"]
+    assert head.abs().sum().item() > 0
+    # --param_path at a PPO checkpoint loads the policy weights only (the critic warm-starts)
+    again = write_rl_run(tmp_path / "again", tok_dir, train_type="online_ppo", rewards=["format"])
+    raw = yaml.safe_load(again.read_text())
+    del raw["model"]  # the checkpoint's config.json defines the model
+    again.write_text(yaml.safe_dump(raw))
+    assert main(["--config", str(again), "--param_path", str(ckpt), "--max_steps", "1"]) == 0
+
+
+def test_resume_without_the_critic_files_fails_naming_them(tmp_path, tok_dir, capsys):
+    config = write_rl_run(tmp_path, tok_dir, train_type="online_ppo", rewards=["format"])
+    assert main(["--config", str(config), "--max_steps", "2"]) == 0
+    ckpt = latest_checkpoint(tmp_path / "ckpt")
+    (ckpt / "value_optimizer.pt").unlink()
+    manifest = json.loads((ckpt / "manifest.json").read_text())
+    del manifest["files"]["value_optimizer.pt"]
+    (ckpt / "manifest.json").write_text(json.dumps(manifest))
+    capsys.readouterr()
+    assert main(["--config", str(config), "--resume", "--param_path", str(ckpt)]) == 1
+    assert "value_optimizer.pt" in capsys.readouterr().err
+    # `astrai ckpt latest` (what --resume and the container entrypoint pick) skips it, naming the file
+    from astrai.train.checkpoint import main as ckpt_main
+
+    assert ckpt_main(["latest", str(tmp_path / "ckpt")]) == 1
+    assert "value_optimizer.pt" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_ppo_sigterm_and_resume_equals_the_uninterrupted_run(tmp_path, tok_dir):
+    straight = write_rl_run(tmp_path / "straight", tok_dir, train_type="online_ppo", rollout_interval=2,
+                            rewards=["format"])
+    stopped = write_rl_run(tmp_path / "stopped", tok_dir, train_type="online_ppo", rollout_interval=2,
+                           rewards=["format"])
+    for cfg in (straight, stopped):
+        cfg.write_text(cfg.read_text().replace("max_steps: 4", "max_steps: 5"))
+    assert main(["--config", str(straight)]) == 0
+    env = {**os.environ, "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
+           "ASTRAI_PAUSE_AT": "step:3", "ASTRAI_PAUSE_FILE": str(tmp_path / "paused")}
+    proc = subprocess.Popen([sys.executable, "-m", "astrai", "train", "--config", str(stopped)], env=env,
+                            stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 300  # a guard against a hung run, not the property under test
+    while not list(tmp_path.glob("paused.*")) and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=300)
+    assert proc.returncode == 0 and "stopped at step 3" in err, err[-2000:]
+    assert main(["--config", str(stopped), "--resume"]) == 0
+    keys = ("step", "loss", "policy_loss", "value_loss", "grad_norm", "critic_grad_norm", "explained_variance")
+    got = [{k: m.get(k) for k in keys} for m in read_metrics(tmp_path / "stopped")]
+    want = [{k: m.get(k) for k in keys} for m in read_metrics(tmp_path / "straight")]
+    assert got == want
+    for name in ("model.safetensors",):
+        a = load_file(str(latest_checkpoint(tmp_path / "stopped" / "ckpt") / name))
+        b = load_file(str(latest_checkpoint(tmp_path / "straight" / "ckpt") / name))
+        assert all(a[k].equal(b[k]) for k in a)
+    ca = torch.load(latest_checkpoint(tmp_path / "stopped" / "ckpt") / "value_model.pt", weights_only=True)
+    cb = torch.load(latest_checkpoint(tmp_path / "straight" / "ckpt") / "value_model.pt", weights_only=True)
+    assert all(ca[k].equal(cb[k]) for k in ca)
