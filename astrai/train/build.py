@@ -120,3 +120,14 @@ def build_datasets(cfg: Config, tokenizer: Any) -> tuple[Any, Any]:
         n_val = max(1, round(d.val_split * len(train)))
         return _Subset(train, sorted(order[n_val:])), _Subset(train, sorted(order[:n_val]))
     return train, None
+
+
+def check_vocab(model: torch.nn.Module, tokenizer: Any, cfg: Config) -> None:
+    """Before any step: every token id the tokenizer can produce must have an embedding row."""
+    if tokenizer is None:
+        return
+    model_vocab, size = model.config.vocab_size, len(tokenizer)
+    if size > model_vocab:
+        source = cfg.data.tokenizer_path or cfg.train.param_path
+        raise ValueError(f"model vocab_size is {model_vocab} but the tokenizer at {source} has {size} tokens; "
+                         f"set vocab_size to at least {size} (or use the model's own tokenizer)")

@@ -77,6 +77,10 @@ def init_distributed(device: str | None = None, timeout_s: int = DEFAULT_TIMEOUT
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
     local_rank = int(os.environ.get("LOCAL_RANK", str(rank)))
+    if device is not None and device != "cpu" and not device.startswith("cuda"):
+        raise ValueError(f"device={device!r} is not supported for training; use cpu or cuda (or leave it unset)")
+    if device is not None and device.startswith("cuda") and not torch.cuda.is_available():
+        raise ValueError(f"device={device!r} but no CUDA device is available here; use --device cpu")
     use_cuda = torch.cuda.is_available() if device is None else device.startswith("cuda")
     if use_cuda:
         torch.cuda.set_device(local_rank % max(1, torch.cuda.device_count()))

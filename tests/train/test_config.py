@@ -82,7 +82,7 @@ def test_choices_and_ranges():
         load_config(None, ["--grad_accum_steps", "0"])
 
 
-@pytest.mark.parametrize("train_type", ["online_ppo", "rlhf"])
+@pytest.mark.parametrize("train_type", ["rlhf", "ppo"])
 def test_unavailable_train_types_say_what_is_available(train_type):
     with pytest.raises(ConfigError) as e:
         load_config(None, ["--train_type", train_type])

@@ -132,3 +132,21 @@ def test_early_stopping_counts_nan_as_no_improvement():
         loop.step_metrics = {"val/loss": value}
         stopper.after_optimizer_step(loop)
     assert stopper.best == 1.0 and loop.ctx.stop_requested
+
+
+def test_model_vocab_smaller_than_the_tokenizer_is_an_error_before_training(tmp_path, tok_dir, capsys):
+    config = write_run(tmp_path, tok_dir, "sft", num_records=8, n_epoch=1)
+    assert main(["--config", str(config), "--vocab_size", "64"]) == 1
+    err = capsys.readouterr().err
+    assert "vocab_size is 64 but the tokenizer" in err and "at least" in err
+    assert publish.list_checkpoints(tmp_path / "ckpt") == []
+
+
+@pytest.mark.parametrize("device, message", [("tpu", "not supported"), ("cuda", "no CUDA device")])
+def test_unknown_or_unavailable_device_is_a_one_line_error(tmp_path, tok_dir, capsys, device, message):
+    if device == "cuda" and torch.cuda.is_available():
+        pytest.skip("a CUDA device is present here")
+    config = write_run(tmp_path, tok_dir, "sft", num_records=8, n_epoch=1)
+    assert main(["--config", str(config), "--device", device]) == 1
+    err = capsys.readouterr().err.strip()
+    assert message in err and "Traceback" not in err and len(err.splitlines()) == 1

@@ -23,7 +23,7 @@ import torch
 from astrai.config import Config
 from astrai.data.sampler import ResumableSampler
 from astrai.train import dist, resume
-from astrai.train.build import build_datasets, build_model, build_tokenizer, seed_everything
+from astrai.train.build import build_datasets, build_model, build_tokenizer, check_vocab, seed_everything
 from astrai.train.callbacks import CallbackList, CheckpointSaver, default_callbacks, requested_metrics
 from astrai.train.context import TrainContext
 from astrai.train.objectives import num_tokens
@@ -62,6 +62,7 @@ class OnlineLoop:
             raise ValueError("online RL needs a tokenizer with a chat template: set tokenizer_path or param_path")
         self.raw_model = (model if model is not None else build_model(cfg)).to(self.device)
         self.raw_model.gradient_checkpointing = cfg.train.gradient_checkpointing
+        check_vocab(self.raw_model, self.tokenizer, cfg)
         self.objective = build_objective(cfg, self.raw_model)  # a KL reference copies the initial policy
         self.model = dist.wrap_model(self.raw_model, cfg.dist.parallel_mode, self.dist)
         self.prompts = prompts if prompts is not None else build_datasets(cfg, self.tokenizer)[0]
