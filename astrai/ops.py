@@ -102,7 +102,10 @@ def read_yaml(path: Path) -> dict[str, Any]:
     try:
         data = yaml.safe_load(path.read_text())
     except yaml.YAMLError as e:
-        raise OpsError(f"{path}: not valid YAML: {e}") from None
+        mark = getattr(e, "problem_mark", None)
+        where = f"{path}:{mark.line + 1}:{mark.column + 1}" if mark else str(path)
+        problem = getattr(e, "problem", None) or str(e)
+        raise OpsError(f"{where}: not valid YAML: {problem}") from None
     if not isinstance(data, dict):
         raise OpsError(f"{path}: expected a mapping of sections (infra:, data:, train:, ...), got {type(data).__name__}")
     return data
