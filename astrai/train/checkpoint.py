@@ -65,19 +65,24 @@ def missing_required_files(path: str | os.PathLike) -> list[str]:
 
 
 def find_resumable_checkpoint(ckpt_dir: str | os.PathLike) -> Path:
-    """The newest complete checkpoint that also lists every file its train type needs; newer
-    ones that lack some are skipped with a warning naming the files."""
-    newest = find_resume_checkpoint(ckpt_dir)
+    """The newest checkpoint that is complete, passes its checksums and lists every file its
+    train type needs. Every kind of damage (missing or truncated file, checksum mismatch, bad
+    manifest, missing critic files) is treated the same: skipped with a warning naming the file."""
+    newest = find_resume_checkpoint(ckpt_dir)  # warns about newer ones whose manifest or sizes fail
+    problems = []
     for _, path in reversed(list_checkpoints(ckpt_dir)):
         if path.name > newest.name:
             continue
-        missing = missing_required_files(path)
-        if not missing:
+        try:
+            verify_checkpoint(path, checksums=True)
+            missing = missing_required_files(path)
+            if missing:
+                raise CheckpointError(f"{path} lacks {', '.join(missing)}, which its train type needs to resume")
             return path
-        print(f"warning: skipping {path}: it lacks {', '.join(missing)}, which its train type needs to resume",
-              file=sys.stderr)
-    raise CheckpointError(f"no checkpoint in {ckpt_dir} can resume its run: each lacks files its train type needs "
-                          f"({', '.join(missing_required_files(newest))}); start without --resume")
+        except CheckpointError as e:
+            problems.append(str(e))
+            print(f"warning: skipping a damaged checkpoint: {e}", file=sys.stderr)
+    raise CheckpointError(f"no checkpoint in {ckpt_dir} can resume its run: {problems[-1]}; start without --resume")
 
 
 def save_training_checkpoint(

@@ -150,3 +150,27 @@ def test_unknown_or_unavailable_device_is_a_one_line_error(tmp_path, tok_dir, ca
     assert main(["--config", str(config), "--device", device]) == 1
     err = capsys.readouterr().err.strip()
     assert message in err and "Traceback" not in err and len(err.splitlines()) == 1
+
+
+@pytest.mark.parametrize("damage", ["checksum", "truncated", "missing", "manifest"])
+def test_resume_skips_every_kind_of_damage_the_same_way(tmp_path, tok_dir, capsys, damage):
+    config = write_run(tmp_path, tok_dir, "sft", num_records=16, n_epoch=1)
+    assert main(["--config", str(config), "--ckpt_interval", "1", "--keep_last", "5", "--max_steps", "3"]) == 0
+    newest = tmp_path / "ckpt" / "step_00000003"
+    target = newest / "optimizer.pt"
+    if damage == "checksum":  # same size, different bytes
+        data = bytearray(target.read_bytes())
+        data[-1] ^= 0xFF
+        target.write_bytes(bytes(data))
+    elif damage == "truncated":
+        target.write_bytes(target.read_bytes()[:10])
+    elif damage == "missing":
+        target.unlink()
+    else:
+        (newest / "manifest.json").write_text("{not json")
+    capsys.readouterr()
+    assert main(["--config", str(config), "--resume", "--max_steps", "4"]) == 0
+    err = capsys.readouterr().err
+    assert "skipping a damaged checkpoint" in err
+    assert ("manifest.json" if damage == "manifest" else "optimizer.pt") in err
+    assert "resumed from" in err and "step_00000002 at step 2" in err
