@@ -169,3 +169,17 @@ def test_ppo_sigterm_and_resume_equals_the_uninterrupted_run(tmp_path, tok_dir):
     ca = torch.load(latest_checkpoint(tmp_path / "stopped" / "ckpt") / "value_model.pt", weights_only=True)
     cb = torch.load(latest_checkpoint(tmp_path / "straight" / "ckpt") / "value_model.pt", weights_only=True)
     assert all(ca[k].equal(cb[k]) for k in ca)
+
+
+@pytest.mark.slow
+def test_online_ppo_under_ddp_with_two_ranks(tmp_path, tok_dir):
+    config = write_rl_run(tmp_path, tok_dir, train_type="online_ppo", rewards=["format"])
+    env = {**os.environ, "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    r = subprocess.run([sys.executable, "-m", "astrai", "train", "--config", str(config), "--nprocs", "2",
+                        "--parallel_mode", "ddp", "--max_steps", "2"], capture_output=True, text=True, env=env,
+                       timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    state = json.loads((latest_checkpoint(tmp_path / "ckpt") / "trainer_state.json").read_text())
+    assert state["world_size"] == 2 and state["policy_version"] == 2
+    files = json.loads((latest_checkpoint(tmp_path / "ckpt") / "manifest.json").read_text())["files"]
+    assert {"value_model.pt", "value_optimizer.pt", "rollout.pt"} <= set(files)

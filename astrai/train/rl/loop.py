@@ -152,7 +152,8 @@ class OnlineLoop:
         """Draw prompts (skipping batches whose prompts are all too long) and generate a rollout."""
         while True:
             batch = self._next_prompts()
-            rollout = self.runner.generate(batch, self.ctx.step, self.ctx.policy_version)
+            rollout = self.runner.generate(batch, self.ctx.step, self.ctx.policy_version,
+                                           first_index=self.dist.rank * self.num_prompts)
             if rollout is not None:
                 self.objective.prepare(rollout)
                 return rollout
@@ -174,22 +175,22 @@ class OnlineLoop:
         return self.prompts.collate([self.prompts[i] for i in indices])
 
     def _metrics(self, result: dict[str, Any], rollout: Rollout, fresh: bool, seconds: float) -> dict[str, Any]:
+        """The step's metrics; rollout statistics are means over ranks (every rank drew its own)."""
         if not fresh:
             result.pop("sampler_logp_diff", None)  # measured on a rollout's first step only
         r = rollout.rewards
         lengths = (rollout.labels != -100).sum(dim=1).float()
-        metrics = {"step": self.ctx.step, "epoch": self.ctx.epoch, "policy_version": self.ctx.policy_version,
-                   **result, "reward_mean": r.mean().item(), "reward_std": r.std(unbiased=False).item(),
-                   "response_length_mean": lengths.mean().item(), "response_length_max": lengths.max().item(),
-                   "rollout_policy_version": rollout.policy_version}
+        stats = {"reward_mean": r.mean().item(), "reward_std": r.std(unbiased=False).item(),
+                 "response_length_mean": lengths.mean().item(), "response_length_max": lengths.max().item()}
         for name, terms in rollout.reward_terms.items():
-            metrics[f"rewards/{name}"] = terms.mean().item()
-            if bool(((terms == 0) | (terms == 1)).all()):  # a 0/1 reward reads as an accuracy
-                metrics[f"rewards/{name}_rate"] = terms.mean().item()
+            stats[f"rewards/{name}"] = terms.mean().item()
+            if not dist.any_rank(not bool(((terms == 0) | (terms == 1)).all())):  # 0/1 everywhere: a rate
+                stats[f"rewards/{name}_rate"] = terms.mean().item()
         if fresh:
-            metrics.update(rollout.stats)
-            metrics["rollout_time_share"] = rollout.stats["rollout_seconds"] / max(seconds, 1e-9)
-        return metrics
+            stats.update(rollout.stats)
+            stats["rollout_time_share"] = rollout.stats["rollout_seconds"] / max(seconds, 1e-9)
+        return {"step": self.ctx.step, "epoch": self.ctx.epoch, "policy_version": self.ctx.policy_version,
+                "rollout_policy_version": rollout.policy_version, **result, **dist.all_reduce_metrics(stats)}
 
     def _should_stop(self) -> bool:
         if self.dist.world_size == 1:

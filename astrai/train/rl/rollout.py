@@ -90,9 +90,11 @@ class RolloutRunner:
     def set_policy_version(self, version: int) -> None:
         self.engine.set_policy_version(version)  # monotonic; older prefixes are never served again
 
-    def generate(self, batch: dict[str, list[Any]], step: int, policy_version: int) -> Rollout | None:
+    def generate(self, batch: dict[str, list[Any]], step: int, policy_version: int,
+                 first_index: int = 0) -> Rollout | None:
         """Sample, score and pack a rollout for one batch of prompt records; None when every
-        prompt was too long. Prompts over max_prompt_len are skipped and counted."""
+        prompt was too long. Prompts over max_prompt_len are skipped and counted. `first_index`
+        numbers this rank's prompts within the step (seeds differ across ranks)."""
         cfg, G = self.cfg, self.cfg.group_size
         keep = [i for i, ids in enumerate(batch["prompt_ids"]) if len(ids) <= cfg.max_prompt_len]
         skipped = len(batch["prompt_ids"]) - len(keep)
@@ -106,11 +108,15 @@ class RolloutRunner:
             return None
         prompts = [list(batch["prompt_ids"][i]) for i in keep]
         params = [SamplingParams(temperature=cfg.rollout_temperature, top_p=cfg.rollout_top_p, top_k=cfg.rollout_top_k,
-                                 max_tokens=cfg.rollout_max_tokens, n=G, seed=rollout_seed(self.random_seed, step, i))
+                                 max_tokens=cfg.rollout_max_tokens, n=G, seed=rollout_seed(self.random_seed, step, first_index + i))
                   for i in keep]
         start = time.perf_counter()
         outputs = self.engine.run_batch(prompts, params, return_logprobs=True)
         seconds = time.perf_counter() - start
+        drawn = {out.policy_version for out in outputs}
+        if drawn != {policy_version}:
+            raise ValueError(f"rollout for policy version {policy_version} was generated at version(s) {sorted(drawn)}; "
+                             "publish each new version to the engine before generating")
         samples = [(p, c) for p, out in zip(prompts, outputs) for c in out.outputs]  # N = B * G, groups contiguous
         records = [{"messages": batch["messages"][i], "answer": batch["answer"][i],
                     **dict(batch["metadata"][i] or {})} for i in keep for _ in range(G)]
