@@ -59,11 +59,11 @@ def test_disconnect_aborts_and_frees_kv(server):
         chunks = [next(lines) for _ in range(6)]
         assert all(c.startswith("data: {") or c == "" for c in chunks)
         # mid-stream: the request holds KV blocks (metrics refresh every few ms while busy)
-        deadline = time.monotonic() + 5
+        deadline = time.monotonic() + 60  # a guard: the property is the metric, not the time
         while _metric(server.base_url, "astrai_kv_cache_usage_perc") == 0 and time.monotonic() < deadline:
             time.sleep(0.02)
         assert _metric(server.base_url, "astrai_kv_cache_usage_perc") > 0
-    deadline = time.monotonic() + 10
+    deadline = time.monotonic() + 60  # a guard: the property is the metric, not the time
     while time.monotonic() < deadline:
         if (_metric(server.base_url, "astrai_num_requests_running") == 0
                 and _metric(server.base_url, "astrai_kv_cache_usage_perc") == 0):
@@ -94,7 +94,7 @@ def test_health_is_503_while_loading(model_dir):
     thread.start()
     base = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 20
+        deadline = time.monotonic() + 60  # a guard only
         while not server.started and time.monotonic() < deadline:
             time.sleep(0.02)
         health = httpx.get(base + "/health")
@@ -102,7 +102,7 @@ def test_health_is_503_while_loading(model_dir):
         chat = httpx.post(base + "/v1/chat/completions", json={"model": "tiny-model", "messages": []})
         assert chat.status_code == 503
         release.set()
-        deadline = time.monotonic() + 20
+        deadline = time.monotonic() + 60  # a guard only
         while httpx.get(base + "/health").status_code != 200 and time.monotonic() < deadline:
             time.sleep(0.05)
         assert httpx.get(base + "/health").status_code == 200
@@ -138,7 +138,7 @@ def test_non_streaming_client_that_gives_up_aborts_its_request(server):
             "ignore_eos": True}
     with pytest.raises(httpx.ReadTimeout):
         httpx.post(server.base_url + "/v1/chat/completions", json=body, headers=AUTH, timeout=0.3)
-    deadline = time.monotonic() + 10
+    deadline = time.monotonic() + 60  # a guard: the property is the metric, not the time
     while time.monotonic() < deadline and not (
             _metric(server.base_url, "astrai_requests_aborted_by_disconnect_total") == before + 1
             and _metric(server.base_url, "astrai_kv_cache_usage_perc") == 0):
