@@ -210,6 +210,16 @@ def any_rank(flag: bool) -> bool:
     return bool(buf.item())
 
 
+def max_over_ranks(value: int) -> int:
+    """The largest of every rank's `value` (e.g. micro-batches, so every rank runs as many)."""
+    if not is_distributed():
+        return int(value)
+    buf = torch.tensor([int(value)], dtype=torch.int64, device=_device)
+    _recent_buffers.append(buf)
+    dist.all_reduce(buf, op=dist.ReduceOp.MAX)
+    return int(buf.item())
+
+
 def broadcast_object(obj: Any, src: int = 0) -> Any:
     """Rank `src`'s Python object on every rank (small objects: paths, flags)."""
     if not is_distributed():

@@ -254,3 +254,22 @@ def test_rollout_records_are_checked_field_by_field(tmp_path, tok_dir):
         encode_record({**base, "rewards": [1.0, float("nan")]}, "rollout", tok, 128)
     with pytest.raises(RecordError, match=r"'logprobs\[0\]' has 1 entries"):
         encode_record({**base, "logprobs": [[-0.1], [-0.2]]}, "rollout", tok, 128)
+
+
+def rank0_only_reward(prompt, completion, record):
+    """Distinct rewards on rank 0 only: rank 1's groups are all tied (no online DPO pairs there)."""
+    return float(len(completion) % 3) if os.environ.get("RANK", "0") == "0" else 0.0
+
+
+@pytest.mark.slow
+def test_online_dpo_under_ddp_when_one_rank_has_no_pairs(tmp_path, tok_dir):
+    config = write_rl_run(tmp_path, tok_dir, train_type="online_dpo",
+                          rewards=["tests.train.test_rl:rank0_only_reward"])
+    env = {**os.environ, "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    r = subprocess.run([sys.executable, "-m", "astrai", "train", "--config", str(config), "--nprocs", "2",
+                        "--parallel_mode", "ddp", "--max_steps", "2"], capture_output=True, text=True, env=env,
+                       timeout=300, cwd=REPO)
+    assert r.returncode == 0, r.stderr[-3000:]
+    lines = read_metrics(tmp_path)
+    assert [m["step"] for m in lines] == [1, 2]
+    assert all(m["num_loss_units"] > 0 for m in lines)  # rank 0's pairs trained; rank 1 only joined the sync

@@ -119,10 +119,21 @@ class OnlineLoop:
                 rollout = self.rollout
                 check_policy_lag(rollout.policy_version, ctx.policy_version, cfg.rl.max_policy_lag)
                 batches = self.objective.batches(rollout, cfg.train.grad_accum_steps)
-                for i, batch in enumerate(batches):
+                # DDP: every rank runs as many backward passes (online DPO may have fewer pairs here)
+                num = dist.max_over_ranks(len(batches)) if self.dist.world_size > 1 else len(batches)
+                for i in range(num):
+                    filler = i >= len(batches)  # a pass that only joins the gradient all-reduce
+                    batch = batches[-1] if filler and batches else (
+                        self.objective.filler_batch(rollout) if filler else batches[i])
                     batch = {k: v.to(self.device) for k, v in batch.items()}
-                    with self._no_sync(i < len(batches) - 1), self._autocast():
+                    with self._no_sync(i < num - 1), self._autocast():
                         out = self.objective(self.model, batch)
+                    if filler:  # zero loss, zero units; its metric names keep the window's sums aligned
+                        (out.loss * 0).backward()
+                        self.grad_step.add(out.loss * 0, 0, 0, {k: torch.zeros_like(v) for k, v in out.metrics.items()})
+                        if self.critic is not None:
+                            self.critic_step.add(out.loss * 0, 0, 0)
+                        continue
                     out.loss.backward()  # a sum over loss units; the window normalises it
                     units = self.objective.num_units(batch)
                     self.grad_step.add(out.loss, units, num_tokens(batch), out.metrics)

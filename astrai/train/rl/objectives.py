@@ -192,6 +192,14 @@ class OnlineDPOObjective(Objective):
             out.append(batch)
         return out
 
+    def filler_batch(self, rollout: Any) -> Batch:
+        """A batch for a rank without pairs under DDP: its loss is multiplied by 0 by the loop."""
+        pairs, rollout.pairs = rollout.pairs, torch.zeros(1, 2, dtype=torch.long)
+        try:
+            return self.batches(rollout, 1)[0]
+        finally:
+            rollout.pairs = pairs
+
     def num_units(self, batch: Batch) -> Tensor:
         return self.dpo.num_units(batch)
 
