@@ -68,7 +68,7 @@ class TrainSection:
 @dataclass
 class OptimConfig:
     optimizer: str = "adamw"  # adamw | muon (Muon for 2-D hidden matrices, AdamW for the rest)
-    max_lr: float = 1.0e-3
+    max_lr: float | None = None  # null: 1e-3 from scratch; fine-tuning (param_path): 2e-5 seq/sft, 1e-6 dpo/RL
     weight_decay: float = 0.0
     decay_all_params: bool = False  # default: decay only 2-D weight matrices
     adam_beta1: float = 0.9
@@ -76,7 +76,7 @@ class OptimConfig:
     adam_eps: float = 1.0e-8
     muon_momentum: float = 0.95
     schedule: str = "cosine"  # constant | cosine | wsd
-    warmup_ratio: float = 0.0  # fraction of total optimizer steps
+    warmup_ratio: float | None = None  # fraction of total optimizer steps; null: 0 from scratch, 0.03 fine-tuning
     warmup_steps: int | None = None  # overrides warmup_ratio when set
     min_lr_ratio: float = 0.0  # final lr = max_lr * min_lr_ratio (cosine, wsd)
     decay_ratio: float = 0.2  # wsd: fraction of steps in the final decay
@@ -185,6 +185,8 @@ class Config:
     ckpt: CkptConfig = field(default_factory=CkptConfig)
     log: LogConfig = field(default_factory=LogConfig)
     dist: DistConfig = field(default_factory=DistConfig)
+    # situation-dependent defaults filled at load time: field -> why (reported in a run's first lines)
+    filled_defaults: dict[str, str] = field(default_factory=dict, repr=False, compare=False)
 
     def to_dict(self) -> dict[str, dict[str, Any]]:
         """Sectioned plain dict (YAML/JSON-able), the form written to trainer_state.json."""
@@ -350,6 +352,26 @@ def build_config(yaml_data: dict[str, Any], overrides: dict[str, Any]) -> Config
     return _assemble(values, table)
 
 
+# peak learning rates when fine-tuning a trained model (param_path set), as TRL's trainers default
+FINE_TUNING_LR = {"seq": 2e-5, "sft": 2e-5}
+FINE_TUNING_LR_OTHER = 1e-6  # preference and RL objectives
+FROM_SCRATCH_LR = 1e-3
+FINE_TUNING_WARMUP_RATIO = 0.03
+
+
+def resolve_defaults(cfg: Config) -> None:
+    """Fill the situation-dependent defaults (max_lr, warmup_ratio) and remember which were filled,
+    so the run can say so in its first lines."""
+    o, fine_tuning = cfg.optim, cfg.train.param_path is not None
+    situation = f"fine-tuning {cfg.data.train_type}" if fine_tuning else "training from scratch"
+    if o.max_lr is None:
+        o.max_lr = FINE_TUNING_LR.get(cfg.data.train_type, FINE_TUNING_LR_OTHER) if fine_tuning else FROM_SCRATCH_LR
+        cfg.filled_defaults["max_lr"] = situation
+    if o.warmup_ratio is None:
+        o.warmup_ratio = FINE_TUNING_WARMUP_RATIO if fine_tuning and o.warmup_steps is None else 0.0
+        cfg.filled_defaults["warmup_ratio"] = situation
+
+
 def _check_key(name: str, section: str, value: Any, table: dict[str, tuple[str, Any]]) -> Any:
     if name not in table:
         in_section = [k for k, (s, _) in table.items() if s == section]
@@ -366,6 +388,7 @@ def _assemble(values: dict[str, Any], table: dict[str, tuple[str, Any]]) -> Conf
         section = table[name][0] if name in table else "model"
         per_section[section][name] = value
     cfg = Config(model=per_section.pop("model"), **{s: SECTIONS[s](**kw) for s, kw in per_section.items()})
+    resolve_defaults(cfg)
     validate(cfg)
     return cfg
 

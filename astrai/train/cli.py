@@ -35,6 +35,16 @@ def _fail(message: str, code: int = 2) -> int:
     return code
 
 
+def optimizer_summary(cfg: Config, total_steps: int) -> str:
+    """The run's first line: the effective learning rate, schedule and warmup, and where a
+    situation-dependent default came from."""
+    o = cfg.optim
+    warmup = o.warmup_steps if o.warmup_steps is not None else round(o.warmup_ratio * total_steps)
+    why = {k: f" (default for {v}; set --{k} to change)" for k, v in cfg.filled_defaults.items()}
+    return (f"optimizer {o.optimizer}: max_lr={o.max_lr:g}{why.get('max_lr', '')}, schedule={o.schedule}, "
+            f"warmup={warmup} of {total_steps} steps{why.get('warmup_ratio', '')}")
+
+
 def run(cfg: Config, ctx: TrainContext) -> int:
     from astrai.train import dist, resume
     from astrai.train.publish import cleanup_leftovers, run_lock
@@ -51,6 +61,8 @@ def run(cfg: Config, ctx: TrainContext) -> int:
         loop = OnlineLoop(build_cfg, ctx=ctx) if is_online(cfg.data.train_type) else Trainer(build_cfg, ctx=ctx)
         if ckpt is not None:
             resume.restore(loop, ckpt)
+        if loop.is_main:
+            print(optimizer_summary(cfg, loop.total_steps), file=sys.stderr)
         try:
             loop.train()
         finally:

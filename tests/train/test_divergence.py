@@ -174,3 +174,23 @@ def test_resume_skips_every_kind_of_damage_the_same_way(tmp_path, tok_dir, capsy
     assert "skipping a damaged checkpoint" in err
     assert ("manifest.json" if damage == "manifest" else "optimizer.pt") in err
     assert "resumed from" in err and "step_00000002 at step 2" in err
+
+
+def test_fine_tuning_defaults_and_the_first_line_says_what_the_run_uses(tmp_path, tok_dir, capsys):
+    import yaml
+
+    config = write_run(tmp_path / "scratch", tok_dir, "sft", num_records=8, n_epoch=1)
+    raw = yaml.safe_load(config.read_text())
+    del raw["optim"]["max_lr"], raw["optim"]["warmup_steps"]
+    config.write_text(yaml.safe_dump(raw))
+    assert main(["--config", str(config)]) == 0
+    assert "max_lr=0.001 (default for training from scratch" in capsys.readouterr().err
+    ckpt = publish.latest_checkpoint(tmp_path / "scratch" / "ckpt")
+    del raw["model"]
+    raw["ckpt"]["ckpt_dir"] = str(tmp_path / "tuned" / "ckpt")
+    raw["log"]["log_dir"] = str(tmp_path / "tuned" / "log")
+    config.write_text(yaml.safe_dump(raw))
+    assert main(["--config", str(config), "--param_path", str(ckpt), "--max_steps", "40"]) == 0
+    err = capsys.readouterr().err
+    assert "max_lr=2e-05 (default for fine-tuning sft; set --max_lr to change)" in err
+    assert "warmup=1 of 40 steps (default for fine-tuning sft" in err  # round(0.03 * 40)
