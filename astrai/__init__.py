@@ -17,7 +17,7 @@ _EXPORTS = {
     "load_model": "astrai.model.hf",
     "save_model": "astrai.model.hf",
     "load_tokenizer": "astrai.data.tokenizer",
-    "LLM": "astrai.infer.engine",
+    "LLM": "astrai.infer.llm",
     "LLMEngine": "astrai.infer.engine",
     "SamplingParams": "astrai.infer.sampling",
 }

@@ -19,7 +19,7 @@ COMMANDS = {
     "preprocess": ("astrai.data.preprocess", "tokenise JSONL into memory-mapped shards"),
     "tokenizer": ("astrai.data.tokenizer", "train a byte-level BPE tokenizer"),
     "ckpt": ("astrai.train.checkpoint", "list, verify or pick the latest checkpoint"),
-    "convert": ("astrai.model.hf", "convert a GGUF checkpoint into a model directory"),
+    "convert": ("astrai.model.gguf", "convert a GGUF checkpoint into a model directory"),
     "eval": ("astrai.evaluate", "exact-match evaluation on a built-in task"),
     "plot": ("astrai.train.plot", "plot training curves from metrics.jsonl"),
     "demo": ("astrai.demo", "the quickstart: tokenizer -> pre-train -> SFT -> evaluate"),

@@ -125,7 +125,7 @@ def stage_config(kind: str, out: Path, data: Path, tok: Path, steps: int, spec: 
 
 def evaluate(model_dir: Path, eval_path: Path, limit: int) -> dict[str, Any]:
     from astrai.evaluate import evaluate_model, read_prompt_records
-    from astrai.infer.engine import LLM
+    from astrai.infer.llm import LLM
 
     result = evaluate_model(LLM(str(model_dir)), read_prompt_records(eval_path, limit), max_tokens=8)
     return {"accuracy": result.accuracy, "num_correct": result.num_correct, "num_total": result.num_total,

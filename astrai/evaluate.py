@@ -74,7 +74,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--limit", type=int, default=None, help="evaluate only the first N records")
     parser.add_argument("--max_tokens", type=int, default=16)
     args = parser.parse_args(argv)
-    from astrai.infer.engine import LLM
+    from astrai.infer.llm import LLM
 
     try:
         records = read_prompt_records(args.data, args.limit)

@@ -268,13 +268,19 @@ def import_rules() -> dict[str, set[str]]:
 
 
 def imported_layers(path: Path) -> set[str]:
-    """The astrai sub-packages a module imports anywhere (top level or inside functions)."""
+    """The astrai sub-packages a module imports anywhere (top level or inside functions), also
+    through the package: `from astrai import infer` and `from astrai import LLM` (a lazy re-export)."""
     import ast
+
+    import astrai
 
     found = set()
     for node in ast.walk(ast.parse(path.read_text())):
         names = [node.module or ""] if isinstance(node, ast.ImportFrom) else (
             [a.name for a in node.names] if isinstance(node, ast.Import) else [])
+        if isinstance(node, ast.ImportFrom) and node.module == "astrai":
+            names = [astrai._EXPORTS.get(a.name, f"astrai.{a.name}") for a in node.names
+                     if a.name in astrai._EXPORTS or (ROOT / "astrai" / a.name).is_dir()]
         for name in names:
             parts = name.split(".")
             if parts[0] == "astrai" and len(parts) > 1:
@@ -291,3 +297,34 @@ def test_import_direction_matches_architecture() -> None:
             bad = imported_layers(path) & forbidden
             violations += [f"{path.relative_to(ROOT)} imports astrai.{b}" for b in sorted(bad)]
     assert not violations, f"imports against docs/architecture.md: {violations}"
+
+
+# the one module of the train layer that may import the engine: online RL's rollouts
+ROLLOUT_MODULE = "astrai/train/rl/rollout.py"
+
+
+def test_only_the_rollout_module_of_train_imports_infer() -> None:
+    """docs/architecture.md: inside astrai/train, only train/rl/rollout.py imports astrai.infer."""
+    text = (DOCS / "architecture.md").read_text()
+    assert f"one module may import `astrai.infer`: `{ROLLOUT_MODULE}`" in text, (
+        f"docs/architecture.md no longer states that only {ROLLOUT_MODULE} of the train layer imports "
+        "astrai.infer; update the rule here and there together")
+    modules = sorted((ROOT / "astrai" / "train").rglob("*.py"))
+    assert modules, "no modules found under astrai/train/"
+    violations = [p.relative_to(ROOT).as_posix() for p in modules
+                  if p.relative_to(ROOT).as_posix() != ROLLOUT_MODULE and "infer" in imported_layers(p)]
+    assert not violations, (f"{violations} import astrai.infer; only {ROLLOUT_MODULE} may (rollouts go "
+                            "through it, see docs/architecture.md)")
+
+
+def test_imported_layers_sees_every_import_form(tmp_path: Path) -> None:
+    """The import checks are not vacuous: each way of reaching astrai.infer is found."""
+    forms = ["import astrai.infer.engine", "from astrai.infer.llm import LLM", "from astrai import infer",
+             "from astrai import LLM", "def f():\n    from astrai.infer import sampling"]
+    for i, form in enumerate(forms):
+        probe = tmp_path / f"probe{i}.py"
+        probe.write_text(form + "\n")
+        assert "infer" in imported_layers(probe), form
+    clean = tmp_path / "clean.py"
+    clean.write_text("import torch\nfrom astrai import __version__\nfrom astrai.model.hf import load_model\n")
+    assert imported_layers(clean) == {"model"}

@@ -2,11 +2,10 @@
 
 Data flow of one step: scheduler.py picks the tokens to run -> runner.py runs the model over
 the paged KV cache (block_manager.py) -> sampling.py picks tokens and log-probs -> engine.py
-detokenises, applies stops and reports outputs.
+detokenises, applies stops and reports outputs; llm.py's `LLM` is the offline API over it.
 """
 
 from astrai.infer.engine import (
-    LLM,
     CompletionOutput,
     EngineConfig,
     EngineStats,
@@ -14,6 +13,7 @@ from astrai.infer.engine import (
     RequestMetrics,
     RequestOutput,
 )
+from astrai.infer.llm import LLM
 from astrai.infer.sampling import Logprob, SamplingParams
 
 __all__ = [

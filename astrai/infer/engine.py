@@ -5,10 +5,10 @@ sequence for it; each `step()` is schedule (scheduler.py) -> run the model (runn
 sample (sampling.py) -> postprocess here: append the tokens, detokenise incrementally, apply
 stop tokens, stop strings and length limits, fork the n samples of a request after its shared
 prefill, free finished sequences, and report the requests that changed. `run_batch` drives the
-same loop synchronously for RL rollouts; `LLM` is the offline convenience API (`generate`,
-`chat`). The engine runs the model it is given in place (a live training module is switched to
-eval mode and no_grad for each step, then restored; a model already in eval mode runs under
-inference_mode), and `set_policy_version` keys the prefix cache by weights version so KV
+same loop synchronously for RL rollouts, and `generate_all` (text or token-id prompts) is what
+the offline `LLM` of llm.py calls. The engine runs the model it is given in place (a live
+training module is switched to eval mode and no_grad for each step, then restored; a model
+already in eval mode runs under inference_mode), and `set_policy_version` keys the prefix cache by weights version so KV
 computed with older weights is never reused.
 """
 
@@ -17,7 +17,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
@@ -429,11 +429,14 @@ class LLMEngine:
                   return_logprobs: bool = True) -> list[RequestOutput]:
         """Generate for every prompt on the caller's thread; outputs in prompt order. Other
         requests already in the engine advance too, but their outputs are not returned."""
-        return self._generate_all(prompt_ids, params, return_logprobs)
+        return self.generate_all(prompt_ids, params, with_logprobs=return_logprobs)
 
-    def _generate_all(self, prompts: list[str] | list[list[int]],
-                      params: SamplingParams | list[SamplingParams] | None, with_logprobs: bool = True,
-                      on_finish: Any | None = None) -> list[RequestOutput]:
+    def generate_all(self, prompts: list[str] | list[list[int]],
+                     params: SamplingParams | list[SamplingParams] | None = None, *, with_logprobs: bool = True,
+                     on_finish: Callable[[], None] | None = None) -> list[RequestOutput]:
+        """Generate for every prompt (text or token ids) on the caller's thread until all are
+        finished; outputs in prompt order. `on_finish()` is called as each one finishes (a
+        progress bar). On any error, including KeyboardInterrupt, the batch's requests are aborted."""
         params_list = params if isinstance(params, list) else [params or SamplingParams()] * len(prompts)
         if len(params_list) != len(prompts):
             raise ValueError(f"got {len(params_list)} SamplingParams for {len(prompts)} prompts")
@@ -470,45 +473,3 @@ def _make_config(config: EngineConfig | None, overrides: dict[str, Any]) -> Engi
     if overrides:
         config = EngineConfig(**{**config.__dict__, **overrides})
     return config
-
-
-class LLM:
-    """Offline generation with vLLM's names: `LLM(model_dir | model, tokenizer).generate(...)`."""
-
-    def __init__(self, model: str | Path | nn.Module, tokenizer: Any | None = None, **config_fields: Any) -> None:
-        if isinstance(model, str | Path):
-            self.engine = LLMEngine.from_pretrained(model, **config_fields)
-            if tokenizer is not None:
-                self.engine.tokenizer = tokenizer
-        else:
-            self.engine = LLMEngine(model, tokenizer, **config_fields)
-
-    def get_tokenizer(self) -> Any | None:
-        return self.engine.tokenizer
-
-    def generate(self, prompts: str | list[int] | list[str] | list[list[int]],
-                 params: SamplingParams | list[SamplingParams] | None = None,
-                 use_tqdm: bool = False) -> list[RequestOutput]:
-        """Outputs in prompt order. A prompt is a string or a list of token ids."""
-        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
-            prompts = [prompts]
-        return self._run(list(prompts), params, use_tqdm)
-
-    def chat(self, messages: list[dict] | list[list[dict]], params: SamplingParams | list[SamplingParams] | None = None,
-             use_tqdm: bool = False) -> list[RequestOutput]:
-        """Generate the assistant's reply to each conversation (a list of {role, content})."""
-        tok = self.engine.tokenizer
-        if tok is None:
-            raise ValueError("chat needs a tokenizer with a chat template")
-        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
-        prompts = [tok.apply_chat_template(c, add_generation_prompt=True, tokenize=True) for c in conversations]
-        return self._run(prompts, params, use_tqdm)
-
-    def _run(self, prompts: list, params: SamplingParams | list[SamplingParams] | None,
-             use_tqdm: bool) -> list[RequestOutput]:
-        if not use_tqdm:
-            return self.engine._generate_all(prompts, params)
-        from tqdm import tqdm
-
-        with tqdm(total=len(prompts), desc="generating", unit="prompt") as bar:
-            return self.engine._generate_all(prompts, params, on_finish=lambda: bar.update(1))

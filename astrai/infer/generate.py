@@ -1,6 +1,6 @@
 """`astrai generate`: offline generation from the command line.
 
-Loads a model directory into an `LLM` (the engine of engine.py) and either completes one
+Loads a model directory into an `LLM` (llm.py, over engine.py's engine) and either completes one
 `--prompt`, printing the result, or reads `--input_jsonl` (one record per line with a "prompt"
 string or a "messages" conversation) and writes each record back to `--output_jsonl` with the
 generated "completion" (and every sample under "outputs"), with a progress bar. `--chat` applies
@@ -15,7 +15,8 @@ import sys
 from dataclasses import fields
 from pathlib import Path
 
-from astrai.infer.engine import LLM, EngineConfig
+from astrai.infer.engine import EngineConfig
+from astrai.infer.llm import LLM
 from astrai.infer.sampling import SamplingParams
 
 SAMPLING_FLAGS = {  # flag -> type; names and defaults are SamplingParams'

@@ -118,9 +118,6 @@ class Scheduler:
         seq.status = SequenceStatus.WAITING
         self.waiting.append(seq)
 
-    def has_unfinished(self) -> bool:
-        return bool(self.waiting or self.running)
-
     @property
     def num_running_seats(self) -> int:
         """Running sequences, counting the siblings a prefilling n > 1 request will fork into."""

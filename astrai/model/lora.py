@@ -4,15 +4,14 @@
 names q, k, v, o, gate, up, down, i.e. `*_proj`) for `LoraLinear`, which keeps the base
 `weight`/`bias` under their original names (so state dicts and hf.py keep working) and adds
 `lora_A` (r, in) and `lora_B` (out, r). Only adapter weights stay trainable. `merge_lora` folds
-W + (alpha / r) * B @ A back into plain `nn.Linear`s, and `save_merged` writes the merged model
-as a normal Hugging Face model directory through `hf.save_model`.
+W + (alpha / r) * B @ A back into plain `nn.Linear`s. `merged_state_dict` gives the merged
+weights without touching the model: `hf.save_model` writes a model that still carries adapters
+through it, as a normal Hugging Face model directory (hf imports lora, never the reverse).
 """
 
 from __future__ import annotations
 
 import math
-from pathlib import Path
-from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -122,10 +121,3 @@ def merged_state_dict(model: nn.Module) -> dict[str, Tensor]:
             state[prefix + "weight"] = module.weight + module.delta_weight().to(module.weight.dtype)
     return state
 
-
-def save_merged(model: nn.Module, path: str | Path, tokenizer: Any | None = None) -> Path:
-    """Write base + adapters merged as a normal model directory; `model` itself is unchanged.
-    (`hf.save_model` does the same for a model that still carries adapters.)"""
-    from astrai.model.hf import save_model
-
-    return save_model(model, path, tokenizer=tokenizer, state_dict=merged_state_dict(model))

@@ -414,10 +414,8 @@ def _engine_fields() -> list[tuple[str, Any, str]]:
     """EngineConfig's fields become flags, so the server never lags behind the engine's knobs."""
     import dataclasses
 
-    try:
-        from astrai.infer.engine import EngineConfig
-    except ImportError:
-        return []
+    from astrai.infer.engine import EngineConfig
+
     taken = {"model", "host", "port", "api_key", "served_model_name", "max_request_bytes",
              "shutdown_timeout", "log_level"}
     out = []

@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from astrai.infer.detokenize import detokenize
-from astrai.infer.engine import LLM, LLMEngine
+from astrai.infer.engine import LLMEngine
+from astrai.infer.llm import LLM
 from astrai.infer.sampling import SamplingParams
 from astrai.infer.scheduler import Sequence
 from tests.infer.conftest import random_prompts, tiny_model

@@ -8,7 +8,7 @@ import torch
 
 from astrai.model.config import ModelConfig
 from astrai.model.hf import load_model, save_model
-from astrai.model.lora import LoraLinear, apply_lora, lora_state_dict, merge_lora, save_merged
+from astrai.model.lora import LoraLinear, apply_lora, lora_state_dict, merge_lora
 from astrai.model.transformer import CausalLM
 
 CONFIG = dict(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
@@ -73,15 +73,14 @@ def test_merge_equals_adapted_model_and_tied_embedding_survives():
     assert all(p.requires_grad for p in m.parameters())
 
 
-@pytest.mark.parametrize("saver", ["save_merged", "save_model"])
-def test_saved_merged_model_is_a_normal_model_dir(tmp_path, saver):
+def test_saved_merged_model_is_a_normal_model_dir(tmp_path):
     m = model().eval()
     apply_lora(m, r=2, alpha=4)
     randomize_adapters(m)
     ids = torch.randint(0, 64, (2, 6))
     with torch.no_grad():
         adapted = m(ids).logits
-    (save_merged if saver == "save_merged" else save_model)(m, tmp_path)
+    save_model(m, tmp_path)
     assert any(isinstance(x, LoraLinear) for x in m.modules())  # saving did not merge in place
     with torch.no_grad():
         loaded = load_model(tmp_path).eval()(ids).logits
@@ -93,7 +92,7 @@ def test_merged_dir_loads_in_transformers(tmp_path):
     m = model(attention_bias=True).eval()
     apply_lora(m, r=2, alpha=4, targets=["q", "k", "gate"])
     randomize_adapters(m)
-    save_merged(m, tmp_path)
+    save_model(m, tmp_path)
     hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32).eval()
     ids = torch.randint(0, 64, (2, 6))
     with torch.no_grad():

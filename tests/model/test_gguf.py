@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import importlib.util
 
-from astrai.model import hf
+from astrai.model import gguf
 
 
 def test_missing_gguf_package_is_a_clear_error(tmp_path, monkeypatch, capsys):
@@ -13,14 +13,14 @@ def test_missing_gguf_package_is_a_clear_error(tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(importlib.util, "find_spec",
                         lambda name, *a: None if name == "gguf" else real_find_spec(name, *a))
     (tmp_path / "m.gguf").write_bytes(b"GGUF")
-    assert hf.main(["--gguf", str(tmp_path / "m.gguf"), "--out", str(tmp_path / "out")]) == 1
+    assert gguf.main(["--gguf", str(tmp_path / "m.gguf"), "--out", str(tmp_path / "out")]) == 1
     err = capsys.readouterr().err
     assert "['gguf']" in err and "pip install gguf" in err
     assert not (tmp_path / "out").exists()
 
 
 def test_missing_file_is_a_clear_error(tmp_path, capsys):
-    assert hf.main(["--gguf", str(tmp_path / "nope.gguf"), "--out", str(tmp_path / "out")]) == 1
+    assert gguf.main(["--gguf", str(tmp_path / "nope.gguf"), "--out", str(tmp_path / "out")]) == 1
     assert "nope.gguf: no such file" in capsys.readouterr().err
 
 
