@@ -5,17 +5,20 @@ trainer. Records are read one line at a time and written as they are encoded, so
 not grow with the number of records (text records are encoded in batches by the Rust
 tokenizer for speed). `--pack` packs sft chats into rows of max_seq_len with document-reset
 position_ids, with the same greedy packer the datasets use. Records that cannot be used are
-skipped and counted, and the first reasons are printed with file and line; `--strict` stops
-at the first one instead.
+skipped, counted and each reported with file and line; `--strict` stops at the first one
+instead, and a run whose bad fraction exceeds `--max_bad_fraction` fails after reporting them
+all (leaving no shards). `--input` takes files and directories (their *.jsonl files, sorted); a
+UTF-8 byte-order mark at the start of a file is accepted.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import shutil
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -41,6 +44,8 @@ KEYS = {
     "rollout": ["prompt_ids", "response_ids", "record_json"],
 }
 _TEXT_BATCH = 1024
+_BOM = b"\xef\xbb\xbf"
+MAX_BAD_FRACTION = 0.01  # default share of bad records a run may skip before it fails
 
 
 @dataclass
@@ -50,7 +55,9 @@ class BadRecords:
     strict: bool = False
     max_reports: int = 5
     count: int = 0
+    num_good: int = 0  # records encoded fine (before packing)
     reasons: list[str] = field(default_factory=list)
+    on_bad: Callable[[str], None] | None = None  # told about every bad record, e.g. to print it
 
     def add(self, where: str, error: Exception) -> None:
         if self.strict:
@@ -58,19 +65,66 @@ class BadRecords:
         self.count += 1
         if len(self.reasons) < self.max_reports:
             self.reasons.append(f"{where}: {error}")
+        if self.on_bad is not None:
+            self.on_bad(f"{where}: {error}")
+
+    @property
+    def fraction(self) -> float:
+        return self.count / max(1, self.count + self.num_good)
+
+
+def expand_inputs(inputs: list[str | Path]) -> list[Path]:
+    """Files as given; a directory stands for its *.jsonl files in name order."""
+    paths: list[Path] = []
+    for item in map(Path, inputs):
+        if item.is_dir():
+            found = sorted(p for p in item.glob("*.jsonl") if p.is_file())
+            if not found:
+                raise FileNotFoundError(f"--input directory '{item}' holds no .jsonl files")
+            paths += found
+        elif item.is_file():
+            paths.append(item)
+        else:
+            raise FileNotFoundError(f"--input file '{item}' does not exist")
+    return paths
+
+
+def _read_records(paths: list[Path]) -> Iterator[tuple[str, Any]]:
+    """iter_jsonl, except that a UTF-8 byte-order mark before a file's first line is accepted."""
+    for path in paths:
+        with path.open("rb") as f:
+            bom = f.read(len(_BOM)) == _BOM
+        for where, record in iter_jsonl([path]):
+            if bom and isinstance(record, RecordError) and where == f"{path.name}:1":
+                record = _first_line_without_bom(path)
+            yield where, record
+
+
+def _first_line_without_bom(path: Path) -> Any:
+    with path.open("rb") as f:
+        raw = f.readline()[len(_BOM):]
+    try:
+        return json.loads(raw.decode("utf-8"))
+    except UnicodeDecodeError as e:
+        return RecordError(f"line is not valid UTF-8 (byte {e.start + len(_BOM)}); re-encode the file as UTF-8")
+    except json.JSONDecodeError as e:
+        return RecordError(f"invalid JSON ({e.msg} at column {e.colno})")
 
 
 def _encoded_records(paths: list[Path], train_type: str, tokenizer: Tokenizer, max_seq_len: int,
                      truncation: str, bad: BadRecords) -> Iterator[dict[str, list[int]]]:
     """Encoded records in input order; bad ones are reported to `bad` and skipped."""
     if train_type != "seq":
-        for where, record in iter_jsonl(paths):
+        for where, record in _read_records(paths):
             try:
                 if isinstance(record, RecordError):
                     raise record
-                yield encode_record(record, train_type, tokenizer, max_seq_len, truncation)
+                encoded = encode_record(record, train_type, tokenizer, max_seq_len, truncation)
             except RecordError as e:
                 bad.add(where, e)
+                continue
+            bad.num_good += 1
+            yield encoded
         return
     # Text: batch the encoding (the tokenizer is much faster on batches), keep input order.
     batch: list[tuple[str, str]] = []
@@ -79,12 +133,15 @@ def _encoded_records(paths: list[Path], train_type: str, tokenizer: Tokenizer, m
         ids = tokenizer.encode_batch([text for _, text in batch], add_special_tokens=True)
         for (where, _), doc in zip(batch, ids):
             try:
-                yield finish_text(tokenizer, doc)
+                encoded = finish_text(tokenizer, doc)
             except RecordError as e:
                 bad.add(where, e)
+                continue
+            bad.num_good += 1
+            yield encoded
         batch.clear()
 
-    for where, record in iter_jsonl(paths):
+    for where, record in _read_records(paths):
         try:
             if isinstance(record, RecordError):
                 raise record
@@ -118,8 +175,11 @@ def _packed_rows(records: Iterator[dict[str, list[int]]], max_seq_len: int) -> I
 
 def preprocess(inputs: list[str | Path], out_dir: str | Path, tokenizer: Tokenizer | str | Path, train_type: str,
                max_seq_len: int, pack: bool = False, truncation: str = "keep_start", strict: bool = False,
-               max_shard_tokens: int = 1 << 28, max_reports: int = 5) -> dict[str, Any]:
-    """Write shards for `inputs` to `out_dir`; returns the dataset.json summary."""
+               max_shard_tokens: int = 1 << 28, max_reports: int = 5, max_bad_fraction: float = MAX_BAD_FRACTION,
+               on_bad: Callable[[str], None] | None = None) -> dict[str, Any]:
+    """Write shards for `inputs` (JSONL files or directories of them) to `out_dir`; returns the
+    dataset.json summary. More than `max_bad_fraction` bad records is a ValueError, raised after
+    every record was read (each bad one told to `on_bad`), and leaves no shards behind."""
     if train_type not in RECORD_KINDS:
         raise ValueError(f"unknown --train_type '{train_type}'; expected one of {', '.join(RECORD_KINDS)}")
     if truncation not in TRUNCATION_MODES:
@@ -129,17 +189,16 @@ def preprocess(inputs: list[str | Path], out_dir: str | Path, tokenizer: Tokeniz
     if pack and train_type != "sft":
         raise ValueError(f"--pack applies to sft records, not '{train_type}' (seq data is a token stream "
                          "already; use pack=True in the dataset for document-reset positions)")
-    paths = [Path(p) for p in inputs]
-    for p in paths:
-        if not p.is_file():
-            raise FileNotFoundError(f"--input file '{p}' does not exist")
+    if not 0.0 <= max_bad_fraction <= 1.0:
+        raise ValueError(f"--max_bad_fraction must be in [0, 1], got {max_bad_fraction}")
+    paths = expand_inputs(inputs)
     if not isinstance(tokenizer, Tokenizer):
         tokenizer = load_tokenizer(tokenizer)
     keys = KEYS[train_type] + (["position_ids"] if pack else [])
     meta = {"train_type": train_type, "max_seq_len": max_seq_len, "packed": pack, "truncation": truncation,
             "vocab_size": tokenizer.vocab_size, "eos_token_id": tokenizer.eos_token_id,
             "pad_token_id": tokenizer.pad_token_id}
-    bad = BadRecords(strict=strict, max_reports=max_reports)
+    bad = BadRecords(strict=strict, max_reports=max_reports, on_bad=on_bad)
     records = _encoded_records(paths, train_type, tokenizer, max_seq_len, truncation, bad)
     rows = _packed_rows(records, max_seq_len) if pack else records
     out = Path(out_dir)
@@ -151,6 +210,11 @@ def preprocess(inputs: list[str | Path], out_dir: str | Path, tokenizer: Tokeniz
     shutil.rmtree(staging, ignore_errors=True)
     try:
         info = _write(rows, ShardWriter(staging, keys, tokenizer.vocab_size, meta, max_shard_tokens), bad, paths)
+        if bad.fraction > max_bad_fraction:
+            total = bad.count + bad.num_good
+            raise ValueError(f"{bad.count} of {total} records ({bad.fraction:.1%}) were bad, more than "
+                             f"--max_bad_fraction {max_bad_fraction:g}; fix them or raise --max_bad_fraction "
+                             "(no shards were written)")
         if out.exists():
             out.rmdir()
         staging.rename(out)
@@ -177,7 +241,7 @@ def _write(rows: Iterator[dict[str, list[int]]], writer: ShardWriter, bad: BadRe
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="astrai preprocess", description="JSONL records -> token shards")
-    parser.add_argument("--input", nargs="+", required=True, help="JSONL files")
+    parser.add_argument("--input", nargs="+", required=True, help="JSONL files, or directories of .jsonl files")
     parser.add_argument("--out", required=True, help="output shard directory (must not hold shards yet)")
     parser.add_argument("--tokenizer", required=True, help="directory with tokenizer.json")
     parser.add_argument("--train_type", required=True, choices=RECORD_KINDS)
@@ -186,12 +250,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--truncation", default="keep_start", choices=TRUNCATION_MODES,
                         help="over-long sft/dpo records: keep the start, keep the end, or count as bad")
     parser.add_argument("--strict", action="store_true", help="stop at the first bad record")
+    parser.add_argument("--max_bad_fraction", type=float, default=MAX_BAD_FRACTION,
+                        help="fail (exit 1, no shards) when more than this fraction of records is bad")
     parser.add_argument("--max_shard_tokens", type=int, default=1 << 28)
     args = parser.parse_args(argv)
     start = time.perf_counter()
     try:
         info = preprocess(args.input, args.out, args.tokenizer, args.train_type, args.max_seq_len, args.pack,
-                          args.truncation, args.strict, args.max_shard_tokens)
+                          args.truncation, args.strict, args.max_shard_tokens,
+                          max_bad_fraction=args.max_bad_fraction,
+                          on_bad=lambda line: print(f"bad record {line}", file=sys.stderr))
     except (ValueError, FileNotFoundError, FileExistsError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
@@ -200,9 +268,7 @@ def main(argv: list[str] | None = None) -> int:
           f"{len(info['shards'])} shard(s) to {args.out} in {seconds:.1f}s "
           f"({info['num_tokens'] / max(seconds, 1e-9):,.0f} tokens/s)")
     if info["num_bad_records"]:
-        print(f"skipped {info['num_bad_records']} bad record(s); first reasons:", file=sys.stderr)
-        for reason in info["bad_record_reasons"]:
-            print(f"  {reason}", file=sys.stderr)
+        print(f"skipped {info['num_bad_records']} bad record(s), each listed above", file=sys.stderr)
     return 0
 
 

@@ -284,9 +284,14 @@ def load_tokenizer(model_dir: str | Path) -> Tokenizer:
         raise FileNotFoundError(
             f"tokenizer directory '{path}' has no tokenizer.json; point it at a model directory or "
             "train one with `astrai tokenizer train --input FILE --vocab_size N --out DIR`")
-    backend = BackendTokenizer.from_file(str(path / "tokenizer.json"))
+    try:
+        backend = BackendTokenizer.from_file(str(path / "tokenizer.json"))
+    except Exception as exc:  # noqa: BLE001 - `tokenizers` raises a bare Exception for bad files
+        reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        raise ValueError(f"{path / 'tokenizer.json'} is damaged and cannot be read ({reason}); restore the "
+                         "file or point to another model directory") from None
     config_path = path / "tokenizer_config.json"
-    config = json.loads(config_path.read_text()) if config_path.is_file() else {}
+    config = _read_json_object(config_path) if config_path.is_file() else {}
     template = config.get("chat_template")
     if isinstance(template, list):  # transformers' named templates: use "default"
         named = {t.get("name"): t.get("template") for t in template}
@@ -296,9 +301,21 @@ def load_tokenizer(model_dir: str | Path) -> Tokenizer:
     extra_stops: list[int] = []
     gen_path = path / "generation_config.json"
     if gen_path.is_file():
-        eos = json.loads(gen_path.read_text()).get("eos_token_id")
+        eos = _read_json_object(gen_path).get("eos_token_id")
         extra_stops = [eos] if isinstance(eos, int) else list(eos or [])
     return Tokenizer(backend, config, chat_template=template, extra_stop_token_ids=extra_stops)
+
+
+def _read_json_object(file: Path) -> dict[str, Any]:
+    """A JSON object file beside tokenizer.json; a damaged one is a ValueError naming it."""
+    try:
+        value = json.loads(file.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ValueError(f"{file} is damaged: not valid JSON ({exc}); restore the file or point to another "
+                         "model directory") from None
+    if not isinstance(value, dict):
+        raise ValueError(f"{file} is damaged: expected a JSON object, got {type(value).__name__}")
+    return value
 
 
 # ---- training ------------------------------------------------------------------------------

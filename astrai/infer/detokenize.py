@@ -36,15 +36,30 @@ def flush_text(tokenizer: Any, seq: Sequence) -> None:
         seq.text += tokenizer.decode(ids[seq.prefix_offset :])[len(prefix_text) :]
 
 
+class ScanCounter:
+    """Characters the stop-string code has looked at. The server's defence against hostile stop
+    lists is that this grows with the new text and the stops' lengths, never with the whole text;
+    tests assert exactly that by reading `chars`."""
+
+    chars = 0
+
+
+STOP_SCAN = ScanCounter()
+
+
 def find_stop_string(seq: Sequence, num_new_chars: int) -> bool:
     """Cut seq.text before the first stop string and finish seq with it, if one now appears."""
-    # earlier text held no stop string, so only one overlapping the new characters can match
-    start = max(0, len(seq.text) - num_new_chars - max(len(s) for s in seq.params.stop) + 1)
-    hits = [(i, s) for s in seq.params.stop if (i := seq.text.find(s, start)) >= 0]
+    stops = seq.params.stop
+    # earlier text held no stop string, so only one overlapping the new characters can match:
+    # the window is the new text plus the longest stop's length, however long the text is
+    start = max(0, len(seq.text) - num_new_chars - max(len(s) for s in stops) + 1)
+    window = seq.text[start:]
+    STOP_SCAN.chars += len(window) * len(stops)
+    hits = [(i, s) for s in stops if (i := window.find(s)) >= 0]
     if not hits:
         return False
     at, stop = min(hits)
-    seq.text = seq.text[:at]
+    seq.text = seq.text[: start + at]
     seq.finish_reason = "stop"
     seq.stop_reason = stop
     return True
@@ -56,7 +71,16 @@ def visible_text(seq: Sequence) -> str:
     if seq.finish_reason is not None or not seq.params.stop:
         return seq.text
     text = seq.text
-    for k in range(min(len(text), max(len(s) for s in seq.params.stop) - 1), 0, -1):
-        if any(s.startswith(text[-k:]) for s in seq.params.stop):
-            return text[:-k]
-    return text
+    tail = text[len(text) - min(len(text), max(len(s) for s in seq.params.stop) - 1):]
+    held = 0
+    for stop in seq.params.stop:
+        # the longest suffix of tail that starts `stop`: only positions holding stop[0] can begin
+        # one, and the leftmost such position that fits is the longest
+        STOP_SCAN.chars += len(tail)
+        i = tail.find(stop[0], max(0, len(tail) - len(stop)))
+        while 0 <= i < len(tail) - held:
+            if stop.startswith(tail[i:]):
+                held = len(tail) - i
+                break
+            i = tail.find(stop[0], i + 1)
+    return text[: len(text) - held] if held else text

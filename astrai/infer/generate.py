@@ -18,6 +18,8 @@ from pathlib import Path
 from astrai.infer.engine import EngineConfig
 from astrai.infer.llm import LLM
 from astrai.infer.sampling import SamplingParams
+from astrai.model.hf import check_device
+from astrai.model.manifest import check_model_dir
 
 SAMPLING_FLAGS = {  # flag -> type; names and defaults are SamplingParams'
     "temperature": float, "top_p": float, "top_k": int, "min_p": float, "frequency_penalty": float,
@@ -34,6 +36,9 @@ def build_parser() -> argparse.ArgumentParser:
     src.add_argument("--input_jsonl", help="records with a 'prompt' or 'messages' field")
     p.add_argument("--output_jsonl", help="where the records go with their completions (with --input_jsonl)")
     p.add_argument("--chat", action="store_true", help="wrap prompts in the chat template as a user turn")
+    p.add_argument("--verify", action="store_true",
+                   help="recompute the sha256 checksums of a checkpoint's manifest.json before loading "
+                        "(file sizes are always checked)")
     defaults = SamplingParams()
     sampling = p.add_argument_group("sampling")
     for name, kind in SAMPLING_FLAGS.items():
@@ -62,6 +67,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         params = SamplingParams(**{k: getattr(args, k) for k in SAMPLING_FLAGS},
                                 stop=args.stop, stop_token_ids=args.stop_token_ids, ignore_eos=args.ignore_eos)
+        if not (Path(args.model) / "config.json").is_file():
+            raise FileNotFoundError(f"--model '{args.model}' is not a model directory (no config.json)")
+        check_device(args.device)
+        check_model_dir(args.model, verify=args.verify)
         llm = LLM(args.model, **{f.name: getattr(args, f.name) for f in fields(EngineConfig)})
         if args.prompt is not None:
             outs = _generate(llm, [{"prompt": args.prompt}], params, args.chat, use_tqdm=False)

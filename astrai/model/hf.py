@@ -25,6 +25,7 @@ from torch import Tensor
 
 from astrai.model.attention import rope_inv_freq
 from astrai.model.config import ModelConfig
+from astrai.model.manifest import check_model_dir
 from astrai.model.transformer import CausalLM
 
 SAFE_WEIGHTS = "model.safetensors"
@@ -268,7 +269,7 @@ def read_safetensors(path: str | Path) -> dict[str, Tensor]:
     """All tensors of a model directory: model.safetensors or the shards of its index."""
     path = Path(path)
     if (path / SAFE_INDEX).exists():
-        weight_map = json.loads((path / SAFE_INDEX).read_text())["weight_map"]
+        weight_map = _read_json(path / SAFE_INDEX)["weight_map"]
         files = sorted(set(weight_map.values()))
     elif (path / SAFE_WEIGHTS).exists():
         files = [SAFE_WEIGHTS]
@@ -280,10 +281,49 @@ def read_safetensors(path: str | Path) -> dict[str, Tensor]:
         )
     tensors: dict[str, Tensor] = {}
     for name in files:
-        with safe_open(path / name, framework="pt") as f:
-            for key in f.keys():
-                tensors[key] = f.get_tensor(key)
+        try:
+            with safe_open(path / name, framework="pt") as f:
+                for key in f.keys():
+                    tensors[key] = f.get_tensor(key)
+        except FileNotFoundError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - safetensors raises its own error types for bad bytes
+            reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+            raise HFFormatError(f"{path / name} is damaged and cannot be read ({reason}); "
+                                "restore the file or point to another model directory") from None
     return tensors
+
+
+def _read_json(file: Path) -> Any:
+    """A JSON file of a model directory; a damaged one is an error naming it."""
+    try:
+        return json.loads(file.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise HFFormatError(f"{file} is damaged: not valid JSON ({exc}); restore the file or point to "
+                            "another model directory") from None
+
+
+def check_device(device: torch.device | str | None) -> torch.device:
+    """`device` as a torch.device, or a one-line ValueError when it is unknown or not available here."""
+    if isinstance(device, torch.device):
+        parsed = device
+    else:
+        try:
+            parsed = torch.device(device or "cpu")
+        except (RuntimeError, TypeError):
+            raise ValueError(f"device {device!r} is unknown; use cpu, cuda, cuda:N or mps") from None
+    if parsed.type == "cuda":
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if count == 0:
+            raise ValueError(f"device {str(device)!r} is not available: torch sees no CUDA GPU; use cpu")
+        if parsed.index is not None and parsed.index >= count:
+            raise ValueError(f"device {str(device)!r} is not available: torch sees {count} CUDA GPU(s), "
+                             f"cuda:0..cuda:{count - 1}")
+    elif parsed.type == "mps" and not torch.backends.mps.is_available():
+        raise ValueError(f"device {str(device)!r} is not available on this machine; use cpu")
+    elif parsed.type not in ("cpu", "cuda", "mps", "meta"):
+        raise ValueError(f"device {str(device)!r} is not supported; use cpu, cuda, cuda:N or mps")
+    return parsed
 
 
 def split_experts(tensors: dict[str, Tensor]) -> dict[str, Tensor]:
@@ -417,10 +457,13 @@ def load_config(path: str | Path) -> ModelConfig:
     config_file = path / "config.json"
     if not config_file.exists():
         raise FileNotFoundError(f"{config_file} not found; a model directory needs config.json")
-    config = config_from_hf(json.loads(config_file.read_text()))
+    raw = _read_json(config_file)
+    if not isinstance(raw, dict):
+        raise HFFormatError(f"{config_file} is damaged: expected a JSON object, got {type(raw).__name__}")
+    config = config_from_hf(raw)
     generation_file = path / "generation_config.json"
     if generation_file.exists():
-        generation = json.loads(generation_file.read_text())
+        generation = _read_json(generation_file)
         for key in ("bos_token_id", "eos_token_id", "pad_token_id"):
             if getattr(config, key) is None and generation.get(key) is not None:
                 setattr(config, key, generation[key])
@@ -441,10 +484,14 @@ def resolve_dtype(dtype: torch.dtype | str | None, config: ModelConfig) -> torch
 
 
 def load_model(
-    path: str | Path, dtype: torch.dtype | str | None = None, device: torch.device | str | None = None
+    path: str | Path, dtype: torch.dtype | str | None = None, device: torch.device | str | None = None,
+    verify: bool = False,
 ) -> CausalLM:
-    """A CausalLM from a HF model directory; built on the meta device, then given the weights."""
+    """A CausalLM from a HF model directory; built on the meta device, then given the weights.
+    A checkpoint directory's manifest is checked first: file sizes always, sha256 with `verify`."""
     path = Path(path)
+    check_device(device)
+    check_model_dir(path, verify=verify)
     config = load_config(path)
     return build_model(config, read_safetensors(path), dtype, device, where=str(path))
 

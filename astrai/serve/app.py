@@ -7,6 +7,11 @@ with OpenAI's error body before the request reaches the engine, so a bad request
 the requests already running. The model loads in the background after the socket is bound:
 `/health` answers 503 until it is ready. SIGTERM stops accepting connections, lets in-flight
 requests finish for `--shutdown_timeout` seconds, aborts the rest and exits 0.
+
+No one request may stall the others: the body must arrive within `--body_timeout` (408);
+JSON parsing, template rendering and tokenisation run on a small thread pool, after a
+character-count check that refuses a prompt too long to fit before encoding it; admission is
+bounded by max_num_seqs plus `--max_waiting` (429 with Retry-After beyond it).
 """
 
 from __future__ import annotations
@@ -20,8 +25,10 @@ import logging
 import os
 import re
 import signal
+import sys
 import time
 from collections.abc import AsyncIterator, Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -30,8 +37,9 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
-from astrai.serve.async_engine import AsyncEngine, EngineDeadError, OutputStream
+from astrai.serve.async_engine import AsyncEngine, EngineDeadError, OutputStream, QueueFullError
 from astrai.serve.metrics import ServerMetrics
 from astrai.serve.protocol import (
     ChatCompletionRequest,
@@ -42,18 +50,28 @@ from astrai.serve.render import ChatRenderer, CompletionRenderer, Renderer
 
 logger = logging.getLogger("astrai.serve")
 ROUTES = ("/v1/chat/completions", "/v1/completions", "/v1/models", "/health", "/metrics")
+MAX_JSON_DEPTH = 64  # deeper bodies are refused (422) before pydantic or a template recurses into them
+RETRY_AFTER_S = 1  # what a 429 tells the client to wait
+PREP_THREADS = 4  # JSON parsing, chat templates and tokenisation run here, never on the event loop
 
 
 class APIError(Exception):
     """An error answered with OpenAI's body `{"error": {"message", "type", "param", "code"}}`."""
 
     def __init__(self, status: int, message: str, param: str | None = None,
-                 type_: str = "invalid_request_error", code: str | None = None):
+                 type_: str = "invalid_request_error", code: str | None = None,
+                 headers: dict[str, str] | None = None):
         super().__init__(message)
         self.status, self.message, self.param, self.type, self.code = status, message, param, type_, code
+        self.headers = headers
 
     def response(self) -> JSONResponse:
-        return JSONResponse(error_body(self.message, self.type, self.param, self.code), status_code=self.status)
+        return JSONResponse(error_body(self.message, self.type, self.param, self.code), status_code=self.status,
+                            headers=self.headers)
+
+
+class ClientGone(Exception):
+    """The client disconnected before its request body arrived; nobody is left to answer."""
 
 
 @dataclass
@@ -63,6 +81,9 @@ class ServeConfig:
     api_key: str | None = None
     max_request_bytes: int = 8 * 2**20
     engine_kwargs: dict[str, Any] = field(default_factory=dict)  # EngineConfig fields
+    max_waiting: int | None = None  # sequences admitted beyond max_num_seqs; None = 4 x max_num_seqs
+    body_timeout: float = 30.0  # seconds the whole request body may take to arrive
+    verify: bool = False  # recompute a checkpoint manifest's sha256 checksums before loading
 
     @property
     def model_name(self) -> str:
@@ -73,7 +94,9 @@ def load_engine(config: ServeConfig) -> tuple[Any, Any]:
     """Build the engine (and its tokenizer) from the model directory; runs off the event loop."""
     from astrai.data.tokenizer import load_tokenizer
     from astrai.infer.engine import LLMEngine
+    from astrai.model.manifest import check_model_dir
 
+    check_model_dir(config.model_dir, verify=config.verify)
     engine = LLMEngine.from_pretrained(config.model_dir, **config.engine_kwargs)
     tokenizer = getattr(engine, "tokenizer", None) or load_tokenizer(config.model_dir)
     return engine, tokenizer
@@ -93,15 +116,29 @@ class ServerState:
         self.vocab_size = 0
         self.created = int(time.time())
         self._token_text: dict[int, str] = {}
+        self.max_prompt_chars = 0  # more characters than this cannot fit in max_model_len tokens
+        self.prep = ThreadPoolExecutor(PREP_THREADS, thread_name_prefix="astrai-prep")
 
     def ready(self, engine: Any, tokenizer: Any) -> None:
         self.tokenizer = tokenizer
         self.max_model_len = int(engine.max_model_len)
         model_config = getattr(getattr(engine, "model", None), "config", None)
         self.vocab_size = int(getattr(model_config, "vocab_size", 0) or tokenizer.vocab_size)
-        self.engine = AsyncEngine(engine, self.metrics)
+        self.max_prompt_chars = self.max_model_len * _max_token_chars(tokenizer)
+        self.engine = AsyncEngine(engine, self.metrics, self.config.max_waiting)
         self.engine.start()
         self.status = "ready"
+
+    async def off_loop(self, fn: Callable[..., Any], *args: Any) -> Any:
+        """Run CPU work of one request on the prep pool, so the loop keeps answering the others."""
+        return await asyncio.get_running_loop().run_in_executor(self.prep, fn, *args)
+
+    def check_chars(self, num_chars: int, param: str) -> None:
+        """Refuse, before encoding, a prompt with more characters than max_model_len tokens can hold."""
+        if self.max_prompt_chars and num_chars > self.max_prompt_chars:
+            raise APIError(400, f"prompt has {num_chars} characters, more than max_model_len "
+                                f"{self.max_model_len} tokens can hold (at most {self.max_prompt_chars}); "
+                                f"shorten the {param}", param=param)
 
     def token_text(self, token_id: int) -> str:
         text = self._token_text.get(token_id)
@@ -162,28 +199,60 @@ class ServerState:
         return params
 
 
+def _max_token_chars(tokenizer: Any) -> int:
+    """The longest vocabulary entry in characters: no token covers more of the input than this."""
+    backend = getattr(tokenizer, "backend", tokenizer)
+    try:
+        return max(16, max(len(t) for t in backend.get_vocab(with_added_tokens=True)))
+    except Exception:  # noqa: BLE001 - a tokenizer without get_vocab: a generous fixed bound
+        return 256
+
+
 def _param_named_in(message: str) -> str | None:
     match = re.search(r"SamplingParams\.(\w+)", message)
     return match.group(1) if match else None
 
 
-async def read_request(request: Request, model: type, limit: int) -> Any:
-    """Body -> JSON -> pydantic: 413 over `limit` bytes, 422 for malformed JSON, 400 for bad values."""
+async def read_body(request: Request, limit: int, timeout: float) -> bytes:
+    """The body, within `timeout` seconds in all (408) and `limit` bytes (413), whatever the
+    Content-Length header claims."""
     declared = request.headers.get("content-length", "")
     too_large = declared.isdigit() and int(declared) > limit
     body = bytearray()
-    async for chunk in request.stream():
-        if not too_large:
-            body += chunk
-            too_large = len(body) > limit
-        # past the limit the rest is read and dropped, so the client gets our 413 instead of a reset
+    try:
+        async with asyncio.timeout(timeout):
+            async for chunk in request.stream():
+                if not too_large:
+                    body += chunk
+                    too_large = len(body) > limit
+                # past the limit the rest is read and dropped, so the client gets our 413, not a reset
+    except TimeoutError:
+        raise APIError(408, f"the request body did not arrive within {timeout:g} seconds "
+                            f"({len(body)} bytes received); send it faster or raise --body_timeout",
+                       code="request_timeout") from None
+    except ClientDisconnect:
+        raise ClientGone(f"client disconnected after sending {len(body)} of "
+                         f"{declared or 'an unknown number of'} body bytes") from None
     if too_large:
         raise APIError(413, f"request body is larger than the limit of {limit} bytes; send a smaller "
                             "request or raise --max_request_bytes", code="request_too_large")
+    return bytes(body)
+
+
+def parse_request(body: bytes, model: type) -> Any:
+    """JSON -> pydantic (on the prep pool): 422 for malformed or too deeply nested JSON, 400 for bad values."""
     try:
         data = json.loads(body)
+    except RecursionError:
+        data = None
+        depth = MAX_JSON_DEPTH + 1
     except (ValueError, UnicodeDecodeError) as exc:
         raise APIError(422, f"request body is not valid JSON: {exc}", code="invalid_json") from None
+    else:
+        depth = _json_depth(data)
+    if depth > MAX_JSON_DEPTH:
+        raise APIError(422, f"request body nests JSON deeper than {MAX_JSON_DEPTH} levels; flatten it",
+                       code="invalid_json")
     try:
         return model.model_validate(data)
     except ValidationError as exc:
@@ -192,6 +261,26 @@ async def read_request(request: Request, model: type, limit: int) -> Any:
         where = f"'{param}': " if param else ""
         raise APIError(400, f"invalid value for {where}{first['msg']} (got {_short(first.get('input'))})",
                        param=param) from None
+
+
+def _json_depth(data: Any) -> int:
+    """Nesting depth of parsed JSON, walked without recursion; stops once past MAX_JSON_DEPTH."""
+    deepest, todo = 0, [(data, 1)]
+    while todo:
+        node, depth = todo.pop()
+        if isinstance(node, dict | list):
+            deepest = max(deepest, depth)
+            if depth > MAX_JSON_DEPTH:
+                break
+            children = node.values() if isinstance(node, dict) else node
+            todo.extend((child, depth + 1) for child in children if isinstance(child, dict | list))
+    return deepest
+
+
+async def read_request(request: Request, model: type, state: ServerState) -> Any:
+    """Body (on the loop, bounded in time and size) -> JSON -> pydantic (on the prep pool)."""
+    body = await read_body(request, state.config.max_request_bytes, state.config.body_timeout)
+    return await state.off_loop(parse_request, body, model)
 
 
 _TYPE_TAGS = re.compile(r"^(str|int|float|bool|list\[.*\]|dict\[.*\]|function-after\[.*\])$")
@@ -272,8 +361,8 @@ def create_app(config: ServeConfig, loader: Callable[[ServeConfig], tuple[Any, A
             state.ready(engine, tokenizer)
             logger.info("model '%s' ready (max_model_len %d)", state.model_name, state.max_model_len)
         except Exception as exc:  # noqa: BLE001 - reported by /health, never crashes the server
-            logger.exception("loading the model failed")
-            state.status, state.error = "failed", f"{type(exc).__name__}: {exc}"
+            logger.error("loading the model failed: %s", exc)
+            state.status, state.error = "failed", str(exc)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -282,6 +371,7 @@ def create_app(config: ServeConfig, loader: Callable[[ServeConfig], tuple[Any, A
         loading.cancel()
         if state.engine is not None:
             await state.engine.shutdown()
+        state.prep.shutdown(wait=False, cancel_futures=True)
 
     app = FastAPI(title="astrai", lifespan=lifespan, docs_url=None, redoc_url=None)
     app.state.serve = state
@@ -291,18 +381,30 @@ def create_app(config: ServeConfig, loader: Callable[[ServeConfig], tuple[Any, A
     async def _api_error(request: Request, exc: APIError) -> JSONResponse:
         return exc.response()
 
+    @app.exception_handler(ClientGone)
+    async def _client_gone(request: Request, exc: ClientGone) -> Response:
+        logger.warning("%s %s: %s", request.method, request.url.path, exc)  # one line, no traceback
+        return Response(status_code=499)  # nobody reads this
+
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
-        message = (f"no route {request.method} {request.url.path}; routes: {', '.join(ROUTES)}"
-                   if exc.status_code in (404, 405) else str(exc.detail))
-        return APIError(exc.status_code, message, code="not_found" if exc.status_code == 404 else None).response()
+        headers = dict(exc.headers or {})
+        if exc.status_code == 404:
+            message = f"no route {request.method} {request.url.path}; routes: {', '.join(ROUTES)}"
+        elif exc.status_code == 405:
+            message = (f"method {request.method} is not allowed on {request.url.path}; "
+                       f"allowed: {headers.get('Allow', 'none')}")
+        else:
+            message = str(exc.detail)
+        return APIError(exc.status_code, message, code="not_found" if exc.status_code == 404 else None,
+                        headers=headers or None).response()
 
     @app.exception_handler(Exception)
     async def _internal_error(request: Request, exc: Exception) -> JSONResponse:
         logger.exception("unhandled error on %s", request.url.path)
         return APIError(500, f"internal server error: {type(exc).__name__}: {exc}", type_="internal_error").response()
 
-    @app.get("/health")
+    @app.api_route("/health", methods=["GET", "HEAD"])
     async def health() -> Response:
         if state.status == "ready":
             return JSONResponse({"status": "ok"})
@@ -316,6 +418,7 @@ def create_app(config: ServeConfig, loader: Callable[[ServeConfig], tuple[Any, A
     @app.get("/v1/models")
     async def models(request: Request) -> Response:
         state.check_auth(request)
+        state.check_ready()
         card = {"id": state.model_name, "object": "model", "created": state.created, "owned_by": "astrai",
                 "max_model_len": state.max_model_len or None}
         return JSONResponse({"object": "list", "data": [card]})
@@ -324,13 +427,10 @@ def create_app(config: ServeConfig, loader: Callable[[ServeConfig], tuple[Any, A
     async def chat_completions(request: Request) -> Response:
         state.check_auth(request)
         engine = state.check_ready()
-        req = await read_request(request, ChatCompletionRequest, config.max_request_bytes)
+        req = await read_request(request, ChatCompletionRequest, state)
         state.check_model(req.model)
-        try:
-            prompt_ids = state.tokenizer.apply_chat_template(
-                [m.to_template() for m in req.messages], add_generation_prompt=True, tokenize=True)
-        except Exception as exc:  # noqa: BLE001 - template errors (e.g. role order) are the client's
-            raise APIError(400, f"the chat template cannot render these messages: {exc}", param="messages") from None
+        state.check_chars(sum(len(m.to_template()["content"] or "") for m in req.messages), "messages")
+        prompt_ids = await state.off_loop(_render_chat, state.tokenizer, req)
         max_tokens = req.requested_max_tokens()
         state.check_length(len(prompt_ids), max_tokens, "messages")
         params = state.sampling_params(req, max_tokens, (req.top_logprobs or 0) if req.logprobs else None)
@@ -342,11 +442,15 @@ def create_app(config: ServeConfig, loader: Callable[[ServeConfig], tuple[Any, A
     async def completions(request: Request) -> Response:
         state.check_auth(request)
         engine = state.check_ready()
-        req = await read_request(request, CompletionRequest, config.max_request_bytes)
+        req = await read_request(request, CompletionRequest, state)
         state.check_model(req.model)
+        given = req.prompt_list()
+        for prompt in given:
+            if isinstance(prompt, str):
+                state.check_chars(len(prompt), "prompt")
+        encoded = await state.off_loop(_encode_prompts, state.tokenizer, given)
         prompts = []
-        for i, prompt in enumerate(req.prompt_list()):
-            ids = state.tokenizer.encode(prompt, add_special_tokens=True) if isinstance(prompt, str) else prompt
+        for i, ids in enumerate(encoded):
             bad = [t for t in ids if not 0 <= t < state.vocab_size]
             if bad:
                 raise APIError(400, f"prompt {i} has token id {bad[0]} outside the vocabulary "
@@ -363,9 +467,28 @@ def create_app(config: ServeConfig, loader: Callable[[ServeConfig], tuple[Any, A
     return app
 
 
+def _render_chat(tokenizer: Any, req: ChatCompletionRequest) -> list[int]:
+    """Chat template + tokenisation (on the prep pool)."""
+    try:
+        return tokenizer.apply_chat_template([m.to_template() for m in req.messages], add_generation_prompt=True,
+                                             tokenize=True)
+    except Exception as exc:  # noqa: BLE001 - template errors (e.g. role order) are the client's
+        raise APIError(400, f"the chat template cannot render these messages: {exc}", param="messages") from None
+
+
+def _encode_prompts(tokenizer: Any, prompts: list[str | list[int]]) -> list[list[int]]:
+    """Text prompts -> token ids (on the prep pool); token-id prompts pass through."""
+    return [tokenizer.encode(p, add_special_tokens=True) if isinstance(p, str) else p for p in prompts]
+
+
 async def _submit(engine: AsyncEngine, renderer: Renderer, params: Any, want_logprobs: bool) -> OutputStream:
     try:
         return await engine.submit(renderer.engine_requests(), params, want_logprobs)
+    except QueueFullError as exc:
+        if engine.metrics is not None:
+            engine.metrics.count_queue_full()
+        raise APIError(429, f"{exc} (--max_waiting)", type_="rate_limit_exceeded", code="queue_full",
+                       headers={"Retry-After": str(RETRY_AFTER_S)}) from None
     except ValueError as exc:  # the engine's own check of an impossible request
         raise APIError(400, str(exc), param=_param_named_in(str(exc))) from None
     except EngineDeadError as exc:
@@ -401,6 +524,13 @@ def build_parser() -> argparse.ArgumentParser:
                    help="require 'Authorization: Bearer KEY' on /v1 routes (default: $ASTRAI_API_KEY)")
     p.add_argument("--served_model_name", default=None, help="model id clients send (default: directory name)")
     p.add_argument("--max_request_bytes", type=int, default=8 * 2**20, help="larger bodies get 413")
+    p.add_argument("--max_waiting", type=int, default=None,
+                   help="sequences admitted beyond max_num_seqs before new requests get 429 "
+                        "(default: 4 x max_num_seqs)")
+    p.add_argument("--body_timeout", type=float, default=30.0,
+                   help="seconds a request body may take to arrive; slower bodies get 408")
+    p.add_argument("--verify", action="store_true",
+                   help="recompute the sha256 checksums of a checkpoint's manifest.json before loading")
     p.add_argument("--shutdown_timeout", type=float, default=30.0,
                    help="seconds in-flight requests may run after SIGTERM before they are aborted")
     p.add_argument("--log_level", default="info", choices=["critical", "error", "warning", "info", "debug"])
@@ -410,14 +540,17 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+_SERVER_FLAGS = ("model", "host", "port", "api_key", "served_model_name", "max_request_bytes", "max_waiting",
+                 "body_timeout", "verify", "shutdown_timeout", "log_level")
+
+
 def _engine_fields() -> list[tuple[str, Any, str]]:
     """EngineConfig's fields become flags, so the server never lags behind the engine's knobs."""
     import dataclasses
 
     from astrai.infer.engine import EngineConfig
 
-    taken = {"model", "host", "port", "api_key", "served_model_name", "max_request_bytes",
-             "shutdown_timeout", "log_level"}
+    taken = set(_SERVER_FLAGS)
     out = []
     for f in dataclasses.fields(EngineConfig):
         default = f.default if f.default is not dataclasses.MISSING else None
@@ -460,20 +593,57 @@ def _graceful_server_class(state: ServerState) -> type:
     return GracefulServer
 
 
+def _check_args(args: argparse.Namespace) -> str | None:
+    """What makes this command line unusable, as one line for stderr; None when it is fine."""
+    from astrai.model.hf import check_device
+    from astrai.model.manifest import check_model_dir
+
+    if args.api_key is not None and not args.api_key.strip():
+        return ("the API key is empty (--api_key or $ASTRAI_API_KEY set to ''); give a key, or unset "
+                "ASTRAI_API_KEY to serve without authentication")
+    model_dir = Path(args.model)
+    if not (model_dir / "config.json").is_file():
+        return (f"--model '{args.model}' is not a model directory (no config.json); point it at a "
+                "directory written by astrai.save_model or a training checkpoint")
+    for name, minimum in (("max_waiting", 0), ("body_timeout", 1e-9)):
+        value = getattr(args, name)
+        if value is not None and not value >= minimum:
+            return f"--{name} must be {'>= 0' if minimum == 0 else '> 0'}, got {value}"
+    try:
+        if getattr(args, "device", None) is not None:
+            check_device(args.device)
+        check_model_dir(model_dir)  # sizes only: cheap; --verify hashes while the server is up
+    except ValueError as exc:
+        return str(exc)
+    return None
+
+
+def _is_loopback(host: str) -> bool:
+    import ipaddress
+
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
 def main(argv: list[str] | None = None) -> int:
     import uvicorn
 
     args = build_parser().parse_args(argv)
-    model_dir = Path(args.model)
-    if not (model_dir / "config.json").is_file():
-        print(f"error: --model '{args.model}' is not a model directory (no config.json); point it at a "
-              "directory written by astrai.save_model or a training checkpoint", file=__import__("sys").stderr)
+    problem = _check_args(args)
+    if problem is not None:
+        print(f"astrai serve: error: {problem}", file=sys.stderr)
         return 2
-    fixed = {"model", "host", "port", "api_key", "served_model_name", "max_request_bytes", "shutdown_timeout",
-             "log_level"}
-    engine_kwargs = {k: v for k, v in vars(args).items() if k not in fixed}
+    if not args.api_key and not _is_loopback(args.host):
+        print(f"astrai serve: warning: binding to {args.host} without an API key: anyone who can reach this "
+              "port can use the model; set --api_key or $ASTRAI_API_KEY", file=sys.stderr)
+    model_dir = Path(args.model)
+    engine_kwargs = {k: v for k, v in vars(args).items() if k not in _SERVER_FLAGS}
     config = ServeConfig(str(model_dir), args.served_model_name, args.api_key, args.max_request_bytes,
-                         engine_kwargs)
+                         engine_kwargs, args.max_waiting, args.body_timeout, args.verify)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     app = create_app(config)
     server_class = _graceful_server_class(app.state.serve)

@@ -32,6 +32,10 @@ class EngineDeadError(RuntimeError):
     """The engine raised inside step(); the requests it was running cannot continue."""
 
 
+class QueueFullError(RuntimeError):
+    """Admitting this request would hold more sequences than the engine runs plus `max_waiting`."""
+
+
 @dataclass(slots=True)
 class SeqUpdate:
     index: int
@@ -95,9 +99,17 @@ class OutputStream:
 class AsyncEngine:
     """Runs `engine.step()` on a background thread and serves `OutputStream`s to the loop."""
 
-    def __init__(self, engine: Any, metrics: ServerMetrics | None = None):
+    def __init__(self, engine: Any, metrics: ServerMetrics | None = None, max_waiting: int | None = None):
         self.engine = engine
         self.metrics = metrics
+        # Admission bound: sequences admitted and not yet finished may be at most what the engine
+        # runs at once plus `max_waiting`; beyond it submit() refuses at once (the app's 429)
+        # instead of queueing without limit. Raised on the loop, lowered on the engine thread.
+        max_num_seqs = int(getattr(getattr(engine, "config", None), "max_num_seqs", 256))
+        self.max_waiting = 4 * max_num_seqs if max_waiting is None else int(max_waiting)
+        self.capacity = max_num_seqs + self.max_waiting
+        self.num_admitted = 0
+        self._admit_lock = threading.Lock()
         self._inbox: collections.deque[tuple] = collections.deque()
         self._wakeup = threading.Event()
         self._tracked: dict[str, _Tracked] = {}  # engine thread only
@@ -120,6 +132,13 @@ class AsyncEngine:
         assert self._loop is not None, "AsyncEngine.start() was not called"
         if self._closed:
             raise EngineDeadError("the server is shutting down; retry on another replica")
+        need = len(requests) * int(getattr(params, "n", 1) or 1)
+        with self._admit_lock:
+            if self.num_admitted + need > self.capacity:
+                raise QueueFullError(
+                    f"the server is at capacity ({self.num_admitted} sequences admitted, at most "
+                    f"{self.capacity}: max_num_seqs plus max_waiting {self.max_waiting}); retry later")
+            self.num_admitted += need
         stream = OutputStream(self._loop, [rid for rid, _ in requests])
         self._send(("add", list(requests), params, want_logprobs, stream, time.perf_counter()))
         try:
@@ -145,6 +164,15 @@ class AsyncEngine:
         self._send(("stop",))
         await asyncio.to_thread(self._thread.join, 30.0)
         self._thread = None
+
+    def _release(self, num_seqs: int) -> None:
+        with self._admit_lock:
+            self.num_admitted -= num_seqs
+
+    def _untrack(self, rid: str) -> None:
+        tracked = self._tracked.pop(rid, None)
+        if tracked is not None:
+            self._release(tracked.n)
 
     def _send(self, command: tuple) -> None:
         self._inbox.append(command)  # deque.append is atomic; no lock needed
@@ -173,14 +201,16 @@ class AsyncEngine:
                     if rid in self._tracked:
                         self.engine.abort(rid)
                         self._finish_metrics(rid, "abort")
-                        del self._tracked[rid]
+                        self._untrack(rid)
             else:  # abort_all or stop: end every request the clients are still waiting on
                 self._abort_all(reason="abort")
                 self._stop = command[0] == "stop"
 
     def _add(self, requests: list[tuple[str, list[int]]], params: Any, want_logprobs: bool,
              stream: OutputStream, arrival: float) -> None:
+        num_seqs = len(requests) * int(getattr(params, "n", 1) or 1)
         if self._stop:
+            self._release(num_seqs)
             self._call_loop(_set_exception, stream.accepted, EngineDeadError("the server is shutting down"))
             return
         added: list[str] = []
@@ -192,6 +222,7 @@ class AsyncEngine:
         except Exception as exc:  # noqa: BLE001 - any rejection goes back to the handler
             for rid in added:
                 self.engine.abort(rid)
+            self._release(num_seqs)
             self._call_loop(_set_exception, stream.accepted, exc)
             return
         for rid, prompt_ids in requests:
@@ -209,7 +240,7 @@ class AsyncEngine:
             deliveries = [(t.stream.queue, error) for t in self._tracked.values()]
             for rid in list(self._tracked):
                 self._safe_abort(rid)
-            self._tracked.clear()
+                self._untrack(rid)
             self._call_loop(_deliver, deliveries)
             return
         now = time.perf_counter()
@@ -251,7 +282,7 @@ class AsyncEngine:
         if out.finished:
             reason = next((c.finish_reason for c in out.outputs if c.finish_reason), "stop")
             self._finish_metrics(out.request_id, reason)
-            self._tracked.pop(out.request_id, None)
+            self._untrack(out.request_id)
         if not seqs and not out.finished:
             return None
         return RequestUpdate(out.request_id, seqs, bool(out.finished),
@@ -278,7 +309,7 @@ class AsyncEngine:
             seqs = [SeqUpdate(i, "", [], [] if tracked.want_logprobs else None, reason)
                     for i in range(tracked.n)]
             deliveries.append((tracked.stream.queue, RequestUpdate(rid, seqs, True, 0, None)))
-        self._tracked.clear()
+            self._untrack(rid)
         if deliveries:
             self._call_loop(_deliver, deliveries)
 

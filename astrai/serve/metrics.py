@@ -53,6 +53,7 @@ class ServerMetrics:
         self.num_prompt_tokens = 0
         self.num_generation_tokens = 0
         self.num_aborted_by_disconnect = 0
+        self.num_rejected_queue_full = 0
         self.ttft = _Histogram(TTFT_BUCKETS)
         self.tpot = _Histogram(TPOT_BUCKETS)
         self.e2e = _Histogram(E2E_BUCKETS)
@@ -74,6 +75,10 @@ class ServerMetrics:
     def count_disconnect(self) -> None:
         with self._lock:
             self.num_aborted_by_disconnect += 1
+
+    def count_queue_full(self) -> None:
+        with self._lock:
+            self.num_rejected_queue_full += 1
 
     def observe_finished(self, finish_reason: str, ttft: float | None, tpot: float | None,
                          e2e: float) -> None:
@@ -117,6 +122,9 @@ class ServerMetrics:
         out += _simple("astrai_requests_aborted_by_disconnect_total", "counter",
                        "Requests aborted because the client went away.", m,
                        self.num_aborted_by_disconnect)
+        out += _simple("astrai_requests_rejected_queue_full_total", "counter",
+                       "Requests answered 429 because max_num_seqs plus max_waiting were taken.", m,
+                       self.num_rejected_queue_full)
         gauges = {"num_running": ("astrai_num_requests_running", "Sequences running in the engine."),
                   "num_waiting": ("astrai_num_requests_waiting", "Sequences waiting to be scheduled."),
                   "kv_usage": ("astrai_kv_cache_usage_perc", "Fraction of KV blocks in use (0..1)."),

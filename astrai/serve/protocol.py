@@ -18,6 +18,12 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validat
 # vLLM's bound: a -inf logprob (token removed by top-p/top-k) is not valid JSON.
 MIN_LOGPROB = -9999.0
 MAX_TOP_LOGPROBS = 20
+# A stop list is scanned on every step of its request, on the engine thread every request shares:
+# these caps keep that work small (OpenAI itself allows 4 stops).
+MAX_STOP_STRINGS = 16
+MAX_STOP_CHARS = 256
+# The range a torch generator accepts as a seed; beyond it seeding would fail inside the engine.
+MIN_SEED, MAX_SEED = -(2**63), 2**64 - 1
 
 
 class _Strict(BaseModel):
@@ -68,7 +74,7 @@ class _SamplingFields(_Strict):
     logit_bias: dict[str, Annotated[float, Field(ge=-100.0, le=100.0)]] | None = None
     stop: str | list[str] | None = None
     stop_token_ids: list[Annotated[int, Field(ge=0)]] | None = None
-    seed: int | None = None
+    seed: int | None = Field(None, ge=MIN_SEED, le=MAX_SEED)
     stream: bool = False
     stream_options: StreamOptions | None = None
     ignore_eos: bool = False
@@ -81,6 +87,17 @@ class _SamplingFields(_Strict):
         for key in value or {}:
             if not key.lstrip("-").isdigit() or int(key) < 0:
                 raise ValueError(f"keys must be token ids as strings (e.g. '50256'), got {key!r}")
+        return value
+
+    @field_validator("stop")
+    @classmethod
+    def _bounded_stops(cls, value: str | list[str] | None) -> str | list[str] | None:
+        stops = [value] if isinstance(value, str) else value or []
+        if len(stops) > MAX_STOP_STRINGS:
+            raise ValueError(f"at most {MAX_STOP_STRINGS} stop strings are allowed, got {len(stops)}")
+        longest = max((len(s) for s in stops), default=0)
+        if longest > MAX_STOP_CHARS:
+            raise ValueError(f"each stop string may have at most {MAX_STOP_CHARS} characters, got one of {longest}")
         return value
 
     @field_validator("stream_options")

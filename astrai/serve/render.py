@@ -38,8 +38,14 @@ from astrai.serve.protocol import (
 DONE = "data: [DONE]\n\n"
 
 
+# Characters that some line-splitting SSE clients (JavaScript's, Python's str.splitlines) take as
+# line ends; inside a JSON string they may be escaped, which keeps every event on one line.
+_LINE_BREAKS = str.maketrans({"\u2028": "\\u2028", "\u2029": "\\u2029", "\u0085": "\\u0085"})
+
+
 def sse(obj: Any) -> str:
-    return "data: " + json.dumps(obj, separators=(",", ":"), ensure_ascii=False) + "\n\n"
+    data = json.dumps(obj, separators=(",", ":"), ensure_ascii=False).translate(_LINE_BREAKS)
+    return "data: " + data + "\n\n"
 
 
 class _Choice:

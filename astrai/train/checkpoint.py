@@ -270,7 +270,7 @@ def _dir_bytes(path: Path) -> int:
     return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
 
 
-def _cmd_list(ckpt_dir: Path) -> int:
+def _cmd_list(ckpt_dir: Path, verify: bool = False) -> int:
     if not ckpt_dir.is_dir():
         print(f"astrai ckpt list: {ckpt_dir} is not a directory", file=sys.stderr)
         return 2
@@ -281,6 +281,8 @@ def _cmd_list(ckpt_dir: Path) -> int:
                 status = "leftover (ignored; removed at the next start)"
             elif (p / MANIFEST).exists():
                 status = "complete" if is_complete(p) else "INCOMPLETE"
+                if verify and status == "complete":  # sizes match; --verify also reads every byte
+                    status = "complete, verified" if is_complete(p, checksums=True) else "DAMAGED (checksum)"
             else:
                 status = "legacy (no manifest)"
             rows.append(f"{p.name:<40} {_dir_bytes(p) / 1e6:>10.1f} MB  {status}")
@@ -322,7 +324,9 @@ def _cmd_latest(ckpt_dir: Path) -> int:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="astrai ckpt", description="List, verify or pick training checkpoints.")
     sub = parser.add_subparsers(dest="command", required=True)
-    sub.add_parser("list", help="checkpoints in a ckpt_dir, their size and status").add_argument("dir", type=Path)
+    list_cmd = sub.add_parser("list", help="checkpoints in a ckpt_dir, their size and status")
+    list_cmd.add_argument("dir", type=Path)
+    list_cmd.add_argument("--verify", action="store_true", help="also recompute checksums; mark damaged ones")
     sub.add_parser(
         "verify", help="recompute the checksums of one checkpoint, or of every checkpoint in a ckpt_dir"
     ).add_argument("dir", type=Path)
@@ -330,7 +334,9 @@ def main(argv: list[str] | None = None) -> int:
         "latest", help="print the newest complete checkpoint in a ckpt_dir (what --resume picks), or exit 1"
     ).add_argument("dir", type=Path)
     args = parser.parse_args(argv)
-    commands = {"list": _cmd_list, "verify": _cmd_verify, "latest": _cmd_latest}
+    if args.command == "list":
+        return _cmd_list(args.dir, args.verify)
+    commands = {"verify": _cmd_verify, "latest": _cmd_latest}
     return commands[args.command](args.dir)
 
 

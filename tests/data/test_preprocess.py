@@ -45,7 +45,7 @@ def test_bad_records_are_counted_with_lines(tok_dir, tmp_path, capsys):
                                         {"text": "wrong form"}, CHAT])
     out = tmp_path / "out"
     assert main(["--input", str(src), "--out", str(out), "--tokenizer", str(tok_dir), "--train_type", "sft",
-                 "--max_seq_len", "64"]) == 0
+                 "--max_seq_len", "64", "--max_bad_fraction", "1"]) == 0
     err = capsys.readouterr().err
     assert "skipped 5 bad record(s)" in err
     assert "b.jsonl:2: invalid JSON" in err
@@ -148,5 +148,47 @@ def test_chunked_writes_and_many_shards_read_back(tok, tok_dir, tmp_path, monkey
 def test_non_utf8_line_is_a_bad_record(tok_dir, tmp_path):
     src = tmp_path / "u.jsonl"
     src.write_bytes(b'{"text": "fine"}\n{"text": "\xff\xfe"}\n')
-    info = preprocess([src], tmp_path / "out", tok_dir, "seq", 16)
+    info = preprocess([src], tmp_path / "out", tok_dir, "seq", 16, max_bad_fraction=0.5)
     assert info["num_bad_records"] == 1 and "u.jsonl:2: line is not valid UTF-8" in info["bad_record_reasons"][0]
+
+
+def test_utf8_bom_at_the_start_of_a_file_is_accepted(tok_dir, tmp_path):
+    src = tmp_path / "bom.jsonl"
+    src.write_bytes(b'\xef\xbb\xbf{"text": "first"}\n{"text": "second"}\n')
+    info = preprocess([src], tmp_path / "out", tok_dir, "seq", 16)
+    assert info["num_records"] == 2 and info["num_bad_records"] == 0
+    mid = tmp_path / "mid.jsonl"  # a BOM anywhere else is still a bad line
+    mid.write_bytes(b'{"text": "first"}\n\xef\xbb\xbf{"text": "second"}\n')
+    info = preprocess([mid], tmp_path / "out2", tok_dir, "seq", 16, max_bad_fraction=1.0)
+    assert info["num_bad_records"] == 1 and info["bad_record_reasons"][0].startswith("mid.jsonl:2: invalid JSON")
+
+
+def test_input_may_be_a_directory_of_jsonl_files(tok_dir, tmp_path, capsys):
+    d = tmp_path / "parts"
+    d.mkdir()
+    _write(d / "b.jsonl", [{"text": "two"}, {"text": "three"}])
+    _write(d / "a.jsonl", [{"text": "one"}])
+    (d / "notes.txt").write_text("not data")
+    single = _write(tmp_path / "c.jsonl", [{"text": "four"}])
+    assert main(["--input", str(d), str(single), "--out", str(tmp_path / "out"), "--tokenizer", str(tok_dir),
+                 "--train_type", "seq", "--max_seq_len", "16"]) == 0
+    info = json.loads((tmp_path / "out" / "dataset.json").read_text())
+    assert info["inputs"] == ["a.jsonl", "b.jsonl", "c.jsonl"] and info["num_records"] == 4
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    with pytest.raises(FileNotFoundError, match="holds no .jsonl files"):
+        preprocess([empty], tmp_path / "o2", tok_dir, "seq", 16)
+
+
+def test_too_many_bad_records_fail_after_reporting_every_one(tok_dir, tmp_path, capsys):
+    lines = [{"text": f"good {i}"} for i in range(97)] + [{"text": 1}, "{oops", {"txt": "x"}]  # 3 of 100 bad
+    src = _write(tmp_path / "d.jsonl", lines)
+    args = ["--input", str(src), "--tokenizer", str(tok_dir), "--train_type", "seq", "--max_seq_len", "16"]
+    assert main([*args, "--out", str(tmp_path / "out")]) == 1  # default --max_bad_fraction 0.01
+    err = capsys.readouterr().err
+    for where in ("d.jsonl:98:", "d.jsonl:99:", "d.jsonl:100:"):
+        assert f"bad record {where}" in err
+    assert "3 of 100 records (3.0%) were bad, more than --max_bad_fraction 0.01" in err
+    assert not (tmp_path / "out").exists() and not (tmp_path / ".out.partial").exists()
+    assert main([*args, "--out", str(tmp_path / "out"), "--max_bad_fraction", "0.05"]) == 0
+    assert "skipped 3 bad record(s)" in capsys.readouterr().err
