@@ -43,7 +43,8 @@ def iter_jsonl(paths: Iterable[str | Path]) -> Iterator[tuple[str, Any]]:
                     continue
                 where = f"{path.name}:{lineno}"
                 try:
-                    yield where, json.loads(raw.decode("utf-8"))
+                    # a UTF-8 byte-order mark at the start of a file (as some editors write) is not data
+                    yield where, json.loads(raw.decode("utf-8-sig" if lineno == 1 else "utf-8"))
                 except UnicodeDecodeError as e:
                     yield where, RecordError(f"line is not valid UTF-8 (byte {e.start}); re-encode the file as UTF-8")
                 except json.JSONDecodeError as e:
