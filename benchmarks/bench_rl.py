@@ -1,0 +1,215 @@
+"""Online GRPO step time: astrai's OnlineLoop vs TRL's GRPOTrainer, same model, prompts and settings.
+
+Both systems train the same tiny Llama-shaped model (astrai writes it as an HF model directory;
+TRL loads that directory as a transformers `LlamaForCausalLM`, same config and weights) on the
+same arithmetic prompt records (`astrai.data.tasks`, chat-templated by the same ChatML template
+with the generation prompt), in this process, with the same settings: prompts per step, group
+size (completions per prompt), max new tokens, temperature 1 without top-k / top-p, AdamW at a
+constant learning rate, gradient clipping at 1.0, beta (KL) 0, PPO clip 0.2, token-mean loss
+(TRL's `dapo`), one optimizer step per generation, fp32, and an `exact_match` reward (the
+completion equals the answer after strip). By default the model is freshly initialised: it
+rarely emits the end token, so both systems generate the full `--max_tokens` per sample and do
+the same amount of work per step.
+
+Per system: seconds per optimizer step (median over the steps after the first, measured between
+consecutive step ends, so everything a step costs is counted), process CPU seconds per step (the
+robust figure on a shared machine), rollout tokens per second (new tokens / time inside the
+generation call: astrai's `LLMEngine.run_batch`, TRL's `_generate_single_turn`), and the rollout
+share of a step. One intra-op thread by default. The table ends with astrai/TRL ratios.
+
+    .venv/bin/python benchmarks/bench_rl.py [--quick] [--steps N] [--prompts B] [--group_size G]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+
+MODEL = {  # the demo's model shape (~1M parameters); vocab_size comes from the tokenizer
+    "hidden_size": 128, "intermediate_size": 384, "num_hidden_layers": 4, "num_attention_heads": 4,
+    "num_key_value_heads": 2, "max_position_embeddings": 256, "tie_word_embeddings": True,
+}
+
+
+def setup(tmp: Path, num_prompts: int, seed: int) -> tuple[Path, Path]:
+    """Prompt records and a model directory (weights + tokenizer with its chat template)."""
+    from astrai.data.tasks import write_task_files
+    from astrai.data.tokenizer import train_tokenizer
+    from astrai.model.config import ModelConfig
+    from astrai.model.hf import save_model
+    from astrai.model.transformer import CausalLM
+
+    files = write_task_files(tmp / "data", num_train=max(num_prompts, 256), num_eval=8, digits=2, seed=seed)
+    corpus = [json.loads(line)["text"] for line in files["corpus"].read_text().splitlines()]
+    tok = train_tokenizer(corpus + ["user assistant system"] * 5, 384)
+    model = CausalLM(ModelConfig(vocab_size=tok.vocab_size, **MODEL), seed=seed)
+    model_dir = tmp / "model"
+    save_model(model, model_dir, tokenizer=tok)
+    return files["prompts"], model_dir
+
+
+class StepClock:
+    """Timestamps (wall, CPU) at each step end, plus the rollout seconds and tokens of each step."""
+
+    def __init__(self) -> None:
+        self.stamps: list[tuple[float, float]] = [(time.perf_counter(), time.process_time())]
+        self.rollout_seconds: list[float] = []
+        self.rollout_tokens: list[int] = []
+
+    def tick(self) -> None:
+        self.stamps.append((time.perf_counter(), time.process_time()))
+
+    def summary(self) -> dict[str, float]:
+        # the first step pays one-off costs (allocations, lazy inits) in both systems: skip it
+        wall = [b[0] - a[0] for a, b in zip(self.stamps[1:], self.stamps[2:])]
+        cpu = [b[1] - a[1] for a, b in zip(self.stamps[1:], self.stamps[2:])]
+        roll_s, roll_t = self.rollout_seconds[1:], self.rollout_tokens[1:]
+        return {"step_s": statistics.median(wall), "cpu_s": statistics.median(cpu),
+                "tokens_per_s": sum(roll_t) / max(sum(roll_s), 1e-9),
+                "rollout_share": sum(roll_s) / max(sum(wall), 1e-9),
+                "tokens_per_step": statistics.mean(roll_t)}
+
+
+def run_astrai(prompts: Path, model_dir: Path, out: Path, args: argparse.Namespace) -> dict[str, float]:
+    from astrai.config import load_config
+    from astrai.train.rl.loop import OnlineLoop
+
+    clock = StepClock()
+
+    class Clock:
+        requested_metrics = frozenset()
+
+        def on_train_begin(self, loop: Any) -> None:
+            clock.stamps = [(time.perf_counter(), time.process_time())]
+
+        def after_optimizer_step(self, loop: Any) -> None:
+            clock.tick()
+            clock.rollout_seconds.append(loop.step_metrics["rollout_seconds"])
+            clock.rollout_tokens.append(int(loop.step_metrics["rollout_tokens"]))
+
+    flags = {"train_type": "online_grpo", "data_path": prompts, "param_path": model_dir, "device": "cpu",
+             "batch_per_device": args.prompts, "group_size": args.group_size, "rollout_max_tokens": args.max_tokens,
+             "rollout_temperature": 1.0, "max_steps": args.steps, "n_epoch": 100, "max_lr": args.lr,
+             "schedule": "constant", "max_grad_norm": 1.0, "kl_coef": 0.0, "clip_eps": 0.2,
+             "rl_loss_agg": "token_mean", "random_seed": args.seed, "ckpt_dir": out / "ckpt", "ckpt_interval": 0,
+             "log_dir": out, "progress": False}
+    cfg = load_config(None, [item for k, v in flags.items() for item in (f"--{k}", str(v))])
+    OnlineLoop(cfg, callbacks=[Clock()]).train()
+    return clock.summary()
+
+
+def run_trl(prompts: Path, model_dir: Path, out: Path, args: argparse.Namespace) -> dict[str, float]:
+    import datasets
+    from transformers import AutoTokenizer, LlamaForCausalLM, TrainerCallback
+    from trl import GRPOConfig, GRPOTrainer
+
+    from astrai.data.tasks import score
+
+    records = [json.loads(line) for line in prompts.read_text().splitlines()]
+    dataset = datasets.Dataset.from_list([{"prompt": r["messages"], "answer": r["answer"]} for r in records])
+
+    def exact_match(completions: list[Any], answer: list[str], **kwargs: Any) -> list[float]:
+        # conversational prompts give conversational completions: [{"role": "assistant", "content": ...}]
+        return [score(c[0]["content"] if isinstance(c, list) else c, a) for c, a in zip(completions, answer)]
+
+    clock = StepClock()
+
+    class Clock(TrainerCallback):
+        def on_train_begin(self, *a: Any, **k: Any) -> None:
+            clock.stamps = [(time.perf_counter(), time.process_time())]
+
+        def on_step_end(self, *a: Any, **k: Any) -> None:
+            clock.tick()
+
+    config = GRPOConfig(
+        output_dir=str(out), use_cpu=True, bf16=False, seed=args.seed, report_to="none", save_strategy="no",
+        logging_steps=args.steps, disable_tqdm=True, max_steps=args.steps, learning_rate=args.lr,
+        lr_scheduler_type="constant", warmup_steps=0, weight_decay=0.0, adam_beta1=0.9, adam_beta2=0.95,
+        max_grad_norm=1.0, per_device_train_batch_size=args.prompts * args.group_size, gradient_accumulation_steps=1,
+        num_generations=args.group_size, max_completion_length=args.max_tokens, temperature=1.0, top_p=1.0,
+        top_k=0, beta=0.0, epsilon=0.2, loss_type="dapo", scale_rewards="group", num_iterations=1,
+        dataloader_num_workers=0, disable_dropout=True,
+    )
+    model = LlamaForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    trainer = GRPOTrainer(model=model, reward_funcs=exact_match, args=config, train_dataset=dataset,
+                          processing_class=tokenizer, callbacks=[Clock()])
+    generate = trainer._generate_single_turn  # the generation call; timed like astrai's run_batch
+
+    def timed_generate(*a: Any, **k: Any) -> Any:
+        start = time.perf_counter()
+        completion_ids, logprobs = generate(*a, **k)
+        clock.rollout_seconds.append(time.perf_counter() - start)
+        clock.rollout_tokens.append(sum(len(c) for c in completion_ids))
+        return completion_ids, logprobs
+
+    trainer._generate_single_turn = timed_generate
+    trainer.train()
+    return clock.summary()
+
+
+def print_table(results: dict[str, dict[str, float]], args: argparse.Namespace) -> None:
+    a, t = results["astrai"], results["TRL"]
+    print(f"Online GRPO, {args.prompts} prompts x {args.group_size} completions, max {args.max_tokens} new tokens, "
+          f"{args.steps} steps (median of steps 2..{args.steps}), {torch.get_num_threads()} thread(s), CPU fp32.\n")
+    print("| metric | astrai | TRL GRPOTrainer | astrai / TRL |")
+    print("|---|---|---|---|")
+    rows = [("seconds per step", "step_s", "{:.3f}", True), ("CPU seconds per step", "cpu_s", "{:.3f}", True),
+            ("rollout tokens/s", "tokens_per_s", "{:.0f}", False), ("rollout share of a step", "rollout_share",
+                                                                     "{:.0%}", None),
+            ("rollout tokens per step", "tokens_per_step", "{:.0f}", None)]
+    for label, key, fmt, lower_is_better in rows:
+        ratio = a[key] / t[key] if t[key] else float("nan")
+        note = ""
+        if lower_is_better is True:
+            note = f" ({1 / ratio:.1f}x faster)" if ratio < 1 else f" ({ratio:.1f}x slower)"
+        elif lower_is_better is False:
+            note = f" ({ratio:.1f}x)"
+        print(f"| {label} | {fmt.format(a[key])} | {fmt.format(t[key])} | {ratio:.2f}{note} |")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="3 steps of 2 prompts (smoke test)")
+    parser.add_argument("--steps", type=int, default=8)
+    parser.add_argument("--prompts", type=int, default=8, help="prompts per step")
+    parser.add_argument("--group_size", type=int, default=8)
+    parser.add_argument("--max_tokens", type=int, default=16)
+    parser.add_argument("--lr", type=float, default=1e-4)
+    parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads (default 1)")
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.steps, args.prompts = 3, 2
+    torch.set_num_threads(args.threads)
+    try:
+        import trl  # noqa: F401
+    except ImportError as e:
+        print(f"bench_rl: TRL is not installed ({e}); install the dev extra: pip install -e '.[dev]'",
+              file=sys.stderr)
+        return 2
+    with tempfile.TemporaryDirectory() as tmp_name:
+        tmp = Path(tmp_name)
+        prompts, model_dir = setup(tmp, args.prompts * args.steps, args.seed)
+        results = {"astrai": run_astrai(prompts, model_dir, tmp / "astrai", args),
+                   "TRL": run_trl(prompts, model_dir, tmp / "trl", args)}
+    print_table(results, args)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
