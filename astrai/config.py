@@ -369,7 +369,8 @@ def resolve_defaults(cfg: Config) -> None:
         cfg.filled_defaults["max_lr"] = situation
     if o.warmup_ratio is None:
         o.warmup_ratio = FINE_TUNING_WARMUP_RATIO if fine_tuning and o.warmup_steps is None else 0.0
-        cfg.filled_defaults["warmup_ratio"] = situation
+        if o.warmup_steps is None:  # otherwise warmup_steps decides and the ratio is unused
+            cfg.filled_defaults["warmup_ratio"] = situation
 
 
 def _check_key(name: str, section: str, value: Any, table: dict[str, tuple[str, Any]]) -> Any:

@@ -1,4 +1,4 @@
-"""Online GRPO step time: astrai's OnlineLoop vs TRL's GRPOTrainer, same model, prompts and settings.
+"""Online GRPO step time: astrai's OnlineLoop vs TRL's GRPOTrainer (and astrai online PPO vs GRPO).
 
 Both systems train the same tiny Llama-shaped model (astrai writes it as an HF model directory;
 TRL loads that directory as a transformers `LlamaForCausalLM`, same config and weights) on the
@@ -84,7 +84,8 @@ class StepClock:
                 "tokens_per_step": statistics.mean(roll_t)}
 
 
-def run_astrai(prompts: Path, model_dir: Path, out: Path, args: argparse.Namespace) -> dict[str, float]:
+def run_astrai(prompts: Path, model_dir: Path, out: Path, args: argparse.Namespace,
+               train_type: str = "online_grpo") -> dict[str, float]:
     from astrai.config import load_config
     from astrai.train.rl.loop import OnlineLoop
 
@@ -101,7 +102,7 @@ def run_astrai(prompts: Path, model_dir: Path, out: Path, args: argparse.Namespa
             clock.rollout_seconds.append(loop.step_metrics["rollout_seconds"])
             clock.rollout_tokens.append(int(loop.step_metrics["rollout_tokens"]))
 
-    flags = {"train_type": "online_grpo", "data_path": prompts, "param_path": model_dir, "device": "cpu",
+    flags = {"train_type": train_type, "data_path": prompts, "param_path": model_dir, "device": "cpu",
              "batch_per_device": args.prompts, "group_size": args.group_size, "rollout_max_tokens": args.max_tokens,
              "rollout_temperature": 1.0, "max_steps": args.steps, "n_epoch": 100, "max_lr": args.lr,
              "schedule": "constant", "max_grad_norm": 1.0, "kl_coef": 0.0, "clip_eps": 0.2,
@@ -207,8 +208,29 @@ def main(argv: list[str] | None = None) -> int:
         prompts, model_dir = setup(tmp, args.prompts * args.steps, args.seed)
         results = {"astrai": run_astrai(prompts, model_dir, tmp / "astrai", args),
                    "TRL": run_trl(prompts, model_dir, tmp / "trl", args)}
+        ppo = run_astrai(prompts, model_dir, tmp / "ppo", args, train_type="online_ppo")
     print_table(results, args)
+    print_ppo_table(results["astrai"], ppo)
     return 0
+
+
+def print_ppo_table(grpo: dict[str, float], ppo: dict[str, float]) -> None:
+    """online_ppo against online_grpo on the same workload: what the critic costs. (TRL 1.x no
+    longer ships a PPO trainer, neither in trl nor in trl.experimental, so there is no TRL row.)"""
+    print("\nOnline PPO (policy + critic) vs online GRPO, astrai, same workload.\n")
+    print("| metric | online_grpo | online_ppo | ppo / grpo |")
+    print("|---|---|---|---|")
+    for label, key, fmt in (("seconds per step", "step_s", "{:.3f}"), ("CPU seconds per step", "cpu_s", "{:.3f}"),
+                            ("rollout share of a step", "rollout_share", "{:.0%}")):
+        ratio = ppo[key] / grpo[key] if grpo[key] else float("nan")
+        print(f"| {label} | {fmt.format(grpo[key])} | {fmt.format(ppo[key])} | {ratio:.2f} |")
+    # the rollout is the same work in both; the rest of a PPO step is policy + critic training
+    train_grpo = grpo["step_s"] * (1 - grpo["rollout_share"])
+    train_ppo = ppo["step_s"] * (1 - ppo["rollout_share"])
+    print(f"| training part of a step (s) | {train_grpo:.3f} | {train_ppo:.3f} | "
+          f"{train_ppo / max(train_grpo, 1e-9):.2f} |")
+    print(f"\nThe critic's forward/backward and its optimizer take about "
+          f"{max(train_ppo - train_grpo, 0) / max(ppo['step_s'], 1e-9):.0%} of a PPO step.")
 
 
 if __name__ == "__main__":

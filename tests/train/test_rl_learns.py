@@ -43,6 +43,7 @@ pytestmark = pytest.mark.slow
 MODEL = {"vocab_size": 300, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
          "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 64,
          "tie_word_embeddings": True}
+PPO_STEPS, PPO_REWARD_GAIN, PPO_HELD_OUT_GAIN = 100, 0.05, 0.0
 RL = ["--batch_per_device", 64, "--group_size", 8, "--rollout_max_tokens", 8, "--max_prompt_len", 32,
       "--schedule", "constant", "--warmup_steps", 5, "--random_seed", 0]
 
@@ -67,7 +68,7 @@ def train(run_dir: Path, *flags) -> Path:
 
 
 def accuracy(model_dir: Path, eval_path: Path) -> float:
-    from astrai.infer.engine import LLM
+    from astrai.infer.llm import LLM
 
     return evaluate_model(LLM(str(model_dir)), read_prompt_records(eval_path), max_tokens=8).accuracy
 
@@ -127,3 +128,22 @@ def test_online_dpo_raises_reward(task, tmp_path):
     first, last = mean(r[:10]), mean(r[-10:])
     print(f"DPO reward {first:.3f} -> {last:.3f}")
     assert last >= first + 0.04, f"online DPO rollout reward went {first:.2f} -> {last:.2f}, expected +0.04"
+
+
+def test_online_ppo_raises_reward_and_the_critic_explains_returns(task, tmp_path):
+    run = tmp_path / "ppo"
+    model = train(run, "--train_type", "online_ppo", "--data_path", task.prompts, "--tokenizer_path", task.tokenizer,
+          "--param_path", task.model, "--max_steps", PPO_STEPS, "--group_size", 4, "--max_lr", 5e-4,
+          "--critic_lr", 1e-3, "--rollout_interval", 2, *RL)
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    r = [m["reward_mean"] for m in rows]
+    first, last = mean(r[:10]), mean(r[-10:])
+    ev = [m["explained_variance"] for m in rows if "explained_variance" in m]
+    print(f"PPO reward {first:.3f} -> {last:.3f}; explained variance {ev[0]:.3f} -> {max(ev[-10:]):.3f}")
+    assert ev[0] <= 0.0 + 1e-6  # the zero-initialised head explains nothing at first
+    assert max(ev[-10:]) > 0.0, f"the critic never explained any return variance: {ev[-10:]}"
+    assert last >= first + PPO_REWARD_GAIN, f"PPO rollout reward went {first:.2f} -> {last:.2f}"
+    after = accuracy(model, task.eval_path)
+    print(f"PPO held-out accuracy {task.accuracy:.3f} -> {after:.3f}")
+    assert after >= task.accuracy + PPO_HELD_OUT_GAIN, \
+        f"PPO held-out accuracy went {task.accuracy:.1%} -> {after:.1%}"
