@@ -183,3 +183,27 @@ def test_online_ppo_under_ddp_with_two_ranks(tmp_path, tok_dir):
     assert state["world_size"] == 2 and state["policy_version"] == 2
     files = json.loads((latest_checkpoint(tmp_path / "ckpt") / "manifest.json").read_text())["files"]
     assert {"value_model.pt", "value_optimizer.pt", "rollout.pt"} <= set(files)
+
+
+def test_ppo_batches_with_bad_logp_old_are_errors_naming_the_field():
+    from astrai.config import load_config
+    from astrai.model.config import ModelConfig
+    from astrai.model.transformer import CausalLM
+    from astrai.train.rl.objectives import OnlinePPOObjective
+    from tests.train.resume_data import MODEL
+
+    policy = CausalLM(ModelConfig(**MODEL), seed=0)
+    objective = OnlinePPOObjective(load_config(None, ["--train_type", "online_ppo"]), policy)
+    ids = torch.randint(3, 300, (2, 6))
+    labels = torch.full((2, 6), -100)
+    labels[:, 2:5] = ids[:, 3:6]
+    batch = {"input_ids": ids, "attention_mask": torch.ones(2, 6, dtype=torch.long), "labels": labels,
+             "old_logps": torch.zeros(2, 6), "advantages": torch.zeros(2, 6), "returns": torch.zeros(2, 6),
+             "old_values": torch.zeros(2, 6)}
+    objective(policy, batch)  # well-formed: runs
+    bad = {**batch, "old_logps": batch["old_logps"].clone()}
+    bad["old_logps"][0, 3] = float("nan")
+    with pytest.raises(ValueError, match="'old_logps'"):
+        objective(policy, bad)
+    with pytest.raises(ValueError, match="'old_logps' has shape"):
+        objective(policy, {**batch, "old_logps": torch.zeros(2, 5)})

@@ -272,11 +272,14 @@ class OnlinePPOObjective(Objective):
         def at(key: str) -> Tensor:  # a pinned (B, T) tensor at the labelled positions (B, K)
             return batch[key] if idx is None else batch[key][:, idx]
 
+        for key in ("old_logps", "advantages", "returns", "old_values"):
+            value = batch[key]
+            if value.shape != batch["labels"].shape:
+                raise ValueError(f"PPO batch field {key!r} has shape {tuple(value.shape)}; expected "
+                                 f"{tuple(batch['labels'].shape)}, the shape of labels")
+            if not bool(torch.isfinite(at(key)[mask]).all()):
+                raise ValueError(f"PPO batch field {key!r} holds NaN or inf on response tokens; it must be finite")
         old = at("old_logps")
-        for key, value in (("old_logps", old), ("advantages", at("advantages"))):
-            if value.shape != logps.shape or not bool(torch.isfinite(value[mask]).all()):
-                raise ValueError(f"PPO batch field {key!r} has shape {tuple(value.shape)} or non-finite values; "
-                                 f"expected finite values of shape {tuple(logps.shape)} on the response tokens")
         policy, clipped = clipped_surrogate(logps, old, at("advantages"), rl.clip_eps, rl.clip_eps_high)
         values = self.critic_module(batch["input_ids"], attention_mask=batch["attention_mask"])  # (B, T)
         values = values if idx is None else values[:, idx]
