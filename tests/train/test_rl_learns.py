@@ -14,8 +14,10 @@ machine (one intra-op thread, as this module sets it; about 100 s for the file):
                 (64 prompts x 8 samples, 150 steps, each rollout used for 2 steps; mean of the
                 first vs the last 10 steps)
   online DPO:   rollout reward 0.48 -> 0.55 (64 prompts x 4 samples, 60 steps)
+  online PPO:   held-out accuracy 37.5% -> 42.5%; rollout reward 0.48 -> 0.57; explained variance
+                0 (zero head) -> 0.63 (64 prompts x 4 samples, 100 steps, critic lr 1e-3)
 The assertions keep headroom below those numbers: GRPO +5 held-out points and +0.1 reward,
-DPO +0.04 reward. Large rollouts and a moderate learning rate matter: with 16 prompts per step,
+DPO +0.04 reward, PPO +2.5 held-out points (one problem), +0.05 reward and explained variance > 0. Large rollouts and a moderate learning rate matter: with 16 prompts per step,
 or a learning rate of 1e-3, the reward wanders instead of rising; and 1-digit held-out accuracy
 moves only a few problems (the model partly memorises the 60 training sums), which is why the
 held-out margin is small and the rollout reward is checked too.
@@ -43,7 +45,7 @@ pytestmark = pytest.mark.slow
 MODEL = {"vocab_size": 300, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
          "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 64,
          "tie_word_embeddings": True}
-PPO_STEPS, PPO_REWARD_GAIN, PPO_HELD_OUT_GAIN = 100, 0.05, 0.0
+PPO_STEPS, PPO_REWARD_GAIN, PPO_HELD_OUT_GAIN = 100, 0.05, 0.025
 RL = ["--batch_per_device", 64, "--group_size", 8, "--rollout_max_tokens", 8, "--max_prompt_len", 32,
       "--schedule", "constant", "--warmup_steps", 5, "--random_seed", 0]
 
