@@ -120,6 +120,7 @@ class LLMEngine:
         self._seq_ids = itertools.count()
         self._batch_ids = itertools.count()
         self._lazy_text = False  # run_batch: decode text once at the end unless stop strings need it
+        self._in_inference_mode = False
         eos = model_cfg.eos_token_id
         eos_ids = [eos] if isinstance(eos, int) else list(eos or [])
         if tokenizer is not None:
@@ -278,6 +279,9 @@ class LLMEngine:
 
     @contextlib.contextmanager
     def _inference_mode(self) -> Iterator[None]:
+        if self._in_inference_mode:  # generate_all holds the mode for the whole batch
+            yield
+            return
         was_training = self.model.training
         if was_training:
             self.model.eval()
@@ -287,8 +291,10 @@ class LLMEngine:
         # made here, so it gets plain no_grad
         try:
             with torch.no_grad() if was_training else torch.inference_mode():
+                self._in_inference_mode = True
                 yield
         finally:
+            self._in_inference_mode = False
             if was_training:
                 self.model.train()
 
@@ -448,13 +454,10 @@ class LLMEngine:
             for rid, prompt, p in zip(ids, prompts, params_list):
                 self.add_request(rid, prompt, p, with_logprobs=with_logprobs)
             pending = set(ids)
-            while pending:
-                for req in self._step():
-                    if req.finished and req.request_id in pending:
-                        results[req.request_id] = self._output(req)
-                        pending.discard(req.request_id)
-                        if on_finish is not None:
-                            on_finish()
+            # one eval/no-grad switch for the whole batch, not one per step (a live policy in
+            # training mode has many modules to toggle)
+            with self._inference_mode():
+                self._generate_pending(pending, results, on_finish)
         except BaseException:
             for rid in ids:
                 self.abort(rid)
@@ -462,6 +465,16 @@ class LLMEngine:
         finally:
             self._lazy_text = False
         return [results[rid] for rid in ids]
+
+    def _generate_pending(self, pending: set[str], results: dict[str, RequestOutput],
+                          on_finish: Callable[[], None] | None) -> None:
+        while pending:
+            for req in self._step():
+                if req.finished and req.request_id in pending:
+                    results[req.request_id] = self._output(req)
+                    pending.discard(req.request_id)
+                    if on_finish is not None:
+                        on_finish()
 
 
 def _make_config(config: EngineConfig | None, overrides: dict[str, Any]) -> EngineConfig:
