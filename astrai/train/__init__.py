@@ -1,7 +1,7 @@
 """Training: config -> Trainer loop -> objectives/losses -> optimizer -> checkpoints.
 
-Public Python API: ``Trainer``, ``TrainContext``, ``LossOutput``, ``OBJECTIVES`` (imported lazily,
-so ``import astrai.train.losses`` stays light).
+Public Python API: ``Trainer`` (offline loop), ``OnlineLoop`` (online RL), ``TrainContext``,
+``LossOutput``, ``OBJECTIVES`` (imported lazily, so ``import astrai.train.losses`` stays light).
 """
 
 from __future__ import annotations
@@ -10,9 +10,10 @@ from typing import Any
 
 _EXPORTS = {
     "Trainer": "astrai.train.trainer",
+    "OnlineLoop": "astrai.train.rl.loop",
     "TrainContext": "astrai.train.context",
     "LossOutput": "astrai.train.objectives",
-    "OBJECTIVES": "astrai.train.objectives",
+    "OBJECTIVES": "astrai.train.types",
 }
 
 __all__ = list(_EXPORTS)
