@@ -4,10 +4,8 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -19,7 +17,7 @@ from astrai.train import losses as L
 from astrai.train.checkpoint import latest_checkpoint
 from astrai.train.cli import main
 from tests.train.resume_data import read_metrics, write_tokenizer
-from tests.train.test_rl import write_rl_run
+from tests.train.test_rl import sigterm_after_step, write_rl_run
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -147,16 +145,7 @@ def test_ppo_sigterm_and_resume_equals_the_uninterrupted_run(tmp_path, tok_dir):
     for cfg in (straight, stopped):
         cfg.write_text(cfg.read_text().replace("max_steps: 4", "max_steps: 5"))
     assert main(["--config", str(straight)]) == 0
-    env = {**os.environ, "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
-           "ASTRAI_PAUSE_AT": "step:3", "ASTRAI_PAUSE_FILE": str(tmp_path / "paused")}
-    proc = subprocess.Popen([sys.executable, "-m", "astrai", "train", "--config", str(stopped)], env=env,
-                            stderr=subprocess.PIPE, text=True)
-    deadline = time.monotonic() + 300  # a guard against a hung run, not the property under test
-    while not list(tmp_path.glob("paused.*")) and proc.poll() is None and time.monotonic() < deadline:
-        time.sleep(0.05)
-    proc.send_signal(signal.SIGTERM)
-    _, err = proc.communicate(timeout=300)
-    assert proc.returncode == 0 and "stopped at step 3" in err, err[-2000:]
+    sigterm_after_step(stopped, 3, tmp_path)
     assert main(["--config", str(stopped), "--resume"]) == 0
     keys = ("step", "loss", "policy_loss", "value_loss", "grad_norm", "critic_grad_norm", "explained_variance")
     got = [{k: m.get(k) for k in keys} for m in read_metrics(tmp_path / "stopped")]

@@ -182,6 +182,21 @@ def test_prefix_cache_never_serves_kv_across_a_policy_update():
 # ------------------------------------------------------------------------------ exact resume
 
 
+def sigterm_after_step(config: Path, step: int, tmp_path: Path) -> None:
+    """Run `astrai train` in a subprocess that pauses after optimizer `step` (the test hook),
+    SIGTERM it there, and check that it stopped gracefully at that step."""
+    env = {**os.environ, "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
+           "ASTRAI_PAUSE_AT": f"step:{step}", "ASTRAI_PAUSE_FILE": str(tmp_path / "paused")}
+    proc = subprocess.Popen([sys.executable, "-m", "astrai", "train", "--config", str(config)], env=env,
+                            stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 300  # a guard against a hung run, not the property under test
+    while not list(tmp_path.glob("paused.*")) and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=300)
+    assert proc.returncode == 0 and f"stopped at step {step}" in err, err[-2000:]
+
+
 def _weights(run_dir: Path) -> dict[str, torch.Tensor]:
     return load_file(str(latest_checkpoint(run_dir / "ckpt") / "model.safetensors"))
 
@@ -195,16 +210,7 @@ def test_sigterm_and_resume_equals_the_uninterrupted_run(tmp_path, tok_dir):
         cfg.write_text(cfg.read_text().replace("max_steps: 4", "max_steps: 6"))
     assert main(["--config", str(straight)]) == 0
 
-    env = {**os.environ, "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
-           "ASTRAI_PAUSE_AT": "step:3", "ASTRAI_PAUSE_FILE": str(tmp_path / "paused")}
-    proc = subprocess.Popen([sys.executable, "-m", "astrai", "train", "--config", str(stopped)], env=env,
-                            stderr=subprocess.PIPE, text=True)
-    deadline = time.monotonic() + 300  # a guard against a hung run, not the property under test
-    while not list(tmp_path.glob("paused.*")) and proc.poll() is None and time.monotonic() < deadline:
-        time.sleep(0.05)
-    proc.send_signal(signal.SIGTERM)
-    _, err = proc.communicate(timeout=300)
-    assert proc.returncode == 0 and "stopped at step 3" in err, err[-2000:]
+    sigterm_after_step(stopped, 3, tmp_path)
     assert latest_checkpoint(tmp_path / "stopped" / "ckpt").name == "step_00000003"
     assert main(["--config", str(stopped), "--resume"]) == 0
 
