@@ -445,12 +445,25 @@ def resolve_dtype(dtype: torch.dtype | str | None, config: ModelConfig) -> torch
 
 
 def load_model(
-    path: str | Path, dtype: torch.dtype | str | None = None, device: torch.device | str | None = None
+    path: str | Path, dtype: torch.dtype | str | None = None, device: torch.device | str | None = None,
+    lora: str | Path | None = None,
 ) -> CausalLM:
-    """A CausalLM from a HF model directory; built on the meta device, then given the weights."""
+    """A CausalLM from a HF model directory; built on the meta device, then given the weights.
+    A PEFT adapter directory (a LoRA run's checkpoint) loads its base with the adapter merged,
+    and so does a base directory with `lora=ADAPTER_DIR`."""
     path = Path(path)
+    if (path / "adapter_config.json").is_file() and not (path / "config.json").is_file():
+        from astrai.model.lora import load_merged
+
+        return load_merged(path, dtype=dtype, device=device)  # type: ignore[return-value]
     config = load_config(path)
-    return build_model(config, read_safetensors(path), dtype, device, where=str(path))
+    model = build_model(config, read_safetensors(path), dtype, device, where=str(path))
+    if lora is not None:
+        from astrai.model.lora import load_adapter, merge_lora
+
+        load_adapter(model, lora)
+        merge_lora(model)
+    return model
 
 
 def build_model(

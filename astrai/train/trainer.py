@@ -25,7 +25,14 @@ from torch import Tensor
 from astrai.config import Config
 from astrai.data.sampler import ResumableSampler
 from astrai.train import dist, resume
-from astrai.train.build import build_datasets, build_model, build_tokenizer, check_vocab, seed_everything
+from astrai.train.build import (
+    build_datasets,
+    build_model,
+    build_tokenizer,
+    check_vocab,
+    log_trainable,
+    seed_everything,
+)
 from astrai.train.callbacks import CallbackList, CheckpointSaver, default_callbacks, requested_metrics
 from astrai.train.context import TrainContext
 from astrai.train.objectives import num_tokens
@@ -54,6 +61,7 @@ class Trainer:
         self.tokenizer = tokenizer if tokenizer is not None else build_tokenizer(cfg)
         raw = model if model is not None else build_model(cfg)
         self.raw_model = raw.to(self.device)
+        log_trainable(self.raw_model, self.is_main)
         check_vocab(self.raw_model, self.tokenizer, cfg)
         self.raw_model.gradient_checkpointing = cfg.train.gradient_checkpointing
         # objective first: DPO's frozen reference is a copy of the unwrapped initial policy
