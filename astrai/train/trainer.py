@@ -108,6 +108,7 @@ class Trainer:
     def train(self) -> TrainContext:
         ctx, cbs, accum = self.ctx, self.callbacks, self.config.train.grad_accum_steps
         self._t_last = time.perf_counter()
+        self._window_rng = resume.rng_state()
         cbs.on_train_begin(self)
         try:
             stopping = False
@@ -160,6 +161,9 @@ class Trainer:
         if self._validation_due():
             self.step_metrics.update(self.evaluate())
         pause_point(f"step:{ctx.step}")  # test hook: a kill or a stop lands exactly here
+        # where a resumed run restarts: a stop inside the next window must not save the RNG that
+        # its dropped micro-batches consumed (dropout, e.g. lora_dropout)
+        self._window_rng = resume.rng_state()
         cbs.after_optimizer_step(self)
         self._t_last = time.perf_counter()  # time spent saving is not training throughput
 
@@ -270,7 +274,7 @@ class Trainer:
             **self.ctx.state_dict(),
             "sampler": self.sampler.state_dict(),
             "grad_step": self.grad_step.state_dict(),
-            "rng": resume.rng_state(),
+            "rng": getattr(self, "_window_rng", None) or resume.rng_state(),  # at the last window boundary
             "callbacks": self.callbacks.state_dict(),
             "world_size": self.dist.world_size,
             "total_steps": self.total_steps,
