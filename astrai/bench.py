@@ -12,7 +12,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-BENCHMARKS = ["model", "preprocess", "train", "checkpoint", "generate", "serve"]
+BENCHMARKS = ["model", "preprocess", "train", "checkpoint", "generate", "serve", "lora"]
 
 
 def benchmarks_dir() -> Path:
