@@ -149,16 +149,27 @@ def test_dpo_lora_run(tmp_path, tok_dir, base_dir):
     assert (latest_checkpoint(tmp_path / "ckpt") / ADAPTER_WEIGHTS).is_file()
 
 
+def varied_reward(prompt, completion, record):
+    """Rewards that differ within a group, so the first step moves the adapters."""
+    return float(len(completion) % 3)
+
+
 @pytest.mark.parametrize("train_type", ["online_grpo", "online_ppo"])
 def test_online_rl_under_lora_uses_the_adapter_disabled_reference(tmp_path, tok_dir, base_dir, train_type):
     from astrai.train.rl.loop import OnlineLoop
 
-    config = lora_run(write_rl_run(tmp_path, tok_dir, train_type=train_type, kl_coef=0.1), base_dir)
+    config = lora_run(write_rl_run(tmp_path, tok_dir, train_type=train_type, kl_coef=0.1,
+                                    rewards=["tests.train.test_lora_train:varied_reward"]), base_dir)
     loop = OnlineLoop(load_config(config, ["--max_steps", "2"]))
     assert isinstance(loop.objective.reference, AdapterDisabled)
     assert any(isinstance(m, LoraLinear) for m in loop.raw_model.modules())  # the engine runs the LoRA module
+    adapters = {n: p.detach().clone() for n, p in loop.raw_model.named_parameters() if p.requires_grad}
     loop.train()
     assert loop.ctx.step == 2
+    assert any(not torch.equal(p, adapters[n]) for n, p in loop.raw_model.named_parameters() if n in adapters)
+    # step 2's rollout came from trained adapters: the engine ran the LoRA module as training does
+    assert all(m["sampler_logp_diff"] < 1e-4 for m in read_metrics(tmp_path) if "sampler_logp_diff" in m)
+    assert sum("sampler_logp_diff" in m for m in read_metrics(tmp_path)) == 2
     ckpt = latest_checkpoint(tmp_path / "ckpt")
     assert (ckpt / ADAPTER_WEIGHTS).is_file() and not (ckpt / "model.safetensors").exists()
     if train_type == "online_ppo":
@@ -180,6 +191,13 @@ def test_generate_with_lora_equals_the_merged_model(tmp_path, tok_dir, base_dir,
         assert astrai_main(["generate", *model_flags, *flags]) == 0
         outs.append(capsys.readouterr().out)
     assert outs[0] == outs[1]
+    # what --lora loads is the merged model, not the base
+    from astrai.infer.engine import LLMEngine
+
+    engine = LLMEngine.from_pretrained(base_dir, lora=str(ckpt), device="cpu", kv_cache_tokens=64)
+    merged, base = load_model(tmp_path / "merged").state_dict(), load_model(base_dir).state_dict()
+    q = "model.layers.0.self_attn.q_proj.weight"
+    assert torch.equal(engine.model.state_dict()[q], merged[q]) and not torch.equal(merged[q], base[q])
 
 
 @pytest.mark.slow
