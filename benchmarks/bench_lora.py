@@ -2,7 +2,8 @@
 
 Same Llama-shaped model, same random token batches, same number of AdamW steps; every case runs
 in its own process so peak RSS is its own. Columns: trainable parameters, optimizer-state bytes
-(AdamW's two moments), peak RSS, tokens/s (median of the timed steps). DPO cases build the
+(AdamW's two moments), the bytes of weights + a copied reference + gradients + optimizer state
+(what the run holds besides activations), peak RSS, tokens/s (median of the timed steps). DPO cases build the
 objective as a run does: a full run keeps a frozen deepcopy of the policy as reference, a LoRA
 run calls the same module with its adapters disabled.
 
@@ -67,13 +68,22 @@ def run_case(case: str, quick: bool, steps: int, batch: int, seq: int) -> dict:
         t0 = time.perf_counter()
         objective(model, data).loss.backward()
         optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
+        if step < steps:  # the last step's grads stay for the held-memory count
+            optimizer.zero_grad(set_to_none=True)
         if step:
             times.append(time.perf_counter() - t0)
+    # tensors the run holds besides activations: weights (+ a copied reference), grads, AdamW moments
+    held, seen = 0, set()
+    modules = [model] + [v for v in vars(objective).values() if isinstance(v, torch.nn.Module)]
+    for t in [p for m in modules for p in m.parameters()] + [p.grad for p in model.parameters()]:
+        if t is not None and t.untyped_storage().data_ptr() not in seen:
+            seen.add(t.untyped_storage().data_ptr())
+            held += t.untyped_storage().nbytes()
     trainable, total = count_parameters(model)
     optim_bytes = sum(t.numel() * t.element_size() for s in optimizer.state.values()
                       for t in s.values() if isinstance(t, torch.Tensor) and t.dim() > 0)
     return {"case": case, "trainable": trainable, "total": total, "optim_bytes": optim_bytes,
+            "held_bytes": held + optim_bytes,
             "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
             "tokens_per_s": tokens / statistics.median(times)}
 
@@ -95,15 +105,17 @@ def main() -> int:
         out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
         rows[case] = json.loads(out.strip().splitlines()[-1])
     print(f"## LoRA (r=16, all seven projections) vs full fine-tuning: {steps} AdamW steps, batch {batch} x {seq}\n")
-    print("| case | trainable params | share | optimizer state MB | peak RSS MB | tokens/s |")
-    print("|---|---|---|---|---|---|")
+    print("| case | trainable params | share | optimizer state MB | weights+ref+grads+optimizer MB | "
+          "peak RSS MB | tokens/s |")
+    print("|---|---|---|---|---|---|---|")
     for r in rows.values():
         print(f"| {r['case']} | {r['trainable']:,} | {100 * r['trainable'] / r['total']:.2f}% | "
-              f"{r['optim_bytes'] / 2**20:.1f} | {r['peak_rss_mb']:.0f} | {r['tokens_per_s']:.0f} |")
+              f"{r['optim_bytes'] / 2**20:.1f} | {r['held_bytes'] / 2**20:.1f} | {r['peak_rss_mb']:.0f} | {r['tokens_per_s']:.0f} |")
     for kind in ("sft", "dpo"):
         full, lora = rows[f"{kind}_full"], rows[f"{kind}_lora"]
         print(f"\n{kind}: LoRA / full peak RSS {lora['peak_rss_mb'] / full['peak_rss_mb']:.2f}, "
-              f"optimizer state {lora['optim_bytes'] / max(full['optim_bytes'], 1):.3f}, "
+              f"optimizer state {lora['optim_bytes'] / max(full['optim_bytes'], 1):.3f}, held tensors "
+              f"{(full['held_bytes'] - lora['held_bytes']) / 2**20:.1f} MB less, "
               f"tokens/s {lora['tokens_per_s'] / full['tokens_per_s']:.2f}")
     return 0
 
