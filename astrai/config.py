@@ -4,7 +4,7 @@ Sits at the very start of the data flow: ``astrai train --config run.yaml --max_
 turned into a ``Config`` here, and every other module reads its numbers from that object. Each
 tunable number has one name, one default and one place (a dataclass field). Names form one flat
 namespace of unique snake_case keys; the YAML sections (model, data, train, optim, objective,
-ckpt, log, dist) only group them for reading, so on the command line the section is optional.
+lora, ckpt, log, dist) only group them for reading, so on the command line the section is optional.
 Precedence is flag > YAML > default. Unknown keys and flags are errors with a did-you-mean,
 and a value of the wrong type names the field, the value and the expected type.
 """
@@ -121,6 +121,14 @@ class RLConfig:
 
 
 @dataclass
+class LoraConfig:
+    lora_r: int = 0  # adapter rank; 0 = off (full fine-tuning)
+    lora_alpha: float = 16.0  # the update is scaled by lora_alpha / lora_r
+    lora_dropout: float = 0.0  # dropout on the adapter's input
+    lora_targets: list[str] = field(default_factory=lambda: ["q", "k", "v", "o", "gate", "up", "down"])
+
+
+@dataclass
 class CkptConfig:
     ckpt_dir: str = "out/ckpt"
     ckpt_interval: int = 100  # optimizer steps; 0 = only at stop/end
@@ -148,6 +156,7 @@ SECTIONS: dict[str, type] = {
     "optim": OptimConfig,
     "objective": ObjectiveConfig,
     "rl": RLConfig,
+    "lora": LoraConfig,
     "ckpt": CkptConfig,
     "log": LogConfig,
     "dist": DistConfig,
@@ -182,6 +191,7 @@ class Config:
     optim: OptimConfig = field(default_factory=OptimConfig)
     objective: ObjectiveConfig = field(default_factory=ObjectiveConfig)
     rl: RLConfig = field(default_factory=RLConfig)
+    lora: LoraConfig = field(default_factory=LoraConfig)
     ckpt: CkptConfig = field(default_factory=CkptConfig)
     log: LogConfig = field(default_factory=LogConfig)
     dist: DistConfig = field(default_factory=DistConfig)
@@ -438,6 +448,15 @@ def validate(cfg: Config) -> None:
     if cfg.data.train_type == "online_dpo" and rl.group_size < 2:
         raise ConfigError(f"online_dpo needs group_size >= 2 (a best and a worst sample per prompt), got "
                           f"{rl.group_size}; set --group_size 2 or more")
+    lora = cfg.lora
+    if lora.lora_r < 0 or lora.lora_alpha <= 0 or not 0.0 <= lora.lora_dropout < 1.0:
+        raise ConfigError(f"lora_r={lora.lora_r} must be >= 0 (0 = off), lora_alpha={lora.lora_alpha} > 0 and "
+                          f"lora_dropout={lora.lora_dropout} within [0, 1)")
+    from astrai.model.lora import PROJECTIONS
+
+    unknown = [t for t in lora.lora_targets if t not in PROJECTIONS and t not in PROJECTIONS.values()]
+    if unknown or not lora.lora_targets:
+        raise ConfigError(f"lora_targets has {unknown or 'no entries'}; choose from {', '.join(PROJECTIONS)}")
     if not 0.0 <= cfg.data.val_split < 1.0:
         raise ConfigError(f"val_split={cfg.data.val_split} must be within [0, 1)")
 

@@ -58,6 +58,7 @@ class EngineConfig:
     engine_seed: int = 0  # generator of unseeded sampling (SamplingParams.seed is per request)
     device: str | None = None  # from_pretrained: where to load (None: cuda if available); else the model's
     dtype: str | None = None  # from_pretrained only: weights dtype (None = float32, "auto" = the checkpoint's)
+    lora: str | None = None  # from_pretrained only: a PEFT adapter directory, merged into the weights at load
 
 
 @dataclass
@@ -134,7 +135,7 @@ class LLMEngine:
 
         config = _make_config(None, config_fields)
         device = config.device or ("cuda" if torch.cuda.is_available() else "cpu")
-        model = load_model(model_dir, dtype=config.dtype, device=device)
+        model = load_model(model_dir, dtype=config.dtype, device=device, lora=config.lora)
         model.eval()
         tokenizer = load_tokenizer(model_dir) if (Path(model_dir) / "tokenizer.json").exists() else None
         return cls(model, tokenizer, config)

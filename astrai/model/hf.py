@@ -485,15 +485,27 @@ def resolve_dtype(dtype: torch.dtype | str | None, config: ModelConfig) -> torch
 
 def load_model(
     path: str | Path, dtype: torch.dtype | str | None = None, device: torch.device | str | None = None,
-    verify: bool = False,
+    verify: bool = False, lora: str | Path | None = None,
 ) -> CausalLM:
     """A CausalLM from a HF model directory; built on the meta device, then given the weights.
-    A checkpoint directory's manifest is checked first: file sizes always, sha256 with `verify`."""
+    A checkpoint directory's manifest is checked first: file sizes always, sha256 with `verify`.
+    A PEFT adapter directory (a LoRA run's checkpoint) loads its base with the adapter merged,
+    and so does a base directory with `lora=ADAPTER_DIR`."""
     path = Path(path)
     check_device(device)
+    if (path / "adapter_config.json").is_file() and not (path / "config.json").is_file():
+        from astrai.model.lora import resolve_base
+
+        return load_model(resolve_base(path), dtype=dtype, device=device, verify=verify, lora=path)
     check_model_dir(path, verify=verify)
     config = load_config(path)
-    return build_model(config, read_safetensors(path), dtype, device, where=str(path))
+    model = build_model(config, read_safetensors(path), dtype, device, where=str(path))
+    if lora is not None:
+        from astrai.model.lora import load_adapter, merge_lora
+
+        load_adapter(model, lora)
+        merge_lora(model)
+    return model
 
 
 def build_model(

@@ -6,12 +6,24 @@ names q, k, v, o, gate, up, down, i.e. `*_proj`) for `LoraLinear`, which keeps t
 `lora_A` (r, in) and `lora_B` (out, r). Only adapter weights stay trainable. `merge_lora` folds
 W + (alpha / r) * B @ A back into plain `nn.Linear`s. `merged_state_dict` gives the merged
 weights without touching the model: `hf.save_model` writes a model that still carries adapters
-through it, as a normal Hugging Face model directory (hf imports lora, never the reverse).
+through it, as a normal Hugging Face model directory.
+
+Adapters travel in PEFT's format: `save_adapter` writes `adapter_config.json` +
+`adapter_model.safetensors` (keys `base_model.model.<name>.lora_A.weight`), `load_adapter` reads
+one (written here or by PEFT) onto a loaded base, and `load_merged` gives base + adapter as one
+plain model (what `astrai.load_model(adapter_dir)`, `--lora` and `astrai lora merge` use).
+`adapters_disabled` / `AdapterDisabled` run the same module as its frozen base: the reference
+model of DPO, GRPO and PPO under LoRA costs no second copy of the weights.
 """
 
 from __future__ import annotations
 
+import json
 import math
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -20,6 +32,9 @@ from torch import Tensor, nn
 PROJECTIONS = {"q": "q_proj", "k": "k_proj", "v": "v_proj", "o": "o_proj",
                "gate": "gate_proj", "up": "up_proj", "down": "down_proj"}
 DEFAULT_TARGETS = ("q", "k", "v", "o", "gate", "up", "down")
+ADAPTER_CONFIG = "adapter_config.json"
+ADAPTER_WEIGHTS = "adapter_model.safetensors"
+PEFT_PREFIX = "base_model.model."  # PEFT's PeftModel -> LoraModel -> the transformers model
 
 
 class LoraLinear(nn.Module):
@@ -39,9 +54,12 @@ class LoraLinear(nn.Module):
         self.lora_B = nn.Parameter(torch.zeros(self.out_features, r, **kw))
         nn.init.kaiming_uniform_(self.lora_A, a=math.sqrt(5))  # as nn.Linear: variance ~ 1/in
         self.dropout = nn.Dropout(dropout) if dropout > 0 else nn.Identity()
+        self.disabled = False  # True inside `adapters_disabled`: the layer is its base
 
     def forward(self, x: Tensor) -> Tensor:
         base = F.linear(x, self.weight, self.bias)  # (..., out)
+        if self.disabled:
+            return base
         update = F.linear(F.linear(self.dropout(x), self.lora_A), self.lora_B)  # (..., out)
         return base + self.scaling * update
 
@@ -121,3 +139,164 @@ def merged_state_dict(model: nn.Module) -> dict[str, Tensor]:
             state[prefix + "weight"] = module.weight + module.delta_weight().to(module.weight.dtype)
     return state
 
+
+def has_lora(model: nn.Module) -> bool:
+    return any(isinstance(m, LoraLinear) for m in getattr(model, "module", model).modules())
+
+
+@contextmanager
+def adapters_disabled(model: nn.Module) -> Iterator[None]:
+    """Inside, every LoraLinear of `model` computes its base layer only (the frozen base model)."""
+    layers = [m for m in model.modules() if isinstance(m, LoraLinear)]
+    before = [m.disabled for m in layers]
+    for m in layers:
+        m.disabled = True
+    try:
+        yield
+    finally:
+        for m, flag in zip(layers, before):
+            m.disabled = flag
+
+
+class AdapterDisabled:
+    """A LoRA model's base as a callable: the same module (no copy of its weights) run with its
+    adapters off. Stands in for a frozen reference model; call it under `torch.no_grad()`."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self.model = model
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        with adapters_disabled(self.model):
+            return self.model(*args, **kwargs)
+
+
+def count_parameters(model: nn.Module) -> tuple[int, int]:
+    """(trainable, total) parameter counts; tied parameters count once."""
+    params = list({id(p): p for p in model.parameters()}.values())
+    return sum(p.numel() for p in params if p.requires_grad), sum(p.numel() for p in params)
+
+
+# -- PEFT adapter directories ---------------------------------------------------------------------
+def _layers(model: nn.Module) -> dict[str, LoraLinear]:
+    model = getattr(model, "module", model)
+    return {name: m for name, m in model.named_modules() if isinstance(m, LoraLinear)}
+
+
+def peft_config(model: nn.Module, base_model_name_or_path: str | None) -> dict[str, Any]:
+    """adapter_config.json for `model`'s adapters (one r, alpha and dropout for every layer)."""
+    layers = list(_layers(model).values())
+    if not layers:
+        raise ValueError("the model has no LoRA adapters to save")
+    first = layers[0]
+    if any((m.r, m.alpha) != (first.r, first.alpha) for m in layers):
+        raise ValueError("PEFT's adapter_config.json holds one r and alpha; this model's adapters differ")
+    dropout = first.dropout.p if isinstance(first.dropout, nn.Dropout) else 0.0
+    targets = sorted({name.rsplit(".", 1)[-1] for name in _layers(model)})
+    return {
+        "peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": base_model_name_or_path,
+        "r": first.r, "lora_alpha": first.alpha, "lora_dropout": dropout, "target_modules": targets,
+        "bias": "none", "fan_in_fan_out": False, "use_rslora": False, "use_dora": False,
+        "modules_to_save": None, "init_lora_weights": True, "inference_mode": True,
+        "layers_to_transform": None, "layers_pattern": None, "rank_pattern": {}, "alpha_pattern": {},
+        "revision": None,
+    }
+
+
+def to_peft_key(name: str) -> str:
+    """`model.layers.0.self_attn.q_proj.lora_A` -> PEFT's `base_model.model.<same>.weight`."""
+    return f"{PEFT_PREFIX}{name}.weight"
+
+
+def from_peft_key(key: str) -> str:
+    name = key.removeprefix(PEFT_PREFIX).removesuffix(".weight")
+    return name.replace(".lora_A.default", ".lora_A").replace(".lora_B.default", ".lora_B")
+
+
+def save_adapter(model: nn.Module, path: str | Path, base_model_name_or_path: str | None,
+                 state_dict: dict[str, Tensor] | None = None, tokenizer: Any | None = None) -> Path:
+    """Write `model`'s adapters as a PEFT adapter directory (the base weights are not written).
+    `state_dict` overrides the model's own (e.g. gathered from FSDP ranks)."""
+    from safetensors.torch import save_file
+
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    config = peft_config(model, base_model_name_or_path)
+    state = state_dict if state_dict is not None else getattr(model, "module", model).state_dict()
+    tensors = {to_peft_key(k): v.detach().to("cpu").contiguous()
+               for k, v in state.items() if k.endswith((".lora_A", ".lora_B"))}
+    save_file(tensors, str(path / ADAPTER_WEIGHTS), metadata={"format": "pt"})
+    (path / ADAPTER_CONFIG).write_text(json.dumps(config, indent=2) + "\n")
+    if tokenizer is not None:
+        tokenizer.save(path)
+    return path
+
+
+def is_adapter_dir(path: str | Path) -> bool:
+    return (Path(path) / ADAPTER_CONFIG).is_file()
+
+
+# PEFT options astrai's LoraLinear does not implement, with the value that it does
+_PEFT_NEUTRAL = {"use_rslora": False, "use_dora": False, "fan_in_fan_out": False, "bias": "none",
+                 "modules_to_save": None, "rank_pattern": {}, "alpha_pattern": {}, "layers_to_transform": None}
+
+
+def read_adapter_config(path: str | Path) -> dict[str, Any]:
+    """adapter_config.json of a LoRA adapter astrai can load exactly; anything else is an error."""
+    file = Path(path) / ADAPTER_CONFIG
+    if not file.is_file():
+        raise FileNotFoundError(f"{file} not found; an adapter directory needs {ADAPTER_CONFIG} "
+                                f"and {ADAPTER_WEIGHTS} (PEFT's save_pretrained writes both)")
+    config = json.loads(file.read_text())
+    if config.get("peft_type", "LORA") != "LORA":
+        raise ValueError(f"{file}: peft_type is {config.get('peft_type')!r}; astrai loads LORA adapters only")
+    for key, neutral in _PEFT_NEUTRAL.items():
+        value = config.get(key)
+        if value is not None and value != neutral and value not in ([], {}):
+            raise ValueError(f"{file}: {key}={config[key]!r} is not supported; astrai's LoRA supports {key}={neutral!r}")
+    targets = config.get("target_modules")
+    if not isinstance(targets, list) or not targets:
+        raise ValueError(f"{file}: target_modules is {targets!r}; astrai needs a list of projection names "
+                         f"(e.g. {sorted(PROJECTIONS.values())})")
+    return config
+
+
+def resolve_base(adapter: str | Path, base: str | Path | None = None) -> Path:
+    """The base model directory of an adapter: `base`, else its base_model_name_or_path (as
+    written, or relative to the adapter directory)."""
+    if base is not None:
+        return Path(base)
+    named = read_adapter_config(adapter).get("base_model_name_or_path")
+    for candidate in ([Path(named), Path(adapter) / named] if named else []):
+        if (candidate / "config.json").is_file():
+            return candidate
+    raise FileNotFoundError(f"the base model of adapter {adapter} ({named!r}) is not a model directory "
+                            "here; pass the base directory explicitly (--base DIR or --model DIR)")
+
+
+def load_adapter(model: nn.Module, path: str | Path) -> list[str]:
+    """Wrap `model`'s target projections and load the adapter at `path` onto them (the model's
+    device and dtype); returns the wrapped names. The model is left unmerged (trainable adapters)."""
+    from safetensors.torch import load_file
+
+    path = Path(path)
+    config = read_adapter_config(path)
+    weights = path / ADAPTER_WEIGHTS
+    if not weights.is_file():
+        raise FileNotFoundError(f"{weights} not found; the adapter directory is incomplete")
+    tensors = {from_peft_key(k): v for k, v in load_file(str(weights)).items()}
+    r = int(config["r"])
+    wrapped = apply_lora(model, r=r, alpha=float(config.get("lora_alpha", r)), dropout=0.0,
+                         targets=config["target_modules"])
+    state = model.state_dict()
+    expected = {k for k in state if k.endswith((".lora_A", ".lora_B"))}
+    if set(tensors) != expected:
+        missing, unexpected = sorted(expected - set(tensors)), sorted(set(tensors) - expected)
+        raise ValueError(f"adapter {path} does not fit the model: missing {missing[:4]}, unexpected "
+                         f"{unexpected[:4]}; was it trained on another base model?")
+    with torch.no_grad():
+        for k in expected:
+            if tensors[k].shape != state[k].shape:
+                raise ValueError(f"adapter {path}: {k} has shape {tuple(tensors[k].shape)}, the model needs "
+                                 f"{tuple(state[k].shape)}")
+            state[k].copy_(tensors[k])
+    return wrapped

@@ -35,11 +35,14 @@ class ValueModel(nn.Module):
 
     @classmethod
     def from_policy(cls, policy: CausalLM) -> ValueModel:
-        """A critic whose trunk is a copy of the policy's (same dtype and device); zero head."""
+        """A critic whose trunk is a copy of the policy's (same dtype and device); zero head.
+        Frozen parameters (a LoRA policy's base) are shared, not copied: the critic of a LoRA
+        policy trains its own adapters and head on the same base weights."""
         policy = getattr(policy, "module", policy)  # DDP wrapper
         if not isinstance(getattr(policy, "model", None), Transformer):
             raise TypeError(f"from_policy needs a CausalLM, got {type(policy).__name__}")
-        return cls(policy.config, trunk=copy.deepcopy(policy.model))
+        shared = {id(p): p for p in policy.model.parameters() if not p.requires_grad}
+        return cls(policy.config, trunk=copy.deepcopy(policy.model, shared))
 
     @classmethod
     def from_pretrained(cls, path: str | Path, device: torch.device | str | None = None,

@@ -10,6 +10,7 @@ train type's objective (``objectives.record_kind``); the data layer knows only r
 from __future__ import annotations
 
 import random
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -53,7 +54,30 @@ def resolve_param_path(path: str) -> str:
 
 
 def build_model(cfg: Config) -> torch.nn.Module:
-    """Weights from param_path (any checkpoint or model dir), else a fresh model from ``model:``."""
+    """Weights from param_path (any checkpoint or model dir), else a fresh model from ``model:``;
+    with ``lora_r > 0`` the base is frozen and only fresh adapters on ``lora_targets`` train."""
+    model = _build_base(cfg)
+    if cfg.lora.lora_r > 0:
+        from astrai.model.lora import apply_lora
+
+        if cfg.train.param_path is None:
+            raise ValueError(f"lora_r={cfg.lora.lora_r} needs --param_path: the base model directory the adapter "
+                             "trains on (its checkpoints name it as base_model_name_or_path)")
+        apply_lora(model, cfg.lora.lora_r, cfg.lora.lora_alpha, cfg.lora.lora_dropout, cfg.lora.lora_targets)
+    return model
+
+
+def log_trainable(model: torch.nn.Module, is_main: bool = True) -> None:
+    """The run's first log line: how many parameters train, and their share of the model."""
+    from astrai.model.lora import count_parameters
+
+    trainable, total = count_parameters(model)
+    if is_main:
+        print(f"trainable parameters: {trainable:,} of {total:,} ({100 * trainable / max(total, 1):.2f}%)",
+              file=sys.stderr, flush=True)
+
+
+def _build_base(cfg: Config) -> torch.nn.Module:
     from astrai.model.config import ModelConfig
     from astrai.model.transformer import CausalLM
 
@@ -68,6 +92,9 @@ def build_model(cfg: Config) -> torch.nn.Module:
         if extra:
             raise ValueError(f"model fields {extra} are given together with param_path, whose config.json "
                              "defines the model; remove them or drop param_path")
+        if cfg.lora.lora_r > 0 and (Path(cfg.train.param_path) / "adapter_config.json").is_file():
+            raise ValueError(f"param_path {cfg.train.param_path!r} is a LoRA adapter; a LoRA run trains on a plain "
+                             "base model: write one with `astrai lora merge` and pass that as --param_path")
         # fp32 master weights whatever the checkpoint's dtype; bf16 is an autocast option
         return load_model(cfg.train.param_path, dtype=torch.float32)
     if not cfg.model:

@@ -148,7 +148,7 @@ class CheckpointSaver:
             optimizer=trainer.optimizer, scheduler=trainer.scheduler, trainer_state=trainer.state_dict(),
             extra_state=trainer.extra_state(),
             metrics_path=Path(cfg.log.log_dir) / "metrics.jsonl", keep_last=cfg.ckpt.keep_last,
-            background=cfg.ckpt.ckpt_background,
+            background=cfg.ckpt.ckpt_background, base_model_path=cfg.train.param_path,
         )
         self.last_saved = trainer.ctx.step
 

@@ -98,17 +98,22 @@ def save_training_checkpoint(
     metrics_path: str | os.PathLike | None = None,
     keep_last: int | None = None,
     background: bool = False,
+    base_model_path: str | os.PathLike | None = None,
 ) -> Path:
     """Publish the full training state as checkpoint `step`. Collective: every rank calls it.
 
     Writes the model directory (`astrai.save_model`), `optimizer.pt` (keyed by parameter name,
     unsharded, so any world size can load it), `scheduler.pt`, `trainer_state.json`, a copy of
     `metrics_path` as `metrics.jsonl`, and `<name>.pt` for each `extra_state` entry (already
-    full state dicts, e.g. the PPO critic). Sharded state is gathered to rank 0, which writes;
+    full state dicts, e.g. the PPO critic). A model with LoRA adapters is written as a PEFT adapter
+    directory instead of a model directory (`adapter_config.json` naming `base_model_path` +
+    `adapter_model.safetensors`, plus the tokenizer): the frozen base is never copied.
+    Sharded state is gathered to rank 0, which writes;
     every rank returns the published path, or raises if rank 0 failed. `background=True` hashes,
     fsyncs and renames on a thread (see `publish`); call `wait_for_publish()` before exiting.
     """
     from astrai.model.hf import save_model
+    from astrai.model.lora import has_lora, save_adapter
 
     # gathers are collectives: every rank takes part, rank 0 receives the CPU tensors
     model_state = dist.full_model_state_dict(model) if dist.is_fsdp(model) else None
@@ -127,7 +132,11 @@ def save_training_checkpoint(
             state_json = _dump_json(trainer_state)
 
             def write(staging: Path) -> None:
-                save_model(dist.unwrap_model(model), staging, tokenizer, state_dict=model_state)
+                if has_lora(model):
+                    base = str(Path(base_model_path).resolve()) if base_model_path is not None else None
+                    save_adapter(dist.unwrap_model(model), staging, base, state_dict=model_state, tokenizer=tokenizer)
+                else:
+                    save_model(dist.unwrap_model(model), staging, tokenizer, state_dict=model_state)
                 if optim_state is not None:
                     torch.save(optim_state, staging / OPTIMIZER)
                 if scheduler is not None:
@@ -241,7 +250,26 @@ def _torch_load(path: Path) -> Any:
 
 def _read_model_weights(path: Path, model: torch.nn.Module) -> dict[str, torch.Tensor]:
     from astrai.model.hf import read_safetensors, state_dict_from_hf
+    from astrai.model.lora import ADAPTER_WEIGHTS, from_peft_key, has_lora, is_adapter_dir
 
+    if has_lora(model) != is_adapter_dir(path):
+        raise CheckpointError(f"{path} holds {'a LoRA adapter' if is_adapter_dir(path) else 'full weights'} but this "
+                              f"run {'trains' if has_lora(model) else 'does not train'} LoRA adapters; resume with "
+                              "the lora_* settings of the run that wrote it")
+    if has_lora(model):  # adapter-only checkpoint: the frozen base is the one the run was built on
+        from safetensors.torch import load_file
+
+        try:
+            adapter = {from_peft_key(k): v for k, v in load_file(str(path / ADAPTER_WEIGHTS)).items()}
+        except Exception as e:
+            raise CheckpointError(f"{path / ADAPTER_WEIGHTS} cannot be read ({type(e).__name__}: {e})") from e
+        state = dist.unwrap_model(model).state_dict()
+        expected = {k for k in state if k.endswith((".lora_A", ".lora_B"))}
+        if set(adapter) != expected:
+            raise CheckpointError(f"{path / ADAPTER_WEIGHTS} does not match this run's adapters (missing "
+                                  f"{sorted(expected - set(adapter))[:3]}, unexpected {sorted(set(adapter) - expected)[:3]}); "
+                                  "resume with the lora_targets of the run that wrote it")
+        return {**state, **adapter}
     config = dist.unwrap_model(model).config
     try:
         tensors = state_dict_from_hf(read_safetensors(path), config)

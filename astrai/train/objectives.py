@@ -132,7 +132,8 @@ def _concat_pairs(batch: Batch) -> tuple[Tensor, Tensor, Tensor, Tensor]:
 
 
 class DPOObjective(Objective):
-    """Direct preference optimisation against a frozen reference (or none, reference-free)."""
+    """Direct preference optimisation against a frozen reference (or none, reference-free). Under
+    LoRA the reference is the policy's own module with its adapters disabled (no second model)."""
 
     record_kind = "dpo"
 
@@ -140,13 +141,18 @@ class DPOObjective(Objective):
         o = cfg.objective
         self.beta, self.loss_type, self.label_noise = o.beta, o.loss_type, o.dpo_label_noise
         self.aux_coef = _aux_coef(cfg, model)
-        self.reference: nn.Module | None = None
+        self.reference: Any = None  # a frozen module, or a LoRA model's AdapterDisabled view
         if not o.reference_free:
             self.reference = reference if reference is not None else self._build_reference(o.ref_model_path, model)
-            self.reference.eval().requires_grad_(False)
+            if isinstance(self.reference, nn.Module):
+                self.reference.eval().requires_grad_(False)
 
     @staticmethod
-    def _build_reference(ref_model_path: str | None, model: nn.Module) -> nn.Module:
+    def _build_reference(ref_model_path: str | None, model: nn.Module) -> Any:
+        from astrai.model.lora import AdapterDisabled, has_lora
+
+        if ref_model_path is None and has_lora(model):
+            return AdapterDisabled(model)  # the frozen base is the initial policy: no copy of the weights
         if ref_model_path is None:
             return copy.deepcopy(model)  # the initial policy, frozen
         from astrai.model.hf import load_model

@@ -25,7 +25,14 @@ from torch import Tensor
 from astrai.config import Config
 from astrai.data.sampler import ResumableSampler
 from astrai.train import dist, resume
-from astrai.train.build import build_datasets, build_model, build_tokenizer, check_vocab, seed_everything
+from astrai.train.build import (
+    build_datasets,
+    build_model,
+    build_tokenizer,
+    check_vocab,
+    log_trainable,
+    seed_everything,
+)
 from astrai.train.callbacks import CallbackList, CheckpointSaver, default_callbacks, requested_metrics
 from astrai.train.context import TrainContext
 from astrai.train.objectives import num_tokens
@@ -54,6 +61,7 @@ class Trainer:
         self.tokenizer = tokenizer if tokenizer is not None else build_tokenizer(cfg)
         raw = model if model is not None else build_model(cfg)
         self.raw_model = raw.to(self.device)
+        log_trainable(self.raw_model, self.is_main)
         check_vocab(self.raw_model, self.tokenizer, cfg)
         self.raw_model.gradient_checkpointing = cfg.train.gradient_checkpointing
         # objective first: DPO's frozen reference is a copy of the unwrapped initial policy
@@ -100,6 +108,7 @@ class Trainer:
     def train(self) -> TrainContext:
         ctx, cbs, accum = self.ctx, self.callbacks, self.config.train.grad_accum_steps
         self._t_last = time.perf_counter()
+        self._window_rng = resume.rng_state()
         cbs.on_train_begin(self)
         try:
             stopping = False
@@ -152,6 +161,9 @@ class Trainer:
         if self._validation_due():
             self.step_metrics.update(self.evaluate())
         pause_point(f"step:{ctx.step}")  # test hook: a kill or a stop lands exactly here
+        # where a resumed run restarts: a stop inside the next window must not save the RNG that
+        # its dropped micro-batches consumed (dropout, e.g. lora_dropout)
+        self._window_rng = resume.rng_state()
         cbs.after_optimizer_step(self)
         self._t_last = time.perf_counter()  # time spent saving is not training throughput
 
@@ -262,7 +274,7 @@ class Trainer:
             **self.ctx.state_dict(),
             "sampler": self.sampler.state_dict(),
             "grad_step": self.grad_step.state_dict(),
-            "rng": resume.rng_state(),
+            "rng": getattr(self, "_window_rng", None) or resume.rng_state(),  # at the last window boundary
             "callbacks": self.callbacks.state_dict(),
             "world_size": self.dist.world_size,
             "total_steps": self.total_steps,

@@ -22,8 +22,16 @@ import torch
 
 from astrai.config import Config
 from astrai.data.sampler import ResumableSampler
+from astrai.model.lora import has_lora
 from astrai.train import dist, resume
-from astrai.train.build import build_datasets, build_model, build_tokenizer, check_vocab, seed_everything
+from astrai.train.build import (
+    build_datasets,
+    build_model,
+    build_tokenizer,
+    check_vocab,
+    log_trainable,
+    seed_everything,
+)
 from astrai.train.callbacks import CallbackList, CheckpointSaver, default_callbacks, requested_metrics
 from astrai.train.context import TrainContext
 from astrai.train.objectives import num_tokens
@@ -61,6 +69,7 @@ class OnlineLoop:
         if self.tokenizer is None:
             raise ValueError("online RL needs a tokenizer with a chat template: set tokenizer_path or param_path")
         self.raw_model = (model if model is not None else build_model(cfg)).to(self.device)
+        log_trainable(self.raw_model, self.is_main)
         self.raw_model.gradient_checkpointing = cfg.train.gradient_checkpointing
         check_vocab(self.raw_model, self.tokenizer, cfg)
         self.objective = build_objective(cfg, self.raw_model)  # a KL reference copies the initial policy
@@ -73,7 +82,8 @@ class OnlineLoop:
         self.total_steps = cfg.train.max_steps or cfg.train.n_epoch * rollouts_per_epoch * cfg.rl.rollout_interval
         self.optimizer = build_optimizer(self.raw_model, cfg.optim)
         self.scheduler = LRSchedule(self.optimizer, cfg.optim, self.total_steps)
-        self.grad_step = GradientStep(list(self.raw_model.parameters()), self.optimizer, self.scheduler,
+        params = [p for p in self.raw_model.parameters() if p.requires_grad]  # LoRA: the adapters only
+        self.grad_step = GradientStep(params, self.optimizer, self.scheduler,
                                       max_grad_norm=cfg.train.max_grad_norm, world_size=self.dist.world_size,
                                       device=self.device, max_nonfinite_steps=cfg.train.max_nonfinite_steps)
         self._build_critic()
@@ -99,7 +109,8 @@ class OnlineLoop:
         optim = dataclasses.replace(cfg.optim, max_lr=cfg.rl.critic_lr or cfg.optim.max_lr)
         self.critic_optimizer = build_optimizer(self.critic, optim)
         self.critic_scheduler = LRSchedule(self.critic_optimizer, optim, self.total_steps)
-        self.critic_step = GradientStep(list(self.critic.parameters()), self.critic_optimizer, self.critic_scheduler,
+        trainable = [p for p in self.critic.parameters() if p.requires_grad]  # LoRA: adapters and head
+        self.critic_step = GradientStep(trainable, self.critic_optimizer, self.critic_scheduler,
                                         max_grad_norm=cfg.train.max_grad_norm, world_size=self.dist.world_size,
                                         device=self.device, max_nonfinite_steps=cfg.train.max_nonfinite_steps,
                                         name="critic")
@@ -249,7 +260,11 @@ class OnlineLoop:
         states = {"rollout": self.rollout.state_dict() if self.rollout is not None else {}}
         if self.critic is not None:
             full = dist.is_fsdp(self.critic_model)
-            states["value_model"] = dist.full_model_state_dict(self.critic_model) if full else self.critic.state_dict()
+            value_model = dist.full_model_state_dict(self.critic_model) if full else self.critic.state_dict()
+            trained = {n for n, p in self.critic.named_parameters() if p.requires_grad}
+            if has_lora(self.critic):  # the frozen base is the policy's, already on disk: not saved again
+                value_model = {k: v for k, v in value_model.items() if k in trained}
+            states["value_model"] = value_model
             states["value_optimizer"] = {
                 "optimizer": dist.full_optimizer_state_dict(self.critic_model, self.critic_optimizer),
                 "scheduler": self.critic_scheduler.state_dict()}
@@ -259,7 +274,10 @@ class OnlineLoop:
         state = states.get("rollout") or {}
         self.rollout = Rollout.from_state_dict(state) if state else None
         if self.critic is not None:
-            dist.load_full_model_state_dict(self.critic_model, states["value_model"])
+            saved = states["value_model"]
+            if has_lora(self.critic):  # adapters and head only; the base is the policy's
+                saved = {**self.critic.state_dict(), **saved}
+            dist.load_full_model_state_dict(self.critic_model, saved)
             configured = [{k: v for k, v in g.items() if k != "params"} for g in self.critic_optimizer.param_groups]
             dist.load_full_optimizer_state_dict(self.critic_model, self.critic_optimizer,
                                                 states["value_optimizer"]["optimizer"])

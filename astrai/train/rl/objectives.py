@@ -41,8 +41,13 @@ from astrai.train.objectives import DPOObjective, LossOutput, Objective, labelle
 Batch = dict[str, Any]
 
 
-def frozen_reference(cfg: Config, model: nn.Module) -> nn.Module:
-    """The KL reference: ref_model_path, else a frozen copy of the initial policy."""
+def frozen_reference(cfg: Config, model: nn.Module) -> Any:
+    """The KL reference: ref_model_path, else the initial policy: under LoRA the policy's own module
+    with its adapters disabled (no copy of the weights), otherwise a frozen copy."""
+    from astrai.model.lora import AdapterDisabled, has_lora
+
+    if cfg.objective.ref_model_path is None and has_lora(model):
+        return AdapterDisabled(model)
     if cfg.objective.ref_model_path is None:
         ref = copy.deepcopy(model)
     else:
