@@ -35,7 +35,7 @@ from pathlib import Path
 from typing import Any
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
@@ -47,6 +47,7 @@ from astrai.serve.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     error_body,
+    ignored_fields,
 )
 from astrai.serve.render import ChatRenderer, CompletionRenderer, Renderer
 
@@ -55,6 +56,7 @@ ROUTES = ("/v1/chat/completions", "/v1/completions", "/v1/messages", "/v1/models
 ANTHROPIC_ROUTES = ("/v1/messages",)  # errors there use Anthropic's body
 MAX_JSON_DEPTH = 64  # deeper bodies are refused (422) before pydantic or a template recurses into them
 RETRY_AFTER_S = 1  # what a 429 tells the client to wait
+MAX_IGNORED_LOGGED = 256  # distinct ignored field names logged; a client inventing names cannot flood the log
 PREP_THREADS = 4  # JSON parsing, chat templates and tokenisation run here, never on the event loop
 
 
@@ -124,6 +126,7 @@ class ServerState:
         self.prep = ThreadPoolExecutor(PREP_THREADS, thread_name_prefix="astrai-prep")
         self._guides: Any = None  # GuideCompiler, built on the first constrained request
         self._guides_lock = threading.Lock()
+        self._ignored_logged: set[str] = set()
 
     def ready(self, engine: Any, tokenizer: Any) -> None:
         self.tokenizer = tokenizer
@@ -145,6 +148,16 @@ class ServerState:
             raise APIError(400, f"prompt has {num_chars} characters, more than max_model_len "
                                 f"{self.max_model_len} tokens can hold (at most {self.max_prompt_chars}); "
                                 f"shorten the {param}", param=param)
+
+    def note_ignored(self, route: str, names: list[str]) -> None:
+        """Count a request that carried fields astrai ignores; log each field name the first time."""
+        if not names:
+            return
+        self.metrics.count_ignored_fields(route)
+        for name in names:
+            if name not in self._ignored_logged and len(self._ignored_logged) < MAX_IGNORED_LOGGED:
+                self._ignored_logged.add(name)
+                logger.warning("%s: ignoring the unsupported request field '%s' (logged once)", route, name)
 
     def chat_guide(self, req: ChatCompletionRequest) -> Any:
         """The grammar a chat request's output must follow (on the prep pool), or None."""
@@ -310,7 +323,9 @@ def _json_depth(data: Any) -> int:
 async def read_request(request: Request, model: type, state: ServerState) -> Any:
     """Body (on the loop, bounded in time and size) -> JSON -> pydantic (on the prep pool)."""
     body = await read_body(request, state.config.max_request_bytes, state.config.body_timeout)
-    return await state.off_loop(parse_request, body, model)
+    req = await state.off_loop(parse_request, body, model)
+    state.note_ignored(request.url.path, ignored_fields(req))
+    return req
 
 
 _TYPE_TAGS = re.compile(r"^(str|int|float|bool|list\[.*\]|dict\[.*\]|function-after\[.*\])$")
@@ -443,8 +458,9 @@ def create_app(config: ServeConfig, loader: Callable[[ServeConfig], tuple[Any, A
                         type_="service_unavailable").response()
 
     @app.get("/metrics")
-    async def metrics() -> Response:
-        return PlainTextResponse(state.metrics.render(), media_type="text/plain; version=0.0.4")
+    async def metrics(request: Request) -> Response:
+        body, content_type = state.metrics.render(request.headers.get("accept"))
+        return Response(body, media_type=content_type)
 
     @app.get("/v1/models")
     async def models(request: Request) -> Response:

@@ -2,8 +2,8 @@
 
 The server (`serve/app.py`) validates every JSON body against the request models here, turns a
 valid request into `SamplingParams` for the engine, and renders engine outputs back into
-OpenAI's response shapes with the builders at the bottom. Unknown fields are ignored, as
-OpenAI does; a field of the wrong type or out of range is a `ValidationError` that the app
+OpenAI's response shapes with the builders at the bottom. Unknown fields are accepted, as
+OpenAI does, but named by `ignored_fields` so the app counts and logs them; a field of the wrong type or out of range is a `ValidationError` that the app
 turns into a 400 naming the parameter. Types are strict (no "0.5" -> 0.5 coercion), except that
 an integer is accepted where a float is expected, as JSON has one number type.
 """
@@ -27,7 +27,19 @@ MIN_SEED, MAX_SEED = -(2**63), 2**64 - 1
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="ignore", strict=True)
+    # unknown fields are kept (not used) so the app can count and log them: see ignored_fields
+    model_config = ConfigDict(extra="allow", strict=True)
+
+
+def ignored_fields(model: BaseModel, prefix: str = "") -> list[str]:
+    """Dotted names of the fields of a validated request (and its nested objects) astrai ignores."""
+    out = [prefix + name for name in model.model_extra or {}]
+    for name in type(model).model_fields:
+        value = getattr(model, name)
+        for item in value if isinstance(value, list) else [value]:
+            if isinstance(item, BaseModel):
+                out += ignored_fields(item, f"{prefix}{name}.")
+    return out
 
 
 class StreamOptions(_Strict):
