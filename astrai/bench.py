@@ -12,7 +12,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-BENCHMARKS = ["model", "preprocess", "train", "checkpoint", "generate", "serve", "hostile", "rl", "lora"]
+BENCHMARKS = ["model", "preprocess", "train", "checkpoint", "generate", "serve", "hostile", "rl", "lora", "guided"]
 
 
 def benchmarks_dir() -> Path:

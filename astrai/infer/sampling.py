@@ -2,10 +2,10 @@
 
 The model runner hands this module one logits row per sequence that needs a new token this
 step. `Sampler.sample` turns the rows into tokens in a few batched tensor operations: penalties,
-logit_bias and min_tokens first (the "processed" logits), then temperature and truncation
-(top_k, top_p, min_p), then greedy argmax or a draw by inverse CDF (one uniform number per
-token). Every token gets two log-probs from
-the shared `selective_log_softmax`: `logprob` under the distribution it was drawn from and
+logit_bias, min_tokens and the grammar mask of guided rows (`guided.py`) first (the "processed"
+logits), then temperature and truncation (top_k, top_p, min_p), then greedy argmax or a draw by
+inverse CDF (one uniform number per token); a guided row's grammar then advances past its
+token. Every token gets two log-probs from the shared `selective_log_softmax`: `logprob` under the distribution it was drawn from and
 `raw_logprob` under the unprocessed model. Seeded requests draw from their own generator, so
 their samples do not depend on which other requests share the batch.
 """
@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from astrai.infer.guided import Guide, GuideState, advance_guides, apply_guides
 from astrai.model.logprobs import selective_log_softmax
 
 SAMPLING_EPS = 1e-5  # temperatures below this are greedy
@@ -48,6 +49,7 @@ class SamplingParams:
     logprobs: int | None = None  # top alternatives per token (0 = only the chosen token, as a dict)
     prompt_logprobs: int | None = None  # log-probs of the prompt's tokens (raw model) with k alternatives
     logit_bias: dict[int, float] | None = None
+    guide: Guide | None = None  # constrained decoding: a compiled grammar (infer/guided.py)
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -140,6 +142,7 @@ class SamplingState(Protocol):
     output_token_ids: list[int]
     generator: torch.Generator | None  # set for seeded requests
     min_tokens_stop_ids: list[int]  # tokens masked while fewer than min_tokens were generated
+    guide_state: GuideState | None  # set when params.guide is
 
 
 @dataclass
@@ -280,12 +283,13 @@ def _sort_descending(x: Tensor) -> tuple[Tensor, Tensor]:
 def process_logits(logits: Tensor, rows: list[SamplingState]) -> tuple[Tensor, Tensor]:
     """Raw logits (B, V) -> (processed, final) float32 logits.
 
-    processed: after penalties, logit_bias and min_tokens (greedy takes its argmax).
+    processed: after penalties, logit_bias, min_tokens and grammar masks (greedy takes its argmax).
     final: the logits of the distribution each row samples from: processed / temperature and
     truncated; for greedy rows simply `processed` (temperature counted as 1, no truncation)."""
     processed = logits.float()
     if any(_changes_logits(r) for r in rows):  # else skip the copy: plain rows are the common case
         processed = apply_bias_and_min_tokens(apply_penalties(processed.clone(), rows), rows)
+        processed = apply_guides(processed, rows)
     if all(r.params.greedy for r in rows):
         return processed, processed
     B, V = processed.shape
@@ -302,7 +306,7 @@ def process_logits(logits: Tensor, rows: list[SamplingState]) -> tuple[Tensor, T
 def _changes_logits(row: SamplingState) -> bool:
     p = row.params
     return bool(p.frequency_penalty or p.presence_penalty or p.repetition_penalty != 1.0 or p.logit_bias
-                or (p.min_tokens and len(row.output_token_ids) < p.min_tokens))
+                or (p.min_tokens and len(row.output_token_ids) < p.min_tokens) or p.guide is not None)
 
 
 class Sampler:
@@ -321,9 +325,11 @@ class Sampler:
         else:
             tokens = self._draw(final, rows, greedy, processed)
         logprobs = selective_log_softmax(final, tokens)
+        out_tokens = tokens.tolist()
+        advance_guides(rows, out_tokens)
         # greedy rows without processing sample from the raw model itself: one log-softmax serves
         raw_logprobs = logprobs if final is raw else selective_log_softmax(raw, tokens)
-        out = SamplerOutput(token_ids=tokens.tolist(), logprobs=logprobs, raw_logprobs=raw_logprobs)
+        out = SamplerOutput(token_ids=out_tokens, logprobs=logprobs, raw_logprobs=raw_logprobs)
         k = max((r.params.logprobs for r in rows if r.params.logprobs is not None), default=None)
         if k is not None:
             out.top_ids, out.top_logprobs, out.ranks, _ = top_alternatives(final, tokens, k)

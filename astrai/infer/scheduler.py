@@ -50,6 +50,7 @@ class Sequence:
         self.arrival_time = arrival_time
         self.generator = generator
         self.min_tokens_stop_ids = min_tokens_stop_ids or []
+        self.guide_state = params.guide.new_state() if params.guide is not None else None  # own matcher
         self.prompt_token_ids = prompt_token_ids
         self.output_token_ids: list[int] = []
         self.token_ids = list(prompt_token_ids)  # prompt + output, what the model reads

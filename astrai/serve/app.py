@@ -26,6 +26,7 @@ import os
 import re
 import signal
 import sys
+import threading
 import time
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -34,24 +35,28 @@ from pathlib import Path
 from typing import Any
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
+from astrai.serve.anthropic import MessagesRenderer, MessagesRequest, anthropic_error_body
 from astrai.serve.async_engine import AsyncEngine, EngineDeadError, OutputStream, QueueFullError
 from astrai.serve.metrics import ServerMetrics
 from astrai.serve.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     error_body,
+    ignored_fields,
 )
 from astrai.serve.render import ChatRenderer, CompletionRenderer, Renderer
 
 logger = logging.getLogger("astrai.serve")
-ROUTES = ("/v1/chat/completions", "/v1/completions", "/v1/models", "/health", "/metrics")
+ROUTES = ("/v1/chat/completions", "/v1/completions", "/v1/messages", "/v1/models", "/health", "/metrics")
+ANTHROPIC_ROUTES = ("/v1/messages",)  # errors there use Anthropic's body
 MAX_JSON_DEPTH = 64  # deeper bodies are refused (422) before pydantic or a template recurses into them
 RETRY_AFTER_S = 1  # what a 429 tells the client to wait
+MAX_IGNORED_LOGGED = 256  # distinct ignored field names logged; a client inventing names cannot flood the log
 PREP_THREADS = 4  # JSON parsing, chat templates and tokenisation run here, never on the event loop
 
 
@@ -65,9 +70,10 @@ class APIError(Exception):
         self.status, self.message, self.param, self.type, self.code = status, message, param, type_, code
         self.headers = headers
 
-    def response(self) -> JSONResponse:
-        return JSONResponse(error_body(self.message, self.type, self.param, self.code), status_code=self.status,
-                            headers=self.headers)
+    def response(self, anthropic: bool = False) -> JSONResponse:
+        body = (anthropic_error_body(self.status, self.message) if anthropic
+                else error_body(self.message, self.type, self.param, self.code))
+        return JSONResponse(body, status_code=self.status, headers=self.headers)
 
 
 class ClientGone(Exception):
@@ -118,6 +124,9 @@ class ServerState:
         self._token_text: dict[int, str] = {}
         self.max_prompt_chars = 0  # more characters than this cannot fit in max_model_len tokens
         self.prep = ThreadPoolExecutor(PREP_THREADS, thread_name_prefix="astrai-prep")
+        self._guides: Any = None  # GuideCompiler, built on the first constrained request
+        self._guides_lock = threading.Lock()
+        self._ignored_logged: set[str] = set()
 
     def ready(self, engine: Any, tokenizer: Any) -> None:
         self.tokenizer = tokenizer
@@ -140,6 +149,40 @@ class ServerState:
                                 f"{self.max_model_len} tokens can hold (at most {self.max_prompt_chars}); "
                                 f"shorten the {param}", param=param)
 
+    def note_ignored(self, route: str, names: list[str]) -> None:
+        """Count a request that carried fields astrai ignores; log each field name the first time."""
+        if not names:
+            return
+        self.metrics.count_ignored_fields(route)
+        for name in names:
+            if name not in self._ignored_logged and len(self._ignored_logged) < MAX_IGNORED_LOGGED:
+                self._ignored_logged.add(name)
+                logger.warning("%s: ignoring the unsupported request field '%s' (logged once)", route, name)
+
+    def chat_guide(self, req: ChatCompletionRequest) -> Any:
+        """The grammar a chat request's output must follow (on the prep pool), or None."""
+        from astrai.infer.guided import GuideCompiler, GuideError
+
+        fmt, choice = req.response_format, req.effective_tool_choice()
+        constrained = (fmt is not None and fmt.type != "text") or choice == "required" or not isinstance(choice, str)
+        if not constrained:
+            return None
+        param = "response_format" if fmt is not None and fmt.type != "text" else "tool_choice"
+        try:
+            with self._guides_lock:
+                if self._guides is None:
+                    self._guides = GuideCompiler(self.tokenizer, self.vocab_size)
+            if param == "response_format":
+                if fmt.type == "json_object":
+                    return self._guides.json_object()
+                return self._guides.json_schema(fmt.json_schema.schema_)
+            tools = [(t.function.name, t.function.parameters) for t in req.tools or []]
+            if not isinstance(choice, str):  # a named function
+                tools = [t for t in tools if t[0] == choice.function.name]
+            return self._guides.tool_calls(tools, req.parallel_tool_calls)
+        except GuideError as exc:
+            raise APIError(400, str(exc), param=param if param == "response_format" else "tools") from None
+
     def token_text(self, token_id: int) -> str:
         text = self._token_text.get(token_id)
         if text is None:
@@ -152,10 +195,10 @@ class ServerState:
         if not key:
             return
         given = request.headers.get("authorization", "")
-        token = given[7:] if given[:7].lower() == "bearer " else ""
+        token = given[7:] if given[:7].lower() == "bearer " else request.headers.get("x-api-key", "")
         if not hmac.compare_digest(token.encode(), key.encode()):
-            raise APIError(401, "missing or incorrect API key; send the header 'Authorization: Bearer <key>'",
-                           code="invalid_api_key")
+            raise APIError(401, "missing or incorrect API key; send the header 'Authorization: Bearer <key>' "
+                                "or 'x-api-key: <key>'", code="invalid_api_key")
 
     def check_ready(self) -> AsyncEngine:
         if self.status != "ready" or self.engine is None:
@@ -179,17 +222,17 @@ class ServerState:
                                 f"lower max_tokens to at most {limit - num_prompt_tokens}",
                            param="max_tokens")
 
-    def sampling_params(self, req: ChatCompletionRequest | CompletionRequest, max_tokens: int | None,
-                        logprobs: int | None, prompt_logprobs: int | None = None) -> Any:
+    def sampling_params(self, req: ChatCompletionRequest | CompletionRequest | MessagesRequest,
+                        max_tokens: int | None, logprobs: int | None, prompt_logprobs: int | None = None,
+                        guide: Any = None) -> Any:
         from astrai.infer.sampling import SamplingParams
 
         kwargs: dict[str, Any] = dict(
-            max_tokens=max_tokens, n=req.n, seed=req.seed, stop=req.stop_list() or None,
-            stop_token_ids=req.stop_token_ids, ignore_eos=req.ignore_eos, min_tokens=req.min_tokens,
-            logprobs=logprobs, prompt_logprobs=prompt_logprobs, logit_bias=req.logit_bias)
-        for name in ("temperature", "top_p", "top_k", "min_p", "frequency_penalty", "presence_penalty",
-                     "repetition_penalty"):
-            if getattr(req, name) is not None:
+            max_tokens=max_tokens, n=req.n, stop=req.stop_list() or None, logprobs=logprobs,
+            prompt_logprobs=prompt_logprobs, guide=guide)
+        for name in ("seed", "stop_token_ids", "ignore_eos", "min_tokens", "logit_bias", "temperature", "top_p",
+                     "top_k", "min_p", "frequency_penalty", "presence_penalty", "repetition_penalty"):
+            if getattr(req, name, None) is not None:  # the Messages API has only some of these
                 kwargs[name] = getattr(req, name)
         try:
             params = SamplingParams(**kwargs)
@@ -280,7 +323,9 @@ def _json_depth(data: Any) -> int:
 async def read_request(request: Request, model: type, state: ServerState) -> Any:
     """Body (on the loop, bounded in time and size) -> JSON -> pydantic (on the prep pool)."""
     body = await read_body(request, state.config.max_request_bytes, state.config.body_timeout)
-    return await state.off_loop(parse_request, body, model)
+    req = await state.off_loop(parse_request, body, model)
+    state.note_ignored(request.url.path, ignored_fields(req))
+    return req
 
 
 _TYPE_TAGS = re.compile(r"^(str|int|float|bool|list\[.*\]|dict\[.*\]|function-after\[.*\])$")
@@ -379,7 +424,7 @@ def create_app(config: ServeConfig, loader: Callable[[ServeConfig], tuple[Any, A
 
     @app.exception_handler(APIError)
     async def _api_error(request: Request, exc: APIError) -> JSONResponse:
-        return exc.response()
+        return exc.response(request.url.path in ANTHROPIC_ROUTES)
 
     @app.exception_handler(ClientGone)
     async def _client_gone(request: Request, exc: ClientGone) -> Response:
@@ -397,12 +442,13 @@ def create_app(config: ServeConfig, loader: Callable[[ServeConfig], tuple[Any, A
         else:
             message = str(exc.detail)
         return APIError(exc.status_code, message, code="not_found" if exc.status_code == 404 else None,
-                        headers=headers or None).response()
+                        headers=headers or None).response(request.url.path in ANTHROPIC_ROUTES)
 
     @app.exception_handler(Exception)
     async def _internal_error(request: Request, exc: Exception) -> JSONResponse:
         logger.exception("unhandled error on %s", request.url.path)
-        return APIError(500, f"internal server error: {type(exc).__name__}: {exc}", type_="internal_error").response()
+        return APIError(500, f"internal server error: {type(exc).__name__}: {exc}",
+                        type_="internal_error").response(request.url.path in ANTHROPIC_ROUTES)
 
     @app.api_route("/health", methods=["GET", "HEAD"])
     async def health() -> Response:
@@ -412,8 +458,9 @@ def create_app(config: ServeConfig, loader: Callable[[ServeConfig], tuple[Any, A
                         type_="service_unavailable").response()
 
     @app.get("/metrics")
-    async def metrics() -> Response:
-        return PlainTextResponse(state.metrics.render(), media_type="text/plain; version=0.0.4")
+    async def metrics(request: Request) -> Response:
+        body, content_type = state.metrics.render(request.headers.get("accept"))
+        return Response(body, media_type=content_type)
 
     @app.get("/v1/models")
     async def models(request: Request) -> Response:
@@ -429,11 +476,14 @@ def create_app(config: ServeConfig, loader: Callable[[ServeConfig], tuple[Any, A
         engine = state.check_ready()
         req = await read_request(request, ChatCompletionRequest, state)
         state.check_model(req.model)
-        state.check_chars(sum(len(m.to_template()["content"] or "") for m in req.messages), "messages")
+        num_chars = sum(len(m.to_template()["content"] or "") for m in req.messages)
+        state.check_chars(num_chars + sum(len(t.model_dump_json()) for t in req.tools or []), "messages")
         prompt_ids = await state.off_loop(_render_chat, state.tokenizer, req)
         max_tokens = req.requested_max_tokens()
         state.check_length(len(prompt_ids), max_tokens, "messages")
-        params = state.sampling_params(req, max_tokens, (req.top_logprobs or 0) if req.logprobs else None)
+        guide = await state.off_loop(state.chat_guide, req)
+        params = state.sampling_params(req, max_tokens, (req.top_logprobs or 0) if req.logprobs else None,
+                                       guide=guide)
         renderer = ChatRenderer(state, req, [prompt_ids])
         stream = await _submit(engine, renderer, params, req.logprobs)
         return await _respond(state, request, renderer, stream, req.stream)
@@ -464,14 +514,37 @@ def create_app(config: ServeConfig, loader: Callable[[ServeConfig], tuple[Any, A
         stream = await _submit(engine, renderer, params, req.logprobs is not None)
         return await _respond(state, request, renderer, stream, req.stream)
 
+    @app.post("/v1/messages")
+    async def messages(request: Request) -> Response:
+        state.check_auth(request)
+        engine = state.check_ready()
+        req = await read_request(request, MessagesRequest, state)
+        state.check_model(req.model)
+        conversation = req.to_template()
+        state.check_chars(sum(len(m["content"]) for m in conversation), "messages")
+        prompt_ids = await state.off_loop(_render_messages, state.tokenizer, conversation)
+        state.check_length(len(prompt_ids), req.max_tokens, "messages")
+        params = state.sampling_params(req, req.max_tokens, None)
+        renderer = MessagesRenderer(state, req, [prompt_ids])
+        stream = await _submit(engine, renderer, params, False)
+        return await _respond(state, request, renderer, stream, req.stream)
+
     return app
 
 
+def _render_messages(tokenizer: Any, conversation: list[dict[str, Any]]) -> list[int]:
+    try:
+        return tokenizer.apply_chat_template(conversation, add_generation_prompt=True, tokenize=True)
+    except Exception as exc:  # noqa: BLE001 - template errors (e.g. role order) are the client's
+        raise APIError(400, f"the chat template cannot render these messages: {exc}", param="messages") from None
+
+
 def _render_chat(tokenizer: Any, req: ChatCompletionRequest) -> list[int]:
-    """Chat template + tokenisation (on the prep pool)."""
+    """Chat template + tokenisation (on the prep pool); the tools go to the template's `tools`."""
+    tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
     try:
         return tokenizer.apply_chat_template([m.to_template() for m in req.messages], add_generation_prompt=True,
-                                             tokenize=True)
+                                             tokenize=True, tools=tools)
     except Exception as exc:  # noqa: BLE001 - template errors (e.g. role order) are the client's
         raise APIError(400, f"the chat template cannot render these messages: {exc}", param="messages") from None
 

@@ -2,8 +2,8 @@
 
 The server (`serve/app.py`) validates every JSON body against the request models here, turns a
 valid request into `SamplingParams` for the engine, and renders engine outputs back into
-OpenAI's response shapes with the builders at the bottom. Unknown fields are ignored, as
-OpenAI does; a field of the wrong type or out of range is a `ValidationError` that the app
+OpenAI's response shapes with the builders at the bottom. Unknown fields are accepted, as
+OpenAI does, but named by `ignored_fields` so the app counts and logs them; a field of the wrong type or out of range is a `ValidationError` that the app
 turns into a 400 naming the parameter. Types are strict (no "0.5" -> 0.5 coercion), except that
 an integer is accepted where a float is expected, as JSON has one number type.
 """
@@ -27,7 +27,19 @@ MIN_SEED, MAX_SEED = -(2**63), 2**64 - 1
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="ignore", strict=True)
+    # unknown fields are kept (not used) so the app can count and log them: see ignored_fields
+    model_config = ConfigDict(extra="allow", strict=True)
+
+
+def ignored_fields(model: BaseModel, prefix: str = "") -> list[str]:
+    """Dotted names of the fields of a validated request (and its nested objects) astrai ignores."""
+    out = [prefix + name for name in model.model_extra or {}]
+    for name in type(model).model_fields:
+        value = getattr(model, name)
+        for item in value if isinstance(value, list) else [value]:
+            if isinstance(item, BaseModel):
+                out += ignored_fields(item, f"{prefix}{name}.")
+    return out
 
 
 class StreamOptions(_Strict):
@@ -112,12 +124,90 @@ class _SamplingFields(_Strict):
         return [s for s in stops if s]
 
 
+class FunctionDef(_Strict):
+    name: str = Field(pattern=r"^[A-Za-z0-9_.-]{1,64}$")
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class ToolDef(_Strict):
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class FunctionName(_Strict):
+    name: str
+
+
+class NamedToolChoice(_Strict):
+    type: Literal["function"]
+    function: FunctionName
+
+
+class JsonSchemaFormat(_Strict):
+    name: str = "response"
+    description: str | None = None
+    schema_: dict[str, Any] = Field(default_factory=dict, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(_Strict):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    @field_validator("json_schema")
+    @classmethod
+    def _schema_for_json_schema(cls, value: JsonSchemaFormat | None, info: ValidationInfo):
+        if value is not None and info.data.get("type") != "json_schema":
+            raise ValueError("json_schema is only allowed when type is 'json_schema'")
+        return value
+
+
 class ChatCompletionRequest(_SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: int | None = Field(None, ge=1)
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+    tools: list[ToolDef] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool = True
+    response_format: ResponseFormat | None = None
+
+    @field_validator("tool_choice")
+    @classmethod
+    def _choice_needs_tools(cls, value: Any, info: ValidationInfo) -> Any:
+        tools = info.data.get("tools") or []
+        if isinstance(value, NamedToolChoice):
+            names = [t.function.name for t in tools]
+            if value.function.name not in names:
+                raise ValueError(f"names the function '{value.function.name}' but the tools offered are "
+                                 f"{names or 'none'}; add it to tools or name one of them")
+        elif value == "required" and not tools:
+            raise ValueError("'required' needs at least one tool in tools")
+        return value
+
+    @field_validator("response_format")
+    @classmethod
+    def _one_constraint(cls, value: ResponseFormat | None, info: ValidationInfo) -> ResponseFormat | None:
+        choice = info.data.get("tool_choice")
+        if value is not None and value.type != "text" and (choice == "required"
+                                                           or isinstance(choice, NamedToolChoice)):
+            raise ValueError("a JSON response_format cannot be combined with tool_choice 'required' or a "
+                             "named function: both constrain the output; drop one")
+        if value is not None and value.type == "json_schema" and value.json_schema is None:
+            raise ValueError("type 'json_schema' needs a json_schema object with the schema")
+        return value
+
+    def effective_tool_choice(self) -> str | NamedToolChoice:
+        """OpenAI's default: 'auto' when tools are given, else 'none'."""
+        if not self.tools:
+            return "none"
+        return self.tool_choice if self.tool_choice is not None else "auto"
+
+    def tool_names(self) -> set[str]:
+        return {t.function.name for t in self.tools or []}
 
     @field_validator("top_logprobs")
     @classmethod
@@ -188,7 +278,8 @@ class Usage(BaseModel):
 
 class ChatResponseMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None
+    tool_calls: list[dict[str, Any]] | None = None
 
 
 class ChatChoice(BaseModel):

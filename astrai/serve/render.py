@@ -34,6 +34,7 @@ from astrai.serve.protocol import (
     error_body,
     make_usage,
 )
+from astrai.serve.tools import ToolCall, ToolCallStream, parse_tool_calls
 
 DONE = "data: [DONE]\n\n"
 
@@ -159,10 +160,21 @@ class ChatRenderer(Renderer):
     prefix = "chatcmpl"
     req: ChatCompletionRequest
 
+    def __init__(self, state: Any, req: ChatCompletionRequest, prompts: list[list[int]]):
+        super().__init__(state, req, prompts)
+        # with tools offered (and not switched off), each choice's text is split into content and calls
+        self.tool_names = req.tool_names() if req.effective_tool_choice() != "none" else set()
+        self.tool_streams = {c.index: ToolCallStream(self.tool_names, req.parallel_tool_calls)
+                             for c in self.choices.values()} if self.tool_names else {}
+        self.num_calls_sent: dict[int, int] = {}
+
     def _logprobs(self, ids: list[int], entries: list[Any]) -> dict[str, Any] | None:
         if not self.req.logprobs:
             return None
         return chat_logprobs(ids, entries, self.req.top_logprobs or 0, self.state.token_text)
+
+    def _finish_reason(self, choice: _Choice, made_calls: bool) -> str | None:
+        return "tool_calls" if made_calls and choice.finish_reason == "stop" else choice.finish_reason
 
     def first_chunks(self) -> list[dict[str, Any]]:
         role = [{"index": c.index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
@@ -171,20 +183,39 @@ class ChatRenderer(Renderer):
 
     def chunk_choice(self, choice: _Choice, new_ids: list[int], new_lps: list[Any],
                      finished_now: bool) -> dict[str, Any] | None:
-        delta = choice.take_delta()
+        text = choice.take_delta()
+        calls: list[ToolCall] = []
+        tools = self.tool_streams.get(choice.index)
+        if tools is not None:  # calls are released whole; text that may open one is held back
+            pieces = tools.feed(text) + (tools.finish() if finished_now else [])
+            text = "".join(p for p in pieces if isinstance(p, str))
+            calls = [p for p in pieces if isinstance(p, ToolCall)]
         logprobs = self._logprobs(new_ids, new_lps) if new_ids else None
-        if not delta and logprobs is None and not finished_now:
+        if not text and not calls and logprobs is None and not finished_now:
             return None
-        return {"index": choice.index, "delta": {"content": delta} if delta or logprobs else {},
-                "logprobs": logprobs, "finish_reason": choice.finish_reason if finished_now else None}
+        delta: dict[str, Any] = {"content": text} if text or logprobs else {}
+        if calls:
+            first = self.num_calls_sent.get(choice.index, 0)
+            delta["tool_calls"] = [{"index": first + i, **call.to_openai()} for i, call in enumerate(calls)]
+            self.num_calls_sent[choice.index] = first + len(calls)
+        made_calls = self.num_calls_sent.get(choice.index, 0) > 0
+        return {"index": choice.index, "delta": delta, "logprobs": logprobs,
+                "finish_reason": self._finish_reason(choice, made_calls) if finished_now else None}
 
     def chunk(self, choices: list[dict[str, Any]], usage: Usage | None = None) -> dict[str, Any]:
         return chat_chunk(self.request_id, self.created, self.state.model_name, choices, usage, self.include_usage)
 
     def response(self) -> ChatCompletionResponse:
-        choices = [ChatChoice(index=c.index, message=ChatResponseMessage(content=c.text),
-                              logprobs=self._logprobs(c.token_ids, c.logprobs), finish_reason=c.finish_reason,
-                              stop_reason=c.stop_reason) for c in self.ordered_choices()]
+        choices = []
+        for c in self.ordered_choices():
+            content: str | None = c.text
+            calls: list[ToolCall] = []
+            if self.tool_names:
+                content, calls = parse_tool_calls(c.text, self.tool_names, self.req.parallel_tool_calls)
+            message = ChatResponseMessage(content=content if content or not calls else None,
+                                          tool_calls=[call.to_openai() for call in calls] or None)
+            choices.append(ChatChoice(index=c.index, message=message, logprobs=self._logprobs(c.token_ids, c.logprobs),
+                                      finish_reason=self._finish_reason(c, bool(calls)), stop_reason=c.stop_reason))
         return ChatCompletionResponse(id=self.request_id, created=self.created, model=self.state.model_name,
                                       choices=choices, usage=self.usage())
 

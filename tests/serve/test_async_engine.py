@@ -150,12 +150,12 @@ def test_abort_frees_the_request_and_shutdown_aborts_the_rest():
             await asyncio.sleep(0.01)
         await loop_engine.shutdown()
         _, reasons, _ = await _drain(second)
-        return engine, reasons, metrics.render()
+        return engine, reasons, metrics.render()[0]
 
     engine, reasons, text = asyncio.run(main())
     assert engine.aborted == ["x", "y"]
     assert reasons == {("y", 0): "abort"}
-    assert 'astrai_request_success_total{model_name="m",finished_reason="abort"} 2' in text
+    assert 'astrai_request_success_total{finished_reason="abort",model_name="m"} 2.0' in text.decode()
 
 
 def test_engine_failure_fails_running_requests_and_the_loop_survives():

@@ -235,6 +235,22 @@ def _raw_request(port: int, headers: str, body: bytes) -> socket.socket:
     return sock
 
 
+def _read_response(sock: socket.socket) -> str:
+    """Headers and the whole Content-Length body (they may come in separate packets)."""
+    data = b""
+    while b"\r\n\r\n" not in data or len(data.split(b"\r\n\r\n", 1)[1]) < _content_length(data):
+        chunk = sock.recv(65536)
+        if not chunk:
+            break
+        data += chunk
+    return data.decode()
+
+
+def _content_length(data: bytes) -> int:
+    match = re.search(rb"(?i)content-length:\s*(\d+)", data.split(b"\r\n\r\n", 1)[0])
+    return int(match.group(1)) if match else 0
+
+
 def test_body_that_never_arrives_is_a_408(model_dir):
     config = ServeConfig(str(model_dir), engine_kwargs=ENGINE, body_timeout=0.5)
     with LiveApp(config) as live:
@@ -242,7 +258,7 @@ def test_body_that_never_arrives_is_a_408(model_dir):
         head = (f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {API_KEY}\r\n"
                 "Content-Type: application/json\r\nContent-Length: 100000\r\n")
         with _raw_request(live.port, head, b'{"model": ') as sock:
-            reply = sock.recv(65536).decode()
+            reply = _read_response(sock)
         assert reply.startswith("HTTP/1.1 408"), reply
         assert '"code":"request_timeout"' in reply.replace(" ", "")
         assert httpx.get(live.base + "/health").status_code == 200

@@ -1,0 +1,160 @@
+"""Constrained (guided) decoding: a grammar decides which tokens may come next.
+
+A request that must produce JSON (OpenAI `response_format` json_object / json_schema) or a tool
+call (`tool_choice` required or a named function) carries a compiled `Guide` in its
+`SamplingParams`; each of its sequences gets its own `GuideState` (a matcher at some position
+in the grammar). Every step the sampler asks the states of the guided rows for a token bitmask
+and sets the logits of forbidden tokens to -inf before penalties, temperature and truncation
+see them; the chosen token then advances the state. Rows without a guide cost one attribute
+check. Once the grammar is complete, only the sequence's stop tokens are allowed, so the engine
+finishes it with finish_reason "stop".
+
+The grammar work is llguidance's (Earley parser over the token trie, JSON Schema and Lark
+front ends; see docs/inference.md for why it was chosen over xgrammar and outlines-core).
+This module only adapts it: a `GuideCompiler` per tokenizer builds llguidance's tokenizer view
+once and turns schemas into guides, refusing a schema that uses features llguidance does not
+implement with an error that names them.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor
+
+# The layout of a JSON value the grammar allows: one space after ',' and ':' like json.dumps and
+# the tool-call examples in chat templates; no free whitespace a random model could loop in.
+JSON_LAYOUT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+TOOL_CALL_OPEN, TOOL_CALL_CLOSE = "<tool_call>", "</tool_call>"
+
+
+class GuideError(ValueError):
+    """A schema or grammar that cannot be enforced; the message names what is unsupported."""
+
+
+@dataclass(frozen=True)
+class Guide:
+    """A checked grammar for one tokenizer; `new_state()` starts a matcher for one sequence."""
+
+    grammar: str  # llguidance's serialised grammar
+    tokenizer: Any  # llguidance.LLTokenizer
+    description: str = ""
+
+    def new_state(self) -> GuideState:
+        import llguidance
+
+        return GuideState(llguidance.LLMatcher(self.tokenizer, self.grammar, log_level=0))
+
+
+class GuideState:
+    """One sequence's position in its grammar."""
+
+    __slots__ = ("matcher",)
+
+    def __init__(self, matcher: Any):
+        self.matcher = matcher
+
+    def fill_bitmask(self, bitmask: Tensor, row: int) -> None:
+        """Allowed next tokens as bits of bitmask[row] (int32, CPU, 32 tokens a word)."""
+        v = bitmask[row]
+        self.matcher.unsafe_compute_mask_ptr(v.data_ptr(), v.numel() * v.element_size())
+
+    @property
+    def is_accepting(self) -> bool:
+        return self.matcher.is_accepting()
+
+    def accept(self, token_id: int) -> None:
+        # a stop token the grammar does not know (end of turn) fails here, harmlessly: it ends the sequence
+        if not self.matcher.is_stopped():
+            self.matcher.consume_token(token_id)
+
+
+class GuideCompiler:
+    """Builds guides for one tokenizer (the tokenizer view takes tens of ms: built once)."""
+
+    def __init__(self, tokenizer: Any, vocab_size: int):
+        import llguidance
+
+        backend = getattr(tokenizer, "backend", None)
+        if backend is None or not hasattr(backend, "to_str"):
+            raise GuideError("constrained decoding needs a Hugging Face `tokenizers` tokenizer (tokenizer.json)")
+        self.tokenizer = llguidance.LLTokenizer(backend.to_str(), n_vocab=vocab_size,
+                                                eos_token=tokenizer.eos_token_id)
+
+    def json_object(self) -> Guide:
+        return self._checked(_grammar_from_schema({"type": "object"}), "a JSON object")
+
+    def json_schema(self, schema: dict[str, Any]) -> Guide:
+        return self._checked(_grammar_from_schema(schema), "JSON matching the schema")
+
+    def tool_calls(self, functions: list[tuple[str, dict[str, Any] | None]], parallel: bool) -> Guide:
+        """`<tool_call>{"name": ..., "arguments": ...}</tool_call>` for one of `functions`
+        ((name, parameters schema) pairs), repeated (one per line) when `parallel`."""
+        calls = [{"type": "object", "properties": {"name": {"const": name},
+                                                   "arguments": params or {"type": "object"}},
+                  "required": ["name", "arguments"], "additionalProperties": False}
+                 for name, params in functions]
+        body = calls[0] if len(calls) == 1 else {"anyOf": calls}
+        body = {**body, "x-guidance": JSON_LAYOUT}
+        repeat = ' ("\\n" call)*' if parallel else ""
+        lark = (f"start: call{repeat}\n"
+                f"call: {json.dumps(TOOL_CALL_OPEN)} body {json.dumps(TOOL_CALL_CLOSE)}\n"
+                f"body: %json {json.dumps(body)}\n")
+        import llguidance
+
+        return self._checked(llguidance.LLMatcher.grammar_from_lark(lark), "a tool call")
+
+    def _checked(self, grammar: str, description: str) -> Guide:
+        import llguidance
+
+        is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(grammar, self.tokenizer)
+        if is_error or messages:  # a warning means part of the schema would be silently ignored
+            raise GuideError(f"cannot constrain the output to {description}: {'; '.join(messages)}")
+        return Guide(grammar, self.tokenizer, description)
+
+
+def _grammar_from_schema(schema: dict[str, Any]) -> str:
+    import llguidance
+
+    try:
+        return llguidance.LLMatcher.grammar_from_json_schema(schema, overrides=JSON_LAYOUT)
+    except (ValueError, TypeError) as exc:
+        raise GuideError(f"the JSON schema is invalid: {exc}") from None
+
+
+def apply_guides(logits: Tensor, rows: list[Any]) -> Tensor:
+    """Set the logits (B, V) of tokens the grammar forbids to -inf, in place, for the rows whose
+    params carry a guide; a complete grammar leaves only the row's stop tokens."""
+    B, V = logits.shape
+    guided = [i for i, r in enumerate(rows) if r.params.guide is not None]
+    if not guided:
+        return logits
+    bitmask = torch.zeros(len(guided), (V + 31) // 32, dtype=torch.int32)  # (G, W), CPU for llguidance
+    for j, i in enumerate(guided):
+        rows[i].guide_state.fill_bitmask(bitmask, j)
+    allowed = _unpack(bitmask.to(logits.device), V)  # (G, V) bool
+    for j, i in enumerate(guided):
+        # any stop token may end a complete value; a matcher gone wrong (nothing allowed) ends too
+        state = rows[i].guide_state
+        if rows[i].min_tokens_stop_ids and (state.is_accepting or state.matcher.is_error()):
+            allowed[j, rows[i].min_tokens_stop_ids] = True
+    index = torch.tensor(guided, device=logits.device)
+    logits[index] = logits[index].masked_fill(~allowed, float("-inf"))
+    return logits
+
+
+def _unpack(bitmask: Tensor, vocab_size: int) -> Tensor:
+    """int32 words (G, W) -> bool (G, vocab_size), bit b of word w is token 32 w + b."""
+    bits = torch.arange(32, device=bitmask.device, dtype=torch.int32)
+    unpacked = (bitmask[:, :, None] >> bits) & 1  # (G, W, 32)
+    return unpacked.view(bitmask.shape[0], -1)[:, :vocab_size].bool()
+
+
+def advance_guides(rows: list[Any], token_ids: list[int]) -> None:
+    """Move each guided row's grammar state past the token it just got."""
+    for r, token in zip(rows, token_ids):
+        if r.params.guide is not None:
+            r.guide_state.accept(token)
