@@ -27,24 +27,26 @@ from typing import Any
 
 import yaml
 
-MODEL = {  # ~1M parameters: learns 2-digit addition on 2 CPU cores in a few minutes
-    "vocab_size": 384,  # replaced by the trained tokenizer's size
-    "hidden_size": 128,
-    "intermediate_size": 384,
-    "num_hidden_layers": 4,
+MODEL = {  # ~100k parameters: small enough for hundreds of RL steps on 2 CPU cores
+    "vocab_size": 300,  # replaced by the trained tokenizer's size
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 2,
     "num_attention_heads": 4,
     "num_key_value_heads": 2,
-    "max_position_embeddings": 256,
+    "max_position_embeddings": 128,
     "tie_word_embeddings": True,
 }
+# The task: 1-digit addition; 40 of its 100 problems are held out, never trained on
+TASK = {"digits": 1, "num_train": 2000, "num_eval": 40, "num_corpus": 8000}
 # (optimizer steps, batch) per stage at the default budget; --minutes scales the steps
 BUDGET_MINUTES = 8.0
-PRETRAIN = {"steps": 400, "batch": 16, "max_seq_len": 128, "max_lr": 3e-3}
+PRETRAIN = {"steps": 200, "batch": 16, "max_seq_len": 128, "max_lr": 3e-3}
 # SFT stops early on purpose: the model adds right only part of the time, so RL has room to help
-SFT = {"steps": 300, "batch": 64, "max_seq_len": 48, "max_lr": 3e-3}
+SFT = {"steps": 250, "batch": 32, "max_seq_len": 32, "max_lr": 3e-3}
 # Online RL: large rollouts and a moderate constant rate (smaller batches or higher rates wander;
 # see tests/train/test_rl_learns.py); each rollout is used for `rollout_interval` steps
-RL = {"steps": 120, "prompts": 64, "rollout_interval": 2, "max_tokens": 8, "warmup_steps": 5}
+RL = {"steps": 150, "prompts": 64, "rollout_interval": 2, "max_tokens": 8, "warmup_steps": 5}
 ALGOS = {  # --algo -> (train_type, group size, learning rate)
     "grpo": ("online_grpo", 8, 5e-4),
     "ppo": ("online_ppo", 8, 5e-4),
@@ -175,7 +177,7 @@ def rl_curves(metrics_path: Path) -> dict[str, Any]:
 def rl_stage(stage_dir: Path, config: dict[str, Any], eval_path: Path) -> dict[str, Any]:
     info = train_stage(stage_dir, config)
     info.update(rl_curves(stage_dir / "metrics.jsonl"))
-    info["eval"] = evaluate(stage_dir / "final", eval_path, 200)
+    info["eval"] = evaluate(stage_dir / "final", eval_path, TASK["num_eval"])
     return info
 
 
@@ -214,7 +216,7 @@ def write_report(out: Path, stages: dict[str, dict[str, Any]], minutes: float, a
     after = rl["eval"]
     lines = [
         "# astrai demo report", "",
-        f"Task: 2-digit addition, exact match on {sft['num_total']} held-out problems "
+        f"Task: {TASK['digits']}-digit addition, exact match on {sft['num_total']} held-out problems "
         f"(greedy, batched through the engine). Budget: {minutes} min. RL: {ALGOS[algo][0]}.", "",
         "![accuracy per stage](accuracy.png)", "",
         "| model | accuracy | correct |", "|---|---|---|",
@@ -271,12 +273,11 @@ def main(argv: list[str] | None = None) -> int:
     data_dir, tok_dir = out / "data", out / "tokenizer"
     stages: dict[str, dict[str, Any]] = {}
     stages["data"] = run_stage("data", data_dir, lambda: {
-        k: str(v) for k, v in write_task_files(data_dir, num_train=8000, num_eval=200, tasks=("add",),
-                                               digits=2, seed=args.seed, num_corpus=16000).items()}, log)
+        k: str(v) for k, v in write_task_files(data_dir, tasks=("add",), seed=args.seed, **TASK).items()}, log)
 
     def tokenizer_stage() -> dict[str, Any]:
         corpus = [json.loads(line)["text"] for line in (data_dir / "corpus.jsonl").read_text().splitlines()]
-        tok = train_tokenizer(corpus, MODEL["vocab_size"], tok_dir)
+        tok = train_tokenizer(corpus + ["user assistant system"] * 5, MODEL["vocab_size"], tok_dir)
         return {"vocab_size": tok.vocab_size}
 
     stages["tokenizer"] = run_stage("tokenizer", tok_dir, tokenizer_stage, log)
@@ -288,8 +289,8 @@ def main(argv: list[str] | None = None) -> int:
                            SFT, None, out / "pretrain" / "final", args.seed)
     stages["sft"] = run_stage("sft", out / "sft", lambda: train_stage(out / "sft", sft_cfg), log)
     stages["eval"] = run_stage("eval", out / "eval", lambda: {
-        "pretrained": evaluate(out / "pretrain" / "final", data_dir / "eval.jsonl", 200),
-        "sft": evaluate(out / "sft" / "final", data_dir / "eval.jsonl", 200)}, log)
+        "pretrained": evaluate(out / "pretrain" / "final", data_dir / "eval.jsonl", TASK["num_eval"]),
+        "sft": evaluate(out / "sft" / "final", data_dir / "eval.jsonl", TASK["num_eval"])}, log)
 
     rl_name = f"rl-{args.algo}"
     rl_cfg = rl_config(out, args.algo, data_dir / "prompts.jsonl", tok_dir, max(10, int(RL["steps"] * scale)),
