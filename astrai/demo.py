@@ -113,12 +113,14 @@ def train_stage(stage_dir: Path, config: dict[str, Any]) -> dict[str, Any]:
 
 def throughput(metrics_path: Path) -> dict[str, Any]:
     rows = [json.loads(line) for line in metrics_path.read_text().splitlines() if line.strip()]
-    rows = [r for r in rows if "loss" in r and "tokens_per_s" in r]
+    rows = [r for r in rows if "loss" in r]
     if not rows:
         return {}
-    speeds = sorted(r["tokens_per_s"] for r in rows)
-    return {"steps": rows[-1].get("step"), "first_loss": rows[0]["loss"], "final_loss": rows[-1]["loss"],
-            "tokens_per_s": round(speeds[len(speeds) // 2], 1)}
+    info = {"steps": rows[-1].get("step"), "first_loss": rows[0]["loss"], "final_loss": rows[-1]["loss"]}
+    speeds = sorted(r["tokens_per_s"] for r in rows if "tokens_per_s" in r)  # online RL logs rollout speed only
+    if speeds:
+        info["tokens_per_s"] = round(speeds[len(speeds) // 2], 1)
+    return info
 
 
 def stage_config(kind: str, out: Path, data: Path, tok: Path, steps: int, spec: dict[str, Any],
