@@ -12,7 +12,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-BENCHMARKS = ["model", "preprocess", "train", "checkpoint", "generate", "serve", "hostile", "rl"]
+BENCHMARKS = ["model", "preprocess", "train", "checkpoint", "generate", "serve", "hostile", "rl", "compare_trl"]
 
 
 def benchmarks_dir() -> Path:
@@ -34,7 +34,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     failed = []
     for name in args.names or BENCHMARKS:
-        script = folder / f"bench_{name}.py"
+        script = folder / (f"{name}.py" if name.startswith("compare_") else f"bench_{name}.py")
         if not script.exists():
             print(f"astrai bench: {script.name} is missing", file=sys.stderr)
             failed.append(name)
