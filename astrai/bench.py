@@ -12,7 +12,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-BENCHMARKS = ["model", "preprocess", "train", "checkpoint", "generate", "serve", "hostile", "rl", "lora", "guided"]
+BENCHMARKS = ["model", "preprocess", "train", "checkpoint", "generate", "serve", "hostile", "rl", "lora", "guided",
+              "compare_trl"]
 
 
 def benchmarks_dir() -> Path:
@@ -34,7 +35,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     failed = []
     for name in args.names or BENCHMARKS:
-        script = folder / f"bench_{name}.py"
+        script = folder / (f"{name}.py" if name.startswith("compare_") else f"bench_{name}.py")
         if not script.exists():
             print(f"astrai bench: {script.name} is missing", file=sys.stderr)
             failed.append(name)

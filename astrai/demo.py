@@ -5,10 +5,14 @@ Stages, each reused when a re-run finds it finished (a `stage.json` marker):
             ChatML SFT records and held-out eval prompts;
   tokenizer a byte-level BPE tokenizer trained on that text;
   pretrain  a tiny model pre-trained (train_type seq) on the equations;
-  sft       the pre-trained model fine-tuned (train_type sft) on the chat records;
+  sft       the pre-trained model fine-tuned (train_type sft) on the chat records, briefly, so
+            that it adds correctly only part of the time;
   eval      exact-match accuracy of both models on held-out problems, greedy and batched
             through the inference engine;
-and finally a markdown report with plots of the training curves.
+  rl-<algo> the SFT model improved by online RL on its own samples of the training prompts
+            (online GRPO by default; `--algo ppo | online_dpo`), rewarded by `exact_match`,
+            then scored on the same held-out problems;
+and finally a markdown report with plots of the training curves and of the accuracy per stage.
 """
 
 from __future__ import annotations
@@ -23,19 +27,31 @@ from typing import Any
 
 import yaml
 
-MODEL = {  # ~1M parameters: learns 2-digit addition on 2 CPU cores in a few minutes
-    "vocab_size": 384,  # replaced by the trained tokenizer's size
-    "hidden_size": 128,
-    "intermediate_size": 384,
-    "num_hidden_layers": 4,
+MODEL = {  # ~100k parameters: small enough for hundreds of RL steps on 2 CPU cores
+    "vocab_size": 300,  # replaced by the trained tokenizer's size
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 2,
     "num_attention_heads": 4,
     "num_key_value_heads": 2,
-    "max_position_embeddings": 256,
+    "max_position_embeddings": 128,
     "tie_word_embeddings": True,
 }
-# (optimizer steps, batch) per stage at the default 4-minute budget; --minutes scales the steps
-PRETRAIN = {"steps": 400, "batch": 16, "max_seq_len": 128, "max_lr": 3e-3}
-SFT = {"steps": 1400, "batch": 64, "max_seq_len": 48, "max_lr": 3e-3}
+# The task: 1-digit addition; 40 of its 100 problems are held out, never trained on
+TASK = {"digits": 1, "num_train": 2000, "num_eval": 40, "num_corpus": 8000}
+# (optimizer steps, batch) per stage at the default budget; --minutes scales the steps
+BUDGET_MINUTES = 8.0
+PRETRAIN = {"steps": 200, "batch": 16, "max_seq_len": 128, "max_lr": 3e-3}
+# SFT stops early on purpose: the model adds right only part of the time, so RL has room to help
+SFT = {"steps": 250, "batch": 32, "max_seq_len": 32, "max_lr": 3e-3}
+# Online RL: large rollouts and a moderate constant rate (smaller batches or higher rates wander;
+# see tests/train/test_rl_learns.py); each rollout is used for `rollout_interval` steps
+RL = {"steps": 150, "prompts": 64, "rollout_interval": 2, "max_tokens": 8, "warmup_steps": 5}
+ALGOS = {  # --algo -> (train_type, group size, learning rate)
+    "grpo": ("online_grpo", 8, 5e-4),
+    "ppo": ("online_ppo", 8, 5e-4),
+    "online_dpo": ("online_dpo", 4, 2e-4),
+}
 MODEL_FILES = ("config.json", "model.safetensors", "generation_config.json", "tokenizer.json",
                "tokenizer_config.json")
 
@@ -97,12 +113,14 @@ def train_stage(stage_dir: Path, config: dict[str, Any]) -> dict[str, Any]:
 
 def throughput(metrics_path: Path) -> dict[str, Any]:
     rows = [json.loads(line) for line in metrics_path.read_text().splitlines() if line.strip()]
-    rows = [r for r in rows if "loss" in r and "tokens_per_s" in r]
+    rows = [r for r in rows if "loss" in r]
     if not rows:
         return {}
-    speeds = sorted(r["tokens_per_s"] for r in rows)
-    return {"steps": rows[-1].get("step"), "first_loss": rows[0]["loss"], "final_loss": rows[-1]["loss"],
-            "tokens_per_s": round(speeds[len(speeds) // 2], 1)}
+    info = {"steps": rows[-1].get("step"), "first_loss": rows[0]["loss"], "final_loss": rows[-1]["loss"]}
+    speeds = sorted(r["tokens_per_s"] for r in rows if "tokens_per_s" in r)  # online RL logs rollout speed only
+    if speeds:
+        info["tokens_per_s"] = round(speeds[len(speeds) // 2], 1)
+    return info
 
 
 def stage_config(kind: str, out: Path, data: Path, tok: Path, steps: int, spec: dict[str, Any],
@@ -123,6 +141,68 @@ def stage_config(kind: str, out: Path, data: Path, tok: Path, steps: int, spec: 
     return config
 
 
+def rl_config(out: Path, algo: str, data: Path, tok: Path, steps: int, param_path: Path,
+              seed: int) -> dict[str, Any]:
+    train_type, group_size, lr = ALGOS[algo]
+    stage = out / f"rl-{algo}"
+    return {
+        "data": {"train_type": train_type, "data_path": str(data), "tokenizer_path": str(tok)},
+        "train": {"max_steps": steps, "n_epoch": 1000, "batch_per_device": RL["prompts"], "random_seed": seed,
+                  "param_path": str(param_path)},
+        "optim": {"max_lr": lr, "schedule": "constant", "warmup_steps": RL["warmup_steps"], "weight_decay": 0.0},
+        "rl": {"group_size": group_size, "rollout_interval": RL["rollout_interval"],
+               "rollout_max_tokens": RL["max_tokens"], "rollout_temperature": 1.0, "max_prompt_len": 32,
+               "kl_coef": 0.0, "rewards": ["exact_match"]},
+        "ckpt": {"ckpt_dir": str(stage / "ckpt"), "ckpt_interval": 0, "keep_last": 1},
+        "log": {"log_dir": str(stage)},
+    }
+
+
+def rl_curves(metrics_path: Path) -> dict[str, Any]:
+    """Reward and response length at the start and the end (means of 10 steps), rollout tokens/s."""
+    rows = [json.loads(line) for line in metrics_path.read_text().splitlines() if line.strip()]
+    rows = [r for r in rows if "reward_mean" in r]
+    if not rows:
+        return {}
+    k = max(1, min(10, len(rows) // 4))
+
+    def mean(key: str, part: list[dict[str, Any]]) -> float:
+        return round(sum(r[key] for r in part) / len(part), 3)
+
+    speeds = sorted(r["rollout_tokens_per_s"] for r in rows if "rollout_tokens_per_s" in r)
+    return {"reward_first": mean("reward_mean", rows[:k]), "reward_last": mean("reward_mean", rows[-k:]),
+            "length_first": mean("response_length_mean", rows[:k]),
+            "length_last": mean("response_length_mean", rows[-k:]), "curve_window": k,
+            "rollout_tokens_per_s": round(speeds[len(speeds) // 2], 1) if speeds else None}
+
+
+def rl_stage(stage_dir: Path, config: dict[str, Any], eval_path: Path) -> dict[str, Any]:
+    info = train_stage(stage_dir, config)
+    info.update(rl_curves(stage_dir / "metrics.jsonl"))
+    info["eval"] = evaluate(stage_dir / "final", eval_path, TASK["num_eval"])
+    return info
+
+
+def plot_accuracy(out: Path, accuracies: dict[str, float]) -> Path:
+    """One bar per stage: held-out exact-match accuracy."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(5, 3.2))
+    bars = ax.bar(list(accuracies), [100 * a for a in accuracies.values()], color=["#999", "#4c72b0", "#dd8452"])
+    ax.bar_label(bars, labels=[f"{a:.1%}" for a in accuracies.values()])
+    ax.set_ylabel("held-out exact match (%)")
+    ax.set_ylim(0, 100)
+    ax.set_title("accuracy after each stage")
+    fig.tight_layout()
+    path = out / "accuracy.png"
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
+
+
 def evaluate(model_dir: Path, eval_path: Path, limit: int) -> dict[str, Any]:
     from astrai.evaluate import evaluate_model, read_prompt_records
     from astrai.infer.llm import LLM
@@ -132,27 +212,41 @@ def evaluate(model_dir: Path, eval_path: Path, limit: int) -> dict[str, Any]:
             "tokens_per_s": round(result.tokens_per_s, 1), "samples": result.samples}
 
 
-def write_report(out: Path, stages: dict[str, dict[str, Any]], minutes: float) -> Path:
-    before, after = stages["eval"]["pretrained"], stages["eval"]["sft"]
+def write_report(out: Path, stages: dict[str, dict[str, Any]], minutes: float, algo: str) -> Path:
+    rl_name = f"rl-{algo}"
+    before, sft, rl = stages["eval"]["pretrained"], stages["eval"]["sft"], stages[rl_name]
+    after = rl["eval"]
     lines = [
         "# astrai demo report", "",
-        f"Task: 2-digit addition, exact match on {after['num_total']} held-out problems "
-        f"(greedy, batched through the engine). Budget: {minutes} min.", "",
+        f"Task: {TASK['digits']}-digit addition, exact match on {sft['num_total']} held-out problems "
+        f"(greedy, batched through the engine). Budget: {minutes} min. RL: {ALGOS[algo][0]}.", "",
+        "![accuracy per stage](accuracy.png)", "",
         "| model | accuracy | correct |", "|---|---|---|",
         f"| pre-trained | {before['accuracy']:.1%} | {before['num_correct']}/{before['num_total']} |",
-        f"| after SFT | {after['accuracy']:.1%} | {after['num_correct']}/{after['num_total']} |", "",
+        f"| after SFT | {sft['accuracy']:.1%} | {sft['num_correct']}/{sft['num_total']} |",
+        f"| after RL ({algo}) | {after['accuracy']:.1%} | {after['num_correct']}/{after['num_total']} |", "",
         "| stage | seconds | steps | loss first -> last | train tokens/s |", "|---|---|---|---|---|",
     ]
-    for name in ("data", "tokenizer", "pretrain", "sft", "eval"):
+    for name in ("data", "tokenizer", "pretrain", "sft", "eval", rl_name):
         s = stages[name]
         loss = f"{s['first_loss']:.3f} -> {s['final_loss']:.3f}" if "final_loss" in s else ""
         lines.append(f"| {name} | {s.get('seconds', '')} | {s.get('steps', '')} | {loss} | "
                      f"{s.get('tokens_per_s', '')} |")
-    lines += ["", f"Generation throughput during eval: {after['tokens_per_s']} tokens/s.", "",
-              "Samples after SFT:", ""]
+    total = sum(s.get("seconds", 0.0) for s in stages.values())
+    lines += ["", f"Total: {total / 60:.1f} min (stages reused from an earlier run count their first time).", ""]
+    if "reward_first" in rl:
+        k = rl["curve_window"]
+        lines += [f"RL rollouts (means of the first and last {k} steps): reward {rl['reward_first']:.3f} -> "
+                  f"{rl['reward_last']:.3f}, response length {rl['length_first']:.2f} -> {rl['length_last']:.2f} "
+                  f"tokens; rollout generation {rl['rollout_tokens_per_s']} tokens/s (median over rollouts).", "",
+                  f"![reward]({rl_name}/plots/reward_mean.png) "
+                  f"![response length]({rl_name}/plots/response_length_mean.png)", ""]
+    lines += [f"Generation throughput during eval: {sft['tokens_per_s']} tokens/s.", "",
+              f"Samples after RL ({algo}):", ""]
     lines += [f"- `{s['prompt']}` -> `{s['completion']}` (answer {s['answer']})" for s in after["samples"]]
-    lines += ["", "Training curves: `pretrain/plots/`, `sft/plots/`.", "",
-              f"Serve the result: `astrai serve --model {out / 'sft' / 'final'}`", ""]
+    lines += ["", f"Training curves: `pretrain/plots/`, `sft/plots/`, `{rl_name}/plots/` (reward_mean, "
+              "response_length_mean, rollout_tokens_per_s, ...).", "",
+              f"Serve the result: `astrai serve --model {out / rl_name / 'final'}`", ""]
     path = out / "report.md"
     path.write_text("\n".join(lines))
     return path
@@ -161,14 +255,16 @@ def write_report(out: Path, stages: dict[str, dict[str, Any]], minutes: float) -
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="astrai demo", description=__doc__.splitlines()[0])
     parser.add_argument("--out", default="out/demo", help="output folder (default out/demo)")
-    parser.add_argument("--minutes", type=float, default=4.0,
-                        help="time budget that scales the training steps (default 4; 1 = shortest)")
+    parser.add_argument("--minutes", type=float, default=BUDGET_MINUTES,
+                        help=f"time budget that scales the training steps (default {BUDGET_MINUTES:g}; 1 = shortest)")
+    parser.add_argument("--algo", choices=list(ALGOS), default="grpo",
+                        help="the RL stage: online GRPO (default), PPO with a critic, or online DPO")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
     if args.minutes <= 0:
         parser.error(f"--minutes must be positive, got {args.minutes}")
     out = Path(args.out)
-    scale = args.minutes / 4.0
+    scale = args.minutes / BUDGET_MINUTES
 
     def log(msg: str) -> None:
         print(msg, flush=True)
@@ -179,12 +275,11 @@ def main(argv: list[str] | None = None) -> int:
     data_dir, tok_dir = out / "data", out / "tokenizer"
     stages: dict[str, dict[str, Any]] = {}
     stages["data"] = run_stage("data", data_dir, lambda: {
-        k: str(v) for k, v in write_task_files(data_dir, num_train=8000, num_eval=200, tasks=("add",),
-                                               digits=2, seed=args.seed, num_corpus=16000).items()}, log)
+        k: str(v) for k, v in write_task_files(data_dir, tasks=("add",), seed=args.seed, **TASK).items()}, log)
 
     def tokenizer_stage() -> dict[str, Any]:
         corpus = [json.loads(line)["text"] for line in (data_dir / "corpus.jsonl").read_text().splitlines()]
-        tok = train_tokenizer(corpus, MODEL["vocab_size"], tok_dir)
+        tok = train_tokenizer(corpus + ["user assistant system"] * 5, MODEL["vocab_size"], tok_dir)
         return {"vocab_size": tok.vocab_size}
 
     stages["tokenizer"] = run_stage("tokenizer", tok_dir, tokenizer_stage, log)
@@ -196,18 +291,26 @@ def main(argv: list[str] | None = None) -> int:
                            SFT, None, out / "pretrain" / "final", args.seed)
     stages["sft"] = run_stage("sft", out / "sft", lambda: train_stage(out / "sft", sft_cfg), log)
     stages["eval"] = run_stage("eval", out / "eval", lambda: {
-        "pretrained": evaluate(out / "pretrain" / "final", data_dir / "eval.jsonl", 200),
-        "sft": evaluate(out / "sft" / "final", data_dir / "eval.jsonl", 200)}, log)
+        "pretrained": evaluate(out / "pretrain" / "final", data_dir / "eval.jsonl", TASK["num_eval"]),
+        "sft": evaluate(out / "sft" / "final", data_dir / "eval.jsonl", TASK["num_eval"])}, log)
+
+    rl_name = f"rl-{args.algo}"
+    rl_cfg = rl_config(out, args.algo, data_dir / "prompts.jsonl", tok_dir, max(10, int(RL["steps"] * scale)),
+                       out / "sft" / "final", args.seed)
+    stages[rl_name] = run_stage(rl_name, out / rl_name,
+                                lambda: rl_stage(out / rl_name, rl_cfg, data_dir / "eval.jsonl"), log)
 
     from astrai.train.plot import main as plot_main
 
-    for name in ("pretrain", "sft"):
+    for name in ("pretrain", "sft", rl_name):
         plot_main([str(out / name), "--out", str(out / name / "plots")])
-    report = write_report(out, stages, args.minutes)
-    before, after = stages["eval"]["pretrained"]["accuracy"], stages["eval"]["sft"]["accuracy"]
-    log(f"\naccuracy: pre-trained {before:.1%} -> after SFT {after:.1%}")
+    accuracies = {"pre-trained": stages["eval"]["pretrained"]["accuracy"], "SFT": stages["eval"]["sft"]["accuracy"],
+                  f"RL ({args.algo})": stages[rl_name]["eval"]["accuracy"]}
+    plot_accuracy(out, accuracies)
+    report = write_report(out, stages, args.minutes, args.algo)
+    log("\naccuracy: " + " -> ".join(f"{k} {v:.1%}" for k, v in accuracies.items()))
     log(f"report: {report}")
-    log(f"serve it: astrai serve --model {out / 'sft' / 'final'}")
+    log(f"serve it: astrai serve --model {out / rl_name / 'final'}")
     return 0
 
 

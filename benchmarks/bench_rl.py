@@ -25,10 +25,8 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import sys
 import tempfile
-import time
 from pathlib import Path
 from typing import Any
 
@@ -36,8 +34,10 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch  # noqa: E402
+from trl_common import StepClock, exact_match, grpo_config, prompt_dataset, time_generation  # noqa: E402
 
 MODEL = {  # the demo's model shape (~1M parameters); vocab_size comes from the tokenizer
     "hidden_size": 128, "intermediate_size": 384, "num_hidden_layers": 4, "num_attention_heads": 4,
@@ -62,28 +62,6 @@ def setup(tmp: Path, num_prompts: int, seed: int) -> tuple[Path, Path]:
     return files["prompts"], model_dir
 
 
-class StepClock:
-    """Timestamps (wall, CPU) at each step end, plus the rollout seconds and tokens of each step."""
-
-    def __init__(self) -> None:
-        self.stamps: list[tuple[float, float]] = [(time.perf_counter(), time.process_time())]
-        self.rollout_seconds: list[float] = []
-        self.rollout_tokens: list[int] = []
-
-    def tick(self) -> None:
-        self.stamps.append((time.perf_counter(), time.process_time()))
-
-    def summary(self) -> dict[str, float]:
-        # the first step pays one-off costs (allocations, lazy inits) in both systems: skip it
-        wall = [b[0] - a[0] for a, b in zip(self.stamps[1:], self.stamps[2:])]
-        cpu = [b[1] - a[1] for a, b in zip(self.stamps[1:], self.stamps[2:])]
-        roll_s, roll_t = self.rollout_seconds[1:], self.rollout_tokens[1:]
-        return {"step_s": statistics.median(wall), "cpu_s": statistics.median(cpu),
-                "tokens_per_s": sum(roll_t) / max(sum(roll_s), 1e-9),
-                "rollout_share": sum(roll_s) / max(sum(wall), 1e-9),
-                "tokens_per_step": statistics.mean(roll_t)}
-
-
 def run_astrai(prompts: Path, model_dir: Path, out: Path, args: argparse.Namespace,
                train_type: str = "online_grpo") -> dict[str, float]:
     from astrai.config import load_config
@@ -95,7 +73,7 @@ def run_astrai(prompts: Path, model_dir: Path, out: Path, args: argparse.Namespa
         requested_metrics = frozenset()
 
         def on_train_begin(self, loop: Any) -> None:
-            clock.stamps = [(time.perf_counter(), time.process_time())]
+            clock.start()
 
         def after_optimizer_step(self, loop: Any) -> None:
             clock.tick()
@@ -114,51 +92,25 @@ def run_astrai(prompts: Path, model_dir: Path, out: Path, args: argparse.Namespa
 
 
 def run_trl(prompts: Path, model_dir: Path, out: Path, args: argparse.Namespace) -> dict[str, float]:
-    import datasets
     from transformers import AutoTokenizer, LlamaForCausalLM, TrainerCallback
-    from trl import GRPOConfig, GRPOTrainer
-
-    from astrai.data.tasks import score
-
-    records = [json.loads(line) for line in prompts.read_text().splitlines()]
-    dataset = datasets.Dataset.from_list([{"prompt": r["messages"], "answer": r["answer"]} for r in records])
-
-    def exact_match(completions: list[Any], answer: list[str], **kwargs: Any) -> list[float]:
-        # conversational prompts give conversational completions: [{"role": "assistant", "content": ...}]
-        return [score(c[0]["content"] if isinstance(c, list) else c, a) for c, a in zip(completions, answer)]
+    from trl import GRPOTrainer
 
     clock = StepClock()
 
     class Clock(TrainerCallback):
         def on_train_begin(self, *a: Any, **k: Any) -> None:
-            clock.stamps = [(time.perf_counter(), time.process_time())]
+            clock.start()
 
         def on_step_end(self, *a: Any, **k: Any) -> None:
             clock.tick()
 
-    config = GRPOConfig(
-        output_dir=str(out), use_cpu=True, bf16=False, seed=args.seed, report_to="none", save_strategy="no",
-        logging_steps=args.steps, disable_tqdm=True, max_steps=args.steps, learning_rate=args.lr,
-        lr_scheduler_type="constant", warmup_steps=0, weight_decay=0.0, adam_beta1=0.9, adam_beta2=0.95,
-        max_grad_norm=1.0, per_device_train_batch_size=args.prompts * args.group_size, gradient_accumulation_steps=1,
-        num_generations=args.group_size, max_completion_length=args.max_tokens, temperature=1.0, top_p=1.0,
-        top_k=0, beta=0.0, epsilon=0.2, loss_type="dapo", scale_rewards="group", num_iterations=1,
-        dataloader_num_workers=0, disable_dropout=True,
-    )
+    config = grpo_config(out, steps=args.steps, prompts=args.prompts, group_size=args.group_size,
+                         max_tokens=args.max_tokens, lr=args.lr, seed=args.seed)
     model = LlamaForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    trainer = GRPOTrainer(model=model, reward_funcs=exact_match, args=config, train_dataset=dataset,
+    trainer = GRPOTrainer(model=model, reward_funcs=exact_match, args=config, train_dataset=prompt_dataset(prompts),
                           processing_class=tokenizer, callbacks=[Clock()])
-    generate = trainer._generate_single_turn  # the generation call; timed like astrai's run_batch
-
-    def timed_generate(*a: Any, **k: Any) -> Any:
-        start = time.perf_counter()
-        completion_ids, logprobs = generate(*a, **k)
-        clock.rollout_seconds.append(time.perf_counter() - start)
-        clock.rollout_tokens.append(sum(len(c) for c in completion_ids))
-        return completion_ids, logprobs
-
-    trainer._generate_single_turn = timed_generate
+    time_generation(trainer, clock)
     trainer.train()
     return clock.summary()
 

@@ -1,7 +1,11 @@
-"""The quickstart at its default budget: every stage runs and SFT clearly beats pre-training.
+"""The quickstart at its default budget: every stage runs, SFT clearly beats pre-training, and
+online GRPO raises the reward of its rollouts and reports.
 
-The default budget is used because shorter ones sit near the point where the model starts to
-add with carries, so their accuracy after SFT varies from run to run."""
+Not asserted (yet): that GRPO raises held-out accuracy. Measured at the default budget (seed 0):
+pre-trained 0%, SFT 55%, GRPO 35% on 40 held-out 1-digit sums, while the rollout reward on the
+training prompts rose 0.80 -> 0.88: the pre-trained model has memorised the 60 training sums, so
+RL sharpens them at the expense of the held-out ones. Every stage is seeded, so on one machine
+the outcome is fixed."""
 
 from __future__ import annotations
 
@@ -13,18 +17,31 @@ from astrai.demo import main as demo_main
 
 
 @pytest.mark.slow
-def test_short_demo_improves_accuracy_and_reuses_stages(tmp_path, capsys):
+def test_demo_sft_then_rl_improve_accuracy_and_reuse_stages(tmp_path, capsys):
     out = tmp_path / "demo"
     assert demo_main(["--out", str(out)]) == 0
     evals = json.loads((out / "eval" / "stage.json").read_text())
-    before, after = evals["pretrained"]["accuracy"], evals["sft"]["accuracy"]
-    assert after >= before + 0.05, f"SFT accuracy {after:.1%} is not clearly above pre-training {before:.1%}"
+    rl = json.loads((out / "rl-grpo" / "stage.json").read_text())
+    before, sft, after = evals["pretrained"]["accuracy"], evals["sft"]["accuracy"], rl["eval"]["accuracy"]
+    assert sft >= before + 0.05, f"SFT accuracy {sft:.1%} is not clearly above pre-training {before:.1%}"
+    assert sft <= 0.9, f"SFT accuracy {sft:.1%} leaves RL no headroom; shorten the SFT stage"
+    assert 0.0 <= after <= 1.0 and rl["steps"] == 150
+    assert rl["reward_last"] >= rl["reward_first"] + 0.04, f"rollout reward fell: {rl['reward_first']} -> {rl['reward_last']}"
+    assert rl["rollout_tokens_per_s"] > 0
     report = (out / "report.md").read_text()
-    assert f"{after:.1%}" in report and f"{before:.1%}" in report
-    for name in ("pretrain", "sft"):
+    for acc in (before, sft, after):
+        assert f"{acc:.1%}" in report
+    assert "reward" in report and "rollout generation" in report
+    for name in ("pretrain", "sft", "rl-grpo"):
         assert (out / name / "final" / "model.safetensors").exists()
         assert any((out / name / "plots").glob("*.png"))
+    assert (out / "rl-grpo" / "plots" / "reward_mean.png").exists()
+    assert (out / "rl-grpo" / "plots" / "response_length_mean.png").exists()
+    assert (out / "accuracy.png").exists()
     assert "astrai serve --model" in capsys.readouterr().out
     # a second run finds every stage finished and only rewrites the report
     assert demo_main(["--out", str(out)]) == 0
-    assert "reusing the finished stage" in capsys.readouterr().out
+    second = capsys.readouterr().out
+    for name in ("data", "tokenizer", "pretrain", "sft", "eval", "rl-grpo"):
+        assert f"[{name}] reusing the finished stage" in second
+    assert "[rl-grpo] running" not in second

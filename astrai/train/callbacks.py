@@ -192,8 +192,12 @@ class ProgressBar:
     def after_optimizer_step(self, trainer: Loop) -> None:
         if self.bar is not None:
             m = trainer.step_metrics
-            self.bar.set_postfix(loss=f"{m['loss']:.4f}", lr=f"{m['lr']:.2e}", tok_s=f"{m['tokens_per_s']:.0f}",
-                                 refresh=False)
+            postfix = {"loss": f"{m['loss']:.4f}", "lr": f"{m['lr']:.2e}"}
+            if "tokens_per_s" in m:  # offline loops; an online RL step shows its rollout reward
+                postfix["tok_s"] = f"{m['tokens_per_s']:.0f}"
+            if "reward_mean" in m:
+                postfix["reward"] = f"{m['reward_mean']:.3f}"
+            self.bar.set_postfix(postfix, refresh=False)
             self.bar.update(1)
 
     def on_train_end(self, trainer: Loop) -> None:
