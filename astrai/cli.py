@@ -23,7 +23,7 @@ COMMANDS = {
     "lora": ("astrai.model.lora_merge", "merge a LoRA adapter into its base model (a plain model directory)"),
     "eval": ("astrai.evaluate", "exact-match evaluation on a built-in task"),
     "plot": ("astrai.train.plot", "plot training curves from metrics.jsonl"),
-    "demo": ("astrai.demo", "the quickstart: tokenizer -> pre-train -> SFT -> evaluate"),
+    "demo": ("astrai.demo", "the quickstart: tokenizer -> pre-train -> SFT -> online RL -> evaluate"),
     "bench": ("astrai.bench", "run the benchmarks against peer frameworks"),
 }
 

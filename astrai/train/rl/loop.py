@@ -159,8 +159,11 @@ class OnlineLoop:
                     critic = self.critic_step.step(ctx.step)
                     result.update({"critic_lr": critic["lr"], "critic_grad_norm": critic["grad_norm"],
                                    "critic_skipped": critic["skipped"]})
-                ctx.tokens_seen += result.pop("num_tokens")
-                self.step_metrics = self._metrics(result, rollout, fresh, time.perf_counter() - t0)
+                tokens = result.pop("num_tokens")
+                ctx.tokens_seen += tokens
+                seconds = time.perf_counter() - t0
+                result["tokens_per_s"] = tokens / max(seconds, 1e-9)  # trained tokens (all ranks), rollout included
+                self.step_metrics = self._metrics(result, rollout, fresh, seconds)
                 pause_point(f"step:{ctx.step}")  # test hook: a kill or a stop lands exactly here
                 cbs.after_optimizer_step(self)
         except BaseException as e:
