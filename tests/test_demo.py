@@ -1,11 +1,12 @@
 """The quickstart at its default budget: every stage runs, SFT clearly beats pre-training, and
-online GRPO raises the reward of its rollouts and reports.
+online GRPO clearly raises held-out accuracy above SFT.
 
-Not asserted (yet): that GRPO raises held-out accuracy. Measured at the default budget (seed 0):
-pre-trained 0%, SFT 55%, GRPO 35% on 40 held-out 1-digit sums, while the rollout reward on the
-training prompts rose 0.80 -> 0.88: the pre-trained model has memorised the 60 training sums, so
-RL sharpens them at the expense of the held-out ones. Every stage is seeded, so on one machine
-the outcome is fixed."""
+Measured at the default budget (seed 0, one thread, which the demo sets): on 40 held-out 1-digit
+sums, pre-trained 0%, after SFT 35%, after GRPO 52.5%; the rollout reward on the training prompts
+rose 0.42 -> 0.69. The assertions keep headroom: GRPO +10 points over SFT, reward +0.1. Every
+stage is seeded and runs on one thread, so on one machine the outcome is fixed. (With 200
+pre-training steps instead of 40 the model memorised the training sums and GRPO lowered held-out
+accuracy: 55% -> 35%; that is why pre-training is short.)"""
 
 from __future__ import annotations
 
@@ -25,8 +26,9 @@ def test_demo_sft_then_rl_improve_accuracy_and_reuse_stages(tmp_path, capsys):
     before, sft, after = evals["pretrained"]["accuracy"], evals["sft"]["accuracy"], rl["eval"]["accuracy"]
     assert sft >= before + 0.05, f"SFT accuracy {sft:.1%} is not clearly above pre-training {before:.1%}"
     assert sft <= 0.9, f"SFT accuracy {sft:.1%} leaves RL no headroom; shorten the SFT stage"
-    assert 0.0 <= after <= 1.0 and rl["steps"] == 150
-    assert rl["reward_last"] >= rl["reward_first"] + 0.04, f"rollout reward fell: {rl['reward_first']} -> {rl['reward_last']}"
+    assert rl["steps"] == 300
+    assert after >= sft + 0.10, f"GRPO held-out accuracy {after:.1%} is not clearly above SFT's {sft:.1%}"
+    assert rl["reward_last"] >= rl["reward_first"] + 0.1, f"rollout reward {rl['reward_first']} -> {rl['reward_last']}"
     assert rl["rollout_tokens_per_s"] > 0
     report = (out / "report.md").read_text()
     for acc in (before, sft, after):
