@@ -39,6 +39,7 @@ from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
+from astrai.infer.defaults import GENERATION_CONFIG_HELP, describe, generation_defaults
 from astrai.serve.async_engine import AsyncEngine, EngineDeadError, OutputStream, QueueFullError
 from astrai.serve.metrics import ServerMetrics
 from astrai.serve.protocol import (
@@ -84,6 +85,7 @@ class ServeConfig:
     max_waiting: int | None = None  # sequences admitted beyond max_num_seqs; None = 4 x max_num_seqs
     body_timeout: float = 30.0  # seconds the whole request body may take to arrive
     verify: bool = False  # recompute a checkpoint manifest's sha256 checksums before loading
+    generation_config: str = "auto"  # unset sampling fields: the model's defaults (auto), none, or a dir
 
     @property
     def model_name(self) -> str:
@@ -118,8 +120,12 @@ class ServerState:
         self._token_text: dict[int, str] = {}
         self.max_prompt_chars = 0  # more characters than this cannot fit in max_model_len tokens
         self.prep = ThreadPoolExecutor(PREP_THREADS, thread_name_prefix="astrai-prep")
+        # the model's sampling defaults, for the fields a request leaves unset (vLLM's behaviour)
+        self.generation_defaults = generation_defaults(config.model_dir, config.generation_config)
 
     def ready(self, engine: Any, tokenizer: Any) -> None:
+        if self.generation_defaults:
+            logger.info("%s", describe(self.generation_defaults))
         self.tokenizer = tokenizer
         self.max_model_len = int(engine.max_model_len)
         model_config = getattr(getattr(engine, "model", None), "config", None)
@@ -187,6 +193,7 @@ class ServerState:
             max_tokens=max_tokens, n=req.n, seed=req.seed, stop=req.stop_list() or None,
             stop_token_ids=req.stop_token_ids, ignore_eos=req.ignore_eos, min_tokens=req.min_tokens,
             logprobs=logprobs, prompt_logprobs=prompt_logprobs, logit_bias=req.logit_bias)
+        kwargs.update(self.generation_defaults)  # the model's own, where the request is silent
         for name in ("temperature", "top_p", "top_k", "min_p", "frequency_penalty", "presence_penalty",
                      "repetition_penalty"):
             if getattr(req, name) is not None:
@@ -534,6 +541,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--shutdown_timeout", type=float, default=30.0,
                    help="seconds in-flight requests may run after SIGTERM before they are aborted")
     p.add_argument("--log_level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    p.add_argument("--generation_config", default="auto", help=GENERATION_CONFIG_HELP)
     for name, default, help_ in _engine_fields():
         p.add_argument(f"--{name}", type=_parse_value, default=argparse.SUPPRESS,
                        help=f"engine setting (default: {default!r}){': ' + help_ if help_ else ''}")
@@ -541,7 +549,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 _SERVER_FLAGS = ("model", "host", "port", "api_key", "served_model_name", "max_request_bytes", "max_waiting",
-                 "body_timeout", "verify", "shutdown_timeout", "log_level")
+                 "body_timeout", "verify", "shutdown_timeout", "log_level", "generation_config")
 
 
 def _engine_fields() -> list[tuple[str, Any, str]]:
@@ -613,6 +621,7 @@ def _check_args(args: argparse.Namespace) -> str | None:
         if getattr(args, "device", None) is not None:
             check_device(args.device)
         check_model_dir(model_dir)  # sizes only: cheap; --verify hashes while the server is up
+        generation_defaults(str(model_dir), args.generation_config)
     except ValueError as exc:
         return str(exc)
     return None
@@ -643,7 +652,8 @@ def main(argv: list[str] | None = None) -> int:
     model_dir = Path(args.model)
     engine_kwargs = {k: v for k, v in vars(args).items() if k not in _SERVER_FLAGS}
     config = ServeConfig(str(model_dir), args.served_model_name, args.api_key, args.max_request_bytes,
-                         engine_kwargs, args.max_waiting, args.body_timeout, args.verify)
+                         engine_kwargs, args.max_waiting, args.body_timeout, args.verify,
+                         generation_config=args.generation_config)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     app = create_app(config)
     server_class = _graceful_server_class(app.state.serve)
