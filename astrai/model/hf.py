@@ -573,15 +573,23 @@ def save_model(
         hf_config["dtype"] = str(floats[0]).removeprefix("torch.")
     _write_shards(tensors, path, max_shard_bytes)
     (path / "config.json").write_text(json.dumps(hf_config, indent=2) + "\n")
-    generation = {k: v for k, v in ids.items() if v is not None}
-    eos = _end_of_turn_ids(config, tokenizer)
-    if len(eos) > 1:  # transformers' generate stops at any of them (a chat turn ends at <|im_end|>)
-        generation["eos_token_id"] = eos
-    generation.update(getattr(model, "generation_defaults", None) or {})
-    (path / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
+    write_generation_config(model, path, tokenizer)
     if tokenizer is not None:
         tokenizer.save(path)
     return path
+
+
+def write_generation_config(model: CausalLM, path: str | Path, tokenizer: Any | None = None) -> None:
+    """generation_config.json: bos/pad ids, an eos_token_id list naming every id the tokenizer stops
+    at (transformers' `generate` then ends a chat turn at <|im_end|> as astrai does), and the
+    sampling defaults in `model.generation_defaults`."""
+    ids = _special_ids(model.config, tokenizer)
+    generation = {k: v for k, v in ids.items() if v is not None}
+    eos = _end_of_turn_ids(model.config, tokenizer)
+    if len(eos) > 1:
+        generation["eos_token_id"] = eos
+    generation.update(getattr(model, "generation_defaults", None) or {})
+    (Path(path) / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
 
 
 def _special_ids(config: ModelConfig, tokenizer: Any | None) -> dict[str, Any]:
