@@ -66,6 +66,7 @@ def test_tour_parsing_reads_commands_and_figures() -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(2400)  # two training runs as a user runs them: minutes on 2 idle cores, more when shared
 def test_readme_tour_runs_and_its_figures_hold(tmp_path: Path) -> None:
     lines = [split_comment(line) for line in tour_lines((ROOT / "README.md").read_text())]
     run = [(cmd, comment) for cmd, comment in lines if not cmd.startswith(SKIPPED)]
