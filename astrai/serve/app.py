@@ -40,6 +40,7 @@ from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
+from astrai.infer.defaults import GENERATION_CONFIG_HELP, describe, generation_defaults
 from astrai.serve.anthropic import MessagesRenderer, MessagesRequest, anthropic_error_body
 from astrai.serve.async_engine import AsyncEngine, EngineDeadError, OutputStream, QueueFullError
 from astrai.serve.metrics import ServerMetrics
@@ -90,6 +91,7 @@ class ServeConfig:
     max_waiting: int | None = None  # sequences admitted beyond max_num_seqs; None = 4 x max_num_seqs
     body_timeout: float = 30.0  # seconds the whole request body may take to arrive
     verify: bool = False  # recompute a checkpoint manifest's sha256 checksums before loading
+    generation_config: str = "auto"  # unset sampling fields: the model's defaults (auto), none, or a dir
 
     @property
     def model_name(self) -> str:
@@ -127,8 +129,12 @@ class ServerState:
         self._guides: Any = None  # GuideCompiler, built on the first constrained request
         self._guides_lock = threading.Lock()
         self._ignored_logged: set[str] = set()
+        # the model's sampling defaults, for the fields a request leaves unset (vLLM's behaviour)
+        self.generation_defaults = generation_defaults(config.model_dir, config.generation_config)
 
     def ready(self, engine: Any, tokenizer: Any) -> None:
+        if self.generation_defaults:
+            logger.info("%s", describe(self.generation_defaults))
         self.tokenizer = tokenizer
         self.max_model_len = int(engine.max_model_len)
         model_config = getattr(getattr(engine, "model", None), "config", None)
@@ -230,6 +236,7 @@ class ServerState:
         kwargs: dict[str, Any] = dict(
             max_tokens=max_tokens, n=req.n, stop=req.stop_list() or None, logprobs=logprobs,
             prompt_logprobs=prompt_logprobs, guide=guide)
+        kwargs.update(self.generation_defaults)  # the model's own, where the request is silent
         for name in ("seed", "stop_token_ids", "ignore_eos", "min_tokens", "logit_bias", "temperature", "top_p",
                      "top_k", "min_p", "frequency_penalty", "presence_penalty", "repetition_penalty"):
             if getattr(req, name, None) is not None:  # the Messages API has only some of these
@@ -607,6 +614,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--shutdown_timeout", type=float, default=30.0,
                    help="seconds in-flight requests may run after SIGTERM before they are aborted")
     p.add_argument("--log_level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    p.add_argument("--generation_config", default="auto", help=GENERATION_CONFIG_HELP)
     for name, default, help_ in _engine_fields():
         p.add_argument(f"--{name}", type=_parse_value, default=argparse.SUPPRESS,
                        help=f"engine setting (default: {default!r}){': ' + help_ if help_ else ''}")
@@ -614,7 +622,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 _SERVER_FLAGS = ("model", "host", "port", "api_key", "served_model_name", "max_request_bytes", "max_waiting",
-                 "body_timeout", "verify", "shutdown_timeout", "log_level")
+                 "body_timeout", "verify", "shutdown_timeout", "log_level", "generation_config")
 
 
 def _engine_fields() -> list[tuple[str, Any, str]]:
@@ -686,6 +694,7 @@ def _check_args(args: argparse.Namespace) -> str | None:
         if getattr(args, "device", None) is not None:
             check_device(args.device)
         check_model_dir(model_dir)  # sizes only: cheap; --verify hashes while the server is up
+        generation_defaults(str(model_dir), args.generation_config)
     except ValueError as exc:
         return str(exc)
     return None
@@ -716,7 +725,8 @@ def main(argv: list[str] | None = None) -> int:
     model_dir = Path(args.model)
     engine_kwargs = {k: v for k, v in vars(args).items() if k not in _SERVER_FLAGS}
     config = ServeConfig(str(model_dir), args.served_model_name, args.api_key, args.max_request_bytes,
-                         engine_kwargs, args.max_waiting, args.body_timeout, args.verify)
+                         engine_kwargs, args.max_waiting, args.body_timeout, args.verify,
+                         generation_config=args.generation_config)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     app = create_app(config)
     server_class = _graceful_server_class(app.state.serve)

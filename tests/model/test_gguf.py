@@ -32,3 +32,11 @@ def test_cli_dispatches_convert(capsys):
     except SystemExit as e:
         assert e.code == 0
     assert "--gguf" in capsys.readouterr().out
+
+
+def test_generation_defaults_from_the_command_line(tmp_path, capsys):
+    assert gguf.parse_generation_defaults(["temperature=0.2", "top_p=0.9", "do_sample=true"]) == \
+        {"temperature": 0.2, "top_p": 0.9, "do_sample": True}
+    assert gguf.main(["--gguf", str(tmp_path / "m.gguf"), "--out", str(tmp_path / "o"),
+                      "--generation", "temprature=0.2"]) == 1
+    assert "expected KEY=VALUE with KEY one of do_sample, temperature" in capsys.readouterr().err

@@ -50,3 +50,14 @@ def test_converted_tokenizer_matches_transformers_chat_ids():
     tok = load_tokenizer(MODEL_DIR)
     assert tok.apply_chat_template(messages, add_generation_prompt=True) == list(expected)
     assert tok.eos_token_id == 2 and tok.decode([2], skip_special_tokens=False) == "<|im_end|>"
+
+
+def test_operations_md_example_answers_with_the_model_card_sampling(capsys):
+    """docs/operations.md's example, as written: the converted model's generation_config.json
+    carries the recommended temperature/top_p, which `astrai generate` applies."""
+    from astrai.infer.generate import main
+
+    assert main(["--model", str(MODEL_DIR), "--chat", "--prompt", "What is the capital of France?",
+                 "--max_tokens", "32", "--seed", "0"]) == 0
+    captured = capsys.readouterr()
+    assert "temperature=0.2" in captured.err and "Paris" in captured.out

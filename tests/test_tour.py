@@ -1,0 +1,103 @@
+"""README.md's tour, run as written, and the figures it states checked against what the run gives.
+
+The tour is the first ```bash block under "## A short tour". Every line runs in one bash
+script in a fresh folder holding a copy of configs/ (so shell variables carry from line to
+line), with this interpreter's bin folder first on PATH; `make setup` and `source` (the test
+already runs inside the environment they make) and `astrai serve` (it never returns; the server
+has its own tests) are skipped. A line's comment states what to expect, and the test holds it:
+  `N steps`        the run's newest checkpoint is step N
+  `accuracy A%`    `astrai eval` printed an accuracy within 10 points of A%
+  `-> TEXT`        the command printed TEXT
+and the accuracy after SFT must clearly beat the accuracy before it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+SKIPPED = ("make setup", "source ", "astrai serve")
+MARK = "@@@tour-line "
+
+
+def tour_lines(readme: str) -> list[str]:
+    """The command lines of the tour block (continuation-free, comments kept)."""
+    section = readme.split("## A short tour", 1)[1]
+    block = section.split("```bash\n", 1)[1].split("```", 1)[0]
+    return [line for line in block.splitlines() if line.strip() and not line.lstrip().startswith("#")]
+
+
+def split_comment(line: str) -> tuple[str, str]:
+    """(command, comment): the comment is what follows the first ' #' outside quotes."""
+    quote = None
+    for i, ch in enumerate(line):
+        if ch in "'\"" and quote in (None, ch):
+            quote = None if quote else ch
+        elif ch == "#" and quote is None and i > 0 and line[i - 1] == " ":
+            return line[:i].rstrip(), line[i + 1:].strip()
+    return line.rstrip(), ""
+
+
+def expectations(comment: str) -> dict[str, object]:
+    out: dict[str, object] = {}
+    if m := re.search(r"\b(\d+) steps\b", comment):
+        out["steps"] = int(m.group(1))
+    if m := re.search(r"accuracy (?:about )?(\d+)%", comment):
+        out["accuracy"] = int(m.group(1)) / 100
+    if m := re.search(r"-> ([^\s;,]+)", comment):
+        out["prints"] = m.group(1)
+    return out
+
+
+def test_tour_parsing_reads_commands_and_figures() -> None:
+    readme = "## A short tour\n\n```bash\n# intro\nmake setup\nastrai eval --m 'a # b'  # accuracy about 7%\n```\n"
+    lines = tour_lines(readme)
+    assert lines == ["make setup", "astrai eval --m 'a # b'  # accuracy about 7%"]
+    assert split_comment(lines[1]) == ("astrai eval --m 'a # b'", "accuracy about 7%")
+    assert expectations("300 steps, then -> 19; accuracy 85%") == {"steps": 300, "accuracy": 0.85, "prints": "19"}
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(2400)  # two training runs as a user runs them: minutes on 2 idle cores, more when shared
+def test_readme_tour_runs_and_its_figures_hold(tmp_path: Path) -> None:
+    lines = [split_comment(line) for line in tour_lines((ROOT / "README.md").read_text())]
+    run = [(cmd, comment) for cmd, comment in lines if not cmd.startswith(SKIPPED)]
+    assert any(cmd.startswith("make setup") for cmd, _ in lines), "the tour must start from `make setup`"
+    shutil.copytree(ROOT / "configs", tmp_path / "configs")
+    script = "set -euo pipefail\n" + "".join(f"echo '{MARK}{i}'\n{cmd}\n" for i, (cmd, _) in enumerate(run))
+    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}",
+           "HF_HUB_OFFLINE": "1"}
+    done = subprocess.run(["bash", "-c", script], cwd=tmp_path, env=env, capture_output=True, text=True)
+    assert done.returncode == 0, f"the tour failed:\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
+    outputs = re.split(rf"^{MARK}(\d+)\n", done.stdout, flags=re.M)[1:]
+    printed = {int(i): text for i, text in zip(outputs[::2], outputs[1::2])}
+    accuracies = []
+    for i, (cmd, comment) in enumerate(run):
+        want = expectations(comment)
+        if "steps" in want:
+            ckpt_dir = re.search(r"--config (\S+)", cmd) and _ckpt_dir(tmp_path / re.search(r"--config (\S+)", cmd)[1])
+            latest = sorted(p.name for p in (tmp_path / ckpt_dir).glob("step_*"))[-1]
+            assert latest == f"step_{want['steps']:08d}", f"{cmd!r}: expected {want['steps']} steps, got {latest}"
+        if "accuracy" in want:
+            got = json.loads(printed[i])["accuracy"]
+            accuracies.append(got)
+            assert abs(got - want["accuracy"]) <= 0.10, f"{cmd!r}: README says {want['accuracy']:.0%}, got {got:.1%}"
+        if "prints" in want:
+            assert printed[i].strip() == want["prints"], f"{cmd!r}: printed {printed[i]!r}"
+    assert len(accuracies) >= 2 and accuracies[-1] >= accuracies[0] + 0.3, f"no clear gain: {accuracies}"
+    named = re.findall(r"(out/[\w/]*step_\d+)", (ROOT / "README.md").read_text())
+    assert named and all((tmp_path / path).is_dir() for path in named), f"README names {named}"
+
+
+def _ckpt_dir(config: Path) -> str:
+    import yaml
+
+    return yaml.safe_load(config.read_text())["ckpt"]["ckpt_dir"]
