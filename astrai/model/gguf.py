@@ -1,8 +1,8 @@
 """`astrai convert --gguf FILE --out DIR`: a GGUF checkpoint -> an astrai (Hugging Face) model directory.
 
 The weights are dequantised through transformers + gguf (both optional; a clear error names
-what to install), mapped onto `ModelConfig` / `CausalLM` by hf.py's `config_from_hf` and
-`build_model`, and written back with `save_model`, next to the tokenizer files (the chat
+what to install), mapped onto `ModelConfig` / `CausalLM` by hf_config.py's `config_from_hf` and
+hf.py's `build_model`, and written back with `save_model`, next to the tokenizer files (the chat
 template kept in tokenizer_config.json). It sits beside hf.py, at the border of the model layer,
 and is used by `make real-model`.
 """
@@ -20,11 +20,11 @@ from astrai.model.config import ModelConfig
 from astrai.model.hf import (
     GENERATION_SAMPLING_KEYS,
     build_model,
-    config_from_hf,
     resolve_dtype,
     save_model,
     write_generation_config,
 )
+from astrai.model.hf_config import config_from_hf
 
 
 def convert_gguf(gguf_file: str | Path, out: str | Path, dtype: str = "float32",

@@ -10,14 +10,9 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from astrai.model.config import ModelConfig
-from astrai.model.hf import (
-    HFFormatError,
-    fuse_experts,
-    load_model,
-    pick_model_type,
-    save_model,
-    split_experts,
-)
+from astrai.model.hf import HFFormatError, load_model, save_model
+from astrai.model.hf_config import pick_model_type
+from astrai.model.hf_weights import fuse_experts, split_experts
 from astrai.model.transformer import CausalLM
 
 TINY = dict(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
