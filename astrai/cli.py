@@ -14,7 +14,7 @@ from astrai.model.config import did_you_mean
 
 COMMANDS = {
     "train": ("astrai.train.cli", "train a model from a YAML config and --flag overrides"),
-    "serve": ("astrai.serve.app", "OpenAI-compatible HTTP server"),
+    "serve": ("astrai.serve.cli", "OpenAI-compatible HTTP server"),
     "generate": ("astrai.infer.generate", "generate text from a prompt or a JSONL file"),
     "chat": ("astrai.infer.chat", "talk to a model in the terminal (history, streaming, /reset)"),
     "preprocess": ("astrai.data.preprocess", "tokenise JSONL into memory-mapped shards"),

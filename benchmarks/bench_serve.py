@@ -96,7 +96,7 @@ class Server:
 
 def start_servers(model_dir: Path, with_peer: bool, max_model_len: int) -> list[Server]:
     port = free_port()
-    astrai_cmd = [sys.executable, "-c", "import sys; from astrai.serve.app import main; sys.exit(main(sys.argv[1:]))",
+    astrai_cmd = [sys.executable, "-c", "import sys; from astrai.serve.cli import main; sys.exit(main(sys.argv[1:]))",
                   "--model", str(model_dir), "--port", str(port), "--log_level", "warning",
                   "--max_model_len", str(max_model_len)]
     servers = [Server("astrai", astrai_cmd, port, model_dir.resolve().name)]

@@ -1,12 +1,12 @@
 """`astrai serve`: the OpenAI-compatible HTTP server (FastAPI on uvicorn).
 
 Data flow: HTTP body -> size limit -> JSON -> pydantic request (`protocol.py`) -> prompt token ids
-(chat template or plain text) -> `SamplingParams` -> `AsyncEngine.submit` (engine thread) ->
-`RequestUpdate`s -> OpenAI JSON or SSE chunks. Everything a client can get wrong is answered
-with OpenAI's error body before the request reaches the engine, so a bad request never touches
-the requests already running. The model loads in the background after the socket is bound:
-`/health` answers 503 until it is ready. SIGTERM stops accepting connections, lets in-flight
-requests finish for `--shutdown_timeout` seconds, aborts the rest and exits 0.
+(chat template or plain text; those steps are in `requests.py`) -> `SamplingParams` ->
+`AsyncEngine.submit` (engine thread) -> `RequestUpdate`s -> OpenAI JSON or SSE chunks. Everything
+a client can get wrong is answered with OpenAI's error body before the request reaches the
+engine, so a bad request never touches the requests already running. The model loads in the
+background after the socket is bound: `/health` answers 503 until it is ready. The command line
+(flags, uvicorn, graceful SIGTERM) is `cli.py`.
 
 No one request may stall the others: the body must arrive within `--body_timeout` (408);
 JSON parsing, template rendering and tokenisation run on a small thread pool, after a
@@ -16,16 +16,10 @@ bounded by max_num_seqs plus `--max_waiting` (429 with Retry-After beyond it).
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import contextlib
 import hmac
-import json
 import logging
-import os
-import re
-import signal
-import sys
 import threading
 import time
 from collections.abc import AsyncIterator, Callable
@@ -36,49 +30,31 @@ from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
-from starlette.requests import ClientDisconnect
 
-from astrai.infer.defaults import GENERATION_CONFIG_HELP, describe, generation_defaults
-from astrai.serve.anthropic import MessagesRenderer, MessagesRequest, anthropic_error_body
+from astrai.infer.defaults import describe, generation_defaults
+from astrai.serve.anthropic import MessagesRenderer, MessagesRequest
 from astrai.serve.async_engine import AsyncEngine, EngineDeadError, OutputStream, QueueFullError
 from astrai.serve.metrics import ServerMetrics
-from astrai.serve.protocol import (
-    ChatCompletionRequest,
-    CompletionRequest,
-    error_body,
-    ignored_fields,
-)
+from astrai.serve.protocol import ChatCompletionRequest, CompletionRequest, ignored_fields
 from astrai.serve.render import ChatRenderer, CompletionRenderer, Renderer
+from astrai.serve.requests import (
+    APIError,
+    ClientGone,
+    encode_prompts,
+    param_named_in,
+    parse_request,
+    read_body,
+    render_chat,
+    render_messages,
+)
 
 logger = logging.getLogger("astrai.serve")
 ROUTES = ("/v1/chat/completions", "/v1/completions", "/v1/messages", "/v1/models", "/health", "/metrics")
 ANTHROPIC_ROUTES = ("/v1/messages",)  # errors there use Anthropic's body
-MAX_JSON_DEPTH = 64  # deeper bodies are refused (422) before pydantic or a template recurses into them
 RETRY_AFTER_S = 1  # what a 429 tells the client to wait
 MAX_IGNORED_LOGGED = 256  # distinct ignored field names logged; a client inventing names cannot flood the log
 PREP_THREADS = 4  # JSON parsing, chat templates and tokenisation run here, never on the event loop
-
-
-class APIError(Exception):
-    """An error answered with OpenAI's body `{"error": {"message", "type", "param", "code"}}`."""
-
-    def __init__(self, status: int, message: str, param: str | None = None,
-                 type_: str = "invalid_request_error", code: str | None = None,
-                 headers: dict[str, str] | None = None):
-        super().__init__(message)
-        self.status, self.message, self.param, self.type, self.code = status, message, param, type_, code
-        self.headers = headers
-
-    def response(self, anthropic: bool = False) -> JSONResponse:
-        body = (anthropic_error_body(self.status, self.message) if anthropic
-                else error_body(self.message, self.type, self.param, self.code))
-        return JSONResponse(body, status_code=self.status, headers=self.headers)
-
-
-class ClientGone(Exception):
-    """The client disconnected before its request body arrived; nobody is left to answer."""
 
 
 @dataclass
@@ -245,7 +221,7 @@ class ServerState:
             params = SamplingParams(**kwargs)
             params.check_vocab(self.vocab_size)
         except ValueError as exc:
-            raise APIError(400, str(exc), param=_param_named_in(str(exc))) from None
+            raise APIError(400, str(exc), param=param_named_in(str(exc))) from None
         return params
 
 
@@ -258,99 +234,12 @@ def _max_token_chars(tokenizer: Any) -> int:
         return 256
 
 
-def _param_named_in(message: str) -> str | None:
-    match = re.search(r"SamplingParams\.(\w+)", message)
-    return match.group(1) if match else None
-
-
-async def read_body(request: Request, limit: int, timeout: float) -> bytes:
-    """The body, within `timeout` seconds in all (408) and `limit` bytes (413), whatever the
-    Content-Length header claims."""
-    declared = request.headers.get("content-length", "")
-    too_large = declared.isdigit() and int(declared) > limit
-    body = bytearray()
-    try:
-        async with asyncio.timeout(timeout):
-            async for chunk in request.stream():
-                if not too_large:
-                    body += chunk
-                    too_large = len(body) > limit
-                # past the limit the rest is read and dropped, so the client gets our 413, not a reset
-    except TimeoutError:
-        raise APIError(408, f"the request body did not arrive within {timeout:g} seconds "
-                            f"({len(body)} bytes received); send it faster or raise --body_timeout",
-                       code="request_timeout") from None
-    except ClientDisconnect:
-        raise ClientGone(f"client disconnected after sending {len(body)} of "
-                         f"{declared or 'an unknown number of'} body bytes") from None
-    if too_large:
-        raise APIError(413, f"request body is larger than the limit of {limit} bytes; send a smaller "
-                            "request or raise --max_request_bytes", code="request_too_large")
-    return bytes(body)
-
-
-def parse_request(body: bytes, model: type) -> Any:
-    """JSON -> pydantic (on the prep pool): 422 for malformed or too deeply nested JSON, 400 for bad values."""
-    try:
-        data = json.loads(body)
-    except RecursionError:
-        data = None
-        depth = MAX_JSON_DEPTH + 1
-    except (ValueError, UnicodeDecodeError) as exc:
-        raise APIError(422, f"request body is not valid JSON: {exc}", code="invalid_json") from None
-    else:
-        depth = _json_depth(data)
-    if depth > MAX_JSON_DEPTH:
-        raise APIError(422, f"request body nests JSON deeper than {MAX_JSON_DEPTH} levels; flatten it",
-                       code="invalid_json")
-    try:
-        return model.model_validate(data)
-    except ValidationError as exc:
-        first = exc.errors()[0]
-        param = _loc_to_param(first.get("loc", ()))
-        where = f"'{param}': " if param else ""
-        raise APIError(400, f"invalid value for {where}{first['msg']} (got {_short(first.get('input'))})",
-                       param=param) from None
-
-
-def _json_depth(data: Any) -> int:
-    """Nesting depth of parsed JSON, walked without recursion; stops once past MAX_JSON_DEPTH."""
-    deepest, todo = 0, [(data, 1)]
-    while todo:
-        node, depth = todo.pop()
-        if isinstance(node, dict | list):
-            deepest = max(deepest, depth)
-            if depth > MAX_JSON_DEPTH:
-                break
-            children = node.values() if isinstance(node, dict) else node
-            todo.extend((child, depth + 1) for child in children if isinstance(child, dict | list))
-    return deepest
-
-
 async def read_request(request: Request, model: type, state: ServerState) -> Any:
     """Body (on the loop, bounded in time and size) -> JSON -> pydantic (on the prep pool)."""
     body = await read_body(request, state.config.max_request_bytes, state.config.body_timeout)
     req = await state.off_loop(parse_request, body, model)
     state.note_ignored(request.url.path, ignored_fields(req))
     return req
-
-
-_TYPE_TAGS = re.compile(r"^(str|int|float|bool|list\[.*\]|dict\[.*\]|function-after\[.*\])$")
-
-
-def _loc_to_param(loc: tuple) -> str | None:
-    parts = ""
-    for item in loc:
-        if isinstance(item, int):
-            parts += f"[{item}]"
-        elif not _TYPE_TAGS.match(str(item)):  # union branch tags are not parameter names
-            parts += ("." if parts else "") + str(item)
-    return parts or None
-
-
-def _short(value: Any) -> str:
-    text = json.dumps(value, default=str) if not isinstance(value, str) else repr(value)
-    return text if len(text) <= 80 else text[:77] + "..."
 
 
 # ------------------------------------------------------------------------------- responses
@@ -485,7 +374,7 @@ def create_app(config: ServeConfig, loader: Callable[[ServeConfig], tuple[Any, A
         state.check_model(req.model)
         num_chars = sum(len(m.to_template()["content"] or "") for m in req.messages)
         state.check_chars(num_chars + sum(len(t.model_dump_json()) for t in req.tools or []), "messages")
-        prompt_ids = await state.off_loop(_render_chat, state.tokenizer, req)
+        prompt_ids = await state.off_loop(render_chat, state.tokenizer, req)
         max_tokens = req.requested_max_tokens()
         state.check_length(len(prompt_ids), max_tokens, "messages")
         guide = await state.off_loop(state.chat_guide, req)
@@ -505,7 +394,7 @@ def create_app(config: ServeConfig, loader: Callable[[ServeConfig], tuple[Any, A
         for prompt in given:
             if isinstance(prompt, str):
                 state.check_chars(len(prompt), "prompt")
-        encoded = await state.off_loop(_encode_prompts, state.tokenizer, given)
+        encoded = await state.off_loop(encode_prompts, state.tokenizer, given)
         prompts = []
         for i, ids in enumerate(encoded):
             bad = [t for t in ids if not 0 <= t < state.vocab_size]
@@ -529,7 +418,7 @@ def create_app(config: ServeConfig, loader: Callable[[ServeConfig], tuple[Any, A
         state.check_model(req.model)
         conversation = req.to_template()
         state.check_chars(sum(len(m["content"]) for m in conversation), "messages")
-        prompt_ids = await state.off_loop(_render_messages, state.tokenizer, conversation)
+        prompt_ids = await state.off_loop(render_messages, state.tokenizer, conversation)
         state.check_length(len(prompt_ids), req.max_tokens, "messages")
         params = state.sampling_params(req, req.max_tokens, None)
         renderer = MessagesRenderer(state, req, [prompt_ids])
@@ -537,28 +426,6 @@ def create_app(config: ServeConfig, loader: Callable[[ServeConfig], tuple[Any, A
         return await _respond(state, request, renderer, stream, req.stream)
 
     return app
-
-
-def _render_messages(tokenizer: Any, conversation: list[dict[str, Any]]) -> list[int]:
-    try:
-        return tokenizer.apply_chat_template(conversation, add_generation_prompt=True, tokenize=True)
-    except Exception as exc:  # noqa: BLE001 - template errors (e.g. role order) are the client's
-        raise APIError(400, f"the chat template cannot render these messages: {exc}", param="messages") from None
-
-
-def _render_chat(tokenizer: Any, req: ChatCompletionRequest) -> list[int]:
-    """Chat template + tokenisation (on the prep pool); the tools go to the template's `tools`."""
-    tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
-    try:
-        return tokenizer.apply_chat_template([m.to_template() for m in req.messages], add_generation_prompt=True,
-                                             tokenize=True, tools=tools)
-    except Exception as exc:  # noqa: BLE001 - template errors (e.g. role order) are the client's
-        raise APIError(400, f"the chat template cannot render these messages: {exc}", param="messages") from None
-
-
-def _encode_prompts(tokenizer: Any, prompts: list[str | list[int]]) -> list[list[int]]:
-    """Text prompts -> token ids (on the prep pool); token-id prompts pass through."""
-    return [tokenizer.encode(p, add_special_tokens=True) if isinstance(p, str) else p for p in prompts]
 
 
 async def _submit(engine: AsyncEngine, renderer: Renderer, params: Any, want_logprobs: bool) -> OutputStream:
@@ -570,7 +437,7 @@ async def _submit(engine: AsyncEngine, renderer: Renderer, params: Any, want_log
         raise APIError(429, f"{exc} (--max_waiting)", type_="rate_limit_exceeded", code="queue_full",
                        headers={"Retry-After": str(RETRY_AFTER_S)}) from None
     except ValueError as exc:  # the engine's own check of an impossible request
-        raise APIError(400, str(exc), param=_param_named_in(str(exc))) from None
+        raise APIError(400, str(exc), param=param_named_in(str(exc))) from None
     except EngineDeadError as exc:
         raise APIError(503, str(exc), type_="service_unavailable") from None
 
@@ -592,149 +459,3 @@ class _CountResponses:
             await send(message)
 
         await self.app(scope, receive, counting_send)
-
-
-# ------------------------------------------------------------------------------- command line
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="astrai serve", description="OpenAI-compatible HTTP server.")
-    p.add_argument("--model", required=True, help="model directory (config.json, model.safetensors, tokenizer)")
-    p.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
-    p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--api_key", default=os.environ.get("ASTRAI_API_KEY"),
-                   help="require 'Authorization: Bearer KEY' on /v1 routes (default: $ASTRAI_API_KEY)")
-    p.add_argument("--served_model_name", default=None, help="model id clients send (default: directory name)")
-    p.add_argument("--max_request_bytes", type=int, default=8 * 2**20, help="larger bodies get 413")
-    p.add_argument("--max_waiting", type=int, default=None,
-                   help="sequences admitted beyond max_num_seqs before new requests get 429 "
-                        "(default: 4 x max_num_seqs)")
-    p.add_argument("--body_timeout", type=float, default=30.0,
-                   help="seconds a request body may take to arrive; slower bodies get 408")
-    p.add_argument("--verify", action="store_true",
-                   help="recompute the sha256 checksums of a checkpoint's manifest.json before loading")
-    p.add_argument("--shutdown_timeout", type=float, default=30.0,
-                   help="seconds in-flight requests may run after SIGTERM before they are aborted")
-    p.add_argument("--log_level", default="info", choices=["critical", "error", "warning", "info", "debug"])
-    p.add_argument("--generation_config", default="auto", help=GENERATION_CONFIG_HELP)
-    for name, default, help_ in _engine_fields():
-        p.add_argument(f"--{name}", type=_parse_value, default=argparse.SUPPRESS,
-                       help=f"engine setting (default: {default!r}){': ' + help_ if help_ else ''}")
-    return p
-
-
-_SERVER_FLAGS = ("model", "host", "port", "api_key", "served_model_name", "max_request_bytes", "max_waiting",
-                 "body_timeout", "verify", "shutdown_timeout", "log_level", "generation_config")
-
-
-def _engine_fields() -> list[tuple[str, Any, str]]:
-    """EngineConfig's fields become flags, so the server never lags behind the engine's knobs."""
-    import dataclasses
-
-    from astrai.infer.engine import EngineConfig
-
-    taken = set(_SERVER_FLAGS)
-    out = []
-    for f in dataclasses.fields(EngineConfig):
-        default = f.default if f.default is not dataclasses.MISSING else None
-        if f.name not in taken and (default is None or isinstance(default, bool | int | float | str)):
-            out.append((f.name, default, str(f.metadata.get("help", ""))))
-    return out
-
-
-def _parse_value(text: str) -> Any:
-    lowered = text.lower()
-    if lowered in ("true", "false"):
-        return lowered == "true"
-    if lowered in ("none", "null"):
-        return None
-    for cast in (int, float):
-        try:
-            return cast(text)
-        except ValueError:
-            pass
-    return text
-
-
-def _graceful_server_class(state: ServerState) -> type:
-    import uvicorn
-
-    class GracefulServer(uvicorn.Server):
-        """uvicorn stops accepting and waits `timeout_graceful_shutdown` for open connections, then
-        cancels them mid-stream. Aborting the engine requests just before that deadline ends each
-        stream properly instead: a last chunk with finish_reason "abort", then [DONE]."""
-
-        async def shutdown(self, sockets: Any = None) -> None:
-            delay = max(0.0, (self.config.timeout_graceful_shutdown or 0.0) - 0.5)
-            timer = asyncio.get_running_loop().call_later(
-                delay, lambda: state.engine.abort_all() if state.engine is not None else None)
-            try:
-                await super().shutdown(sockets)
-            finally:
-                timer.cancel()
-
-    return GracefulServer
-
-
-def _check_args(args: argparse.Namespace) -> str | None:
-    """What makes this command line unusable, as one line for stderr; None when it is fine."""
-    from astrai.model.hf import check_device
-    from astrai.model.manifest import check_model_dir
-
-    if args.api_key is not None and not args.api_key.strip():
-        return ("the API key is empty (--api_key or $ASTRAI_API_KEY set to ''); give a key, or unset "
-                "ASTRAI_API_KEY to serve without authentication")
-    model_dir = Path(args.model)
-    if not (model_dir / "config.json").is_file():
-        return (f"--model '{args.model}' is not a model directory (no config.json); point it at a "
-                "directory written by astrai.save_model or a training checkpoint")
-    for name, minimum in (("max_waiting", 0), ("body_timeout", 1e-9)):
-        value = getattr(args, name)
-        if value is not None and not value >= minimum:
-            return f"--{name} must be {'>= 0' if minimum == 0 else '> 0'}, got {value}"
-    try:
-        if getattr(args, "device", None) is not None:
-            check_device(args.device)
-        check_model_dir(model_dir)  # sizes only: cheap; --verify hashes while the server is up
-        generation_defaults(str(model_dir), args.generation_config)
-    except ValueError as exc:
-        return str(exc)
-    return None
-
-
-def _is_loopback(host: str) -> bool:
-    import ipaddress
-
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
-
-
-def main(argv: list[str] | None = None) -> int:
-    import uvicorn
-
-    args = build_parser().parse_args(argv)
-    problem = _check_args(args)
-    if problem is not None:
-        print(f"astrai serve: error: {problem}", file=sys.stderr)
-        return 2
-    if not args.api_key and not _is_loopback(args.host):
-        print(f"astrai serve: warning: binding to {args.host} without an API key: anyone who can reach this "
-              "port can use the model; set --api_key or $ASTRAI_API_KEY", file=sys.stderr)
-    model_dir = Path(args.model)
-    engine_kwargs = {k: v for k, v in vars(args).items() if k not in _SERVER_FLAGS}
-    config = ServeConfig(str(model_dir), args.served_model_name, args.api_key, args.max_request_bytes,
-                         engine_kwargs, args.max_waiting, args.body_timeout, args.verify,
-                         generation_config=args.generation_config)
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    app = create_app(config)
-    server_class = _graceful_server_class(app.state.serve)
-    server = server_class(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
-                                         timeout_graceful_shutdown=args.shutdown_timeout, access_log=False))
-    # uvicorn re-raises the signal it caught once it has shut down; a no-op handler installed
-    # here is what it restores and re-raises into, so a SIGTERM ends with exit status 0.
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: None)
-    server.run()
-    return 0 if server.started else 1

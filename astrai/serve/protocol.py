@@ -1,6 +1,6 @@
 """OpenAI request schemas (pydantic) and response builders for the HTTP server.
 
-The server (`serve/app.py`) validates every JSON body against the request models here, turns a
+The server (`serve/app.py`, through `serve/requests.py`) validates every JSON body against the request models here, turns a
 valid request into `SamplingParams` for the engine, and renders engine outputs back into
 OpenAI's response shapes with the builders at the bottom. Unknown fields are accepted, as
 OpenAI does, but named by `ignored_fields` so the app counts and logs them; a field of the wrong type or out of range is a `ValidationError` that the app

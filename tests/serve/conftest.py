@@ -62,7 +62,7 @@ class ServerProcess:
                 "--log_level", "warning", *extra]
         if api_key:
             args += ["--api_key", api_key]
-        code = f"import sys; from astrai.serve.app import main; sys.exit(main({args!r}))"
+        code = f"import sys; from astrai.serve.cli import main; sys.exit(main({args!r}))"
         env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
         env.pop("ASTRAI_API_KEY", None)
         self.proc = subprocess.Popen([sys.executable, "-c", code], env=env, stdout=subprocess.PIPE,

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from astrai.serve.app import ServeConfig, build_parser, main
+from astrai.serve.app import ServeConfig
+from astrai.serve.cli import build_parser, main
 
 
 def test_defaults_bind_loopback_and_read_the_key_from_env(monkeypatch):

@@ -45,7 +45,7 @@ def test_serve_applies_the_model_defaults_unless_the_request_sets_them(model_dir
 
 
 def test_serve_rejects_a_bad_generation_config_before_starting(model_dir, capsys):
-    from astrai.serve.app import main
+    from astrai.serve.cli import main
 
     assert main(["--model", str(model_dir), "--generation_config", "nowhere"]) == 2
     assert "--generation_config 'nowhere'" in capsys.readouterr().err

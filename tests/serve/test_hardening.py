@@ -18,7 +18,7 @@ from typing import Any
 import httpx
 import pytest
 
-from astrai.serve import app as serve_app
+from astrai.serve import cli as serve_app
 from astrai.serve.app import ServeConfig, create_app, load_engine
 from astrai.serve.protocol import MAX_STOP_CHARS, MAX_STOP_STRINGS
 from astrai.serve.render import sse

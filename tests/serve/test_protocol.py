@@ -5,7 +5,6 @@ from __future__ import annotations
 import pytest
 from pydantic import ValidationError
 
-from astrai.serve.app import _loc_to_param
 from astrai.serve.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -13,6 +12,7 @@ from astrai.serve.protocol import (
     completion_logprobs,
     logprob_value,
 )
+from astrai.serve.requests import _loc_to_param
 
 CHAT = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
 

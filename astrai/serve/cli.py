@@ -1,0 +1,168 @@
+"""`astrai serve`: the command line of the HTTP server (flags, checks, uvicorn, signals).
+
+`main(argv)` is what `astrai serve` runs (astrai/cli.py's command table points here): it parses
+the server's flags plus one flag per `EngineConfig` field, refuses an unusable command line with
+one line on stderr (exit 2) before anything loads, builds the app of `app.py` and runs it on
+uvicorn. SIGTERM stops accepting connections, lets in-flight requests finish for
+`--shutdown_timeout` seconds, aborts the rest (each stream ends with finish_reason "abort") and
+exits 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import signal
+import sys
+from pathlib import Path
+from typing import Any
+
+from astrai.infer.defaults import GENERATION_CONFIG_HELP, generation_defaults
+from astrai.serve.app import ServeConfig, ServerState, create_app
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="astrai serve", description="OpenAI-compatible HTTP server.")
+    p.add_argument("--model", required=True, help="model directory (config.json, model.safetensors, tokenizer)")
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--api_key", default=os.environ.get("ASTRAI_API_KEY"),
+                   help="require 'Authorization: Bearer KEY' on /v1 routes (default: $ASTRAI_API_KEY)")
+    p.add_argument("--served_model_name", default=None, help="model id clients send (default: directory name)")
+    p.add_argument("--max_request_bytes", type=int, default=8 * 2**20, help="larger bodies get 413")
+    p.add_argument("--max_waiting", type=int, default=None,
+                   help="sequences admitted beyond max_num_seqs before new requests get 429 "
+                        "(default: 4 x max_num_seqs)")
+    p.add_argument("--body_timeout", type=float, default=30.0,
+                   help="seconds a request body may take to arrive; slower bodies get 408")
+    p.add_argument("--verify", action="store_true",
+                   help="recompute the sha256 checksums of a checkpoint's manifest.json before loading")
+    p.add_argument("--shutdown_timeout", type=float, default=30.0,
+                   help="seconds in-flight requests may run after SIGTERM before they are aborted")
+    p.add_argument("--log_level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    p.add_argument("--generation_config", default="auto", help=GENERATION_CONFIG_HELP)
+    for name, default, help_ in _engine_fields():
+        p.add_argument(f"--{name}", type=_parse_value, default=argparse.SUPPRESS,
+                       help=f"engine setting (default: {default!r}){': ' + help_ if help_ else ''}")
+    return p
+
+
+_SERVER_FLAGS = ("model", "host", "port", "api_key", "served_model_name", "max_request_bytes", "max_waiting",
+                 "body_timeout", "verify", "shutdown_timeout", "log_level", "generation_config")
+
+
+def _engine_fields() -> list[tuple[str, Any, str]]:
+    """EngineConfig's fields become flags, so the server never lags behind the engine's knobs."""
+    import dataclasses
+
+    from astrai.infer.engine import EngineConfig
+
+    taken = set(_SERVER_FLAGS)
+    out = []
+    for f in dataclasses.fields(EngineConfig):
+        default = f.default if f.default is not dataclasses.MISSING else None
+        if f.name not in taken and (default is None or isinstance(default, bool | int | float | str)):
+            out.append((f.name, default, str(f.metadata.get("help", ""))))
+    return out
+
+
+def _parse_value(text: str) -> Any:
+    lowered = text.lower()
+    if lowered in ("true", "false"):
+        return lowered == "true"
+    if lowered in ("none", "null"):
+        return None
+    for cast in (int, float):
+        try:
+            return cast(text)
+        except ValueError:
+            pass
+    return text
+
+
+def _graceful_server_class(state: ServerState) -> type:
+    import uvicorn
+
+    class GracefulServer(uvicorn.Server):
+        """uvicorn stops accepting and waits `timeout_graceful_shutdown` for open connections, then
+        cancels them mid-stream. Aborting the engine requests just before that deadline ends each
+        stream properly instead: a last chunk with finish_reason "abort", then [DONE]."""
+
+        async def shutdown(self, sockets: Any = None) -> None:
+            delay = max(0.0, (self.config.timeout_graceful_shutdown or 0.0) - 0.5)
+            timer = asyncio.get_running_loop().call_later(
+                delay, lambda: state.engine.abort_all() if state.engine is not None else None)
+            try:
+                await super().shutdown(sockets)
+            finally:
+                timer.cancel()
+
+    return GracefulServer
+
+
+def _check_args(args: argparse.Namespace) -> str | None:
+    """What makes this command line unusable, as one line for stderr; None when it is fine."""
+    from astrai.model.hf import check_device
+    from astrai.model.manifest import check_model_dir
+
+    if args.api_key is not None and not args.api_key.strip():
+        return ("the API key is empty (--api_key or $ASTRAI_API_KEY set to ''); give a key, or unset "
+                "ASTRAI_API_KEY to serve without authentication")
+    model_dir = Path(args.model)
+    if not (model_dir / "config.json").is_file():
+        return (f"--model '{args.model}' is not a model directory (no config.json); point it at a "
+                "directory written by astrai.save_model or a training checkpoint")
+    for name, minimum in (("max_waiting", 0), ("body_timeout", 1e-9)):
+        value = getattr(args, name)
+        if value is not None and not value >= minimum:
+            return f"--{name} must be {'>= 0' if minimum == 0 else '> 0'}, got {value}"
+    try:
+        if getattr(args, "device", None) is not None:
+            check_device(args.device)
+        check_model_dir(model_dir)  # sizes only: cheap; --verify hashes while the server is up
+        generation_defaults(str(model_dir), args.generation_config)
+    except ValueError as exc:
+        return str(exc)
+    return None
+
+
+def _is_loopback(host: str) -> bool:
+    import ipaddress
+
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def main(argv: list[str] | None = None) -> int:
+    import uvicorn
+
+    args = build_parser().parse_args(argv)
+    problem = _check_args(args)
+    if problem is not None:
+        print(f"astrai serve: error: {problem}", file=sys.stderr)
+        return 2
+    if not args.api_key and not _is_loopback(args.host):
+        print(f"astrai serve: warning: binding to {args.host} without an API key: anyone who can reach this "
+              "port can use the model; set --api_key or $ASTRAI_API_KEY", file=sys.stderr)
+    model_dir = Path(args.model)
+    engine_kwargs = {k: v for k, v in vars(args).items() if k not in _SERVER_FLAGS}
+    config = ServeConfig(str(model_dir), args.served_model_name, args.api_key, args.max_request_bytes,
+                         engine_kwargs, args.max_waiting, args.body_timeout, args.verify,
+                         generation_config=args.generation_config)
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    app = create_app(config)
+    server_class = _graceful_server_class(app.state.serve)
+    server = server_class(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
+                                         timeout_graceful_shutdown=args.shutdown_timeout, access_log=False))
+    # uvicorn re-raises the signal it caught once it has shut down; a no-op handler installed
+    # here is what it restores and re-raises into, so a SIGTERM ends with exit status 0.
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: None)
+    server.run()
+    return 0 if server.started else 1

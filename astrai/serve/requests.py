@@ -1,0 +1,158 @@
+"""Reading a request, from HTTP body to prompt token ids, and the error a client gets when it fails.
+
+The first steps of a request in `app.py`'s routes: the body within `--body_timeout` seconds
+(408) and `--max_request_bytes` (413), JSON no deeper than MAX_JSON_DEPTH (422), the pydantic
+request of `protocol.py` / `anthropic.py` (400 naming the parameter), then the chat template or
+the tokenizer turning it into prompt token ids (a template error is the client's, 400). Every
+failure is an `APIError`, answered with OpenAI's error body (Anthropic's on /v1/messages) before
+the request reaches the engine. Parsing and rendering run on the server's prep pool, not here.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+from typing import Any
+
+from fastapi import Request
+from fastapi.responses import JSONResponse
+from pydantic import ValidationError
+from starlette.requests import ClientDisconnect
+
+from astrai.serve.anthropic import anthropic_error_body
+from astrai.serve.protocol import ChatCompletionRequest, error_body
+
+MAX_JSON_DEPTH = 64  # deeper bodies are refused (422) before pydantic or a template recurses into them
+
+
+class APIError(Exception):
+    """An error answered with OpenAI's body `{"error": {"message", "type", "param", "code"}}`."""
+
+    def __init__(self, status: int, message: str, param: str | None = None,
+                 type_: str = "invalid_request_error", code: str | None = None,
+                 headers: dict[str, str] | None = None):
+        super().__init__(message)
+        self.status, self.message, self.param, self.type, self.code = status, message, param, type_, code
+        self.headers = headers
+
+    def response(self, anthropic: bool = False) -> JSONResponse:
+        body = (anthropic_error_body(self.status, self.message) if anthropic
+                else error_body(self.message, self.type, self.param, self.code))
+        return JSONResponse(body, status_code=self.status, headers=self.headers)
+
+
+class ClientGone(Exception):
+    """The client disconnected before its request body arrived; nobody is left to answer."""
+
+
+def param_named_in(message: str) -> str | None:
+    """The SamplingParams field a ValueError message names (the error body's `param`), or None."""
+    match = re.search(r"SamplingParams\.(\w+)", message)
+    return match.group(1) if match else None
+
+
+async def read_body(request: Request, limit: int, timeout: float) -> bytes:
+    """The body, within `timeout` seconds in all (408) and `limit` bytes (413), whatever the
+    Content-Length header claims."""
+    declared = request.headers.get("content-length", "")
+    too_large = declared.isdigit() and int(declared) > limit
+    body = bytearray()
+    try:
+        async with asyncio.timeout(timeout):
+            async for chunk in request.stream():
+                if not too_large:
+                    body += chunk
+                    too_large = len(body) > limit
+                # past the limit the rest is read and dropped, so the client gets our 413, not a reset
+    except TimeoutError:
+        raise APIError(408, f"the request body did not arrive within {timeout:g} seconds "
+                            f"({len(body)} bytes received); send it faster or raise --body_timeout",
+                       code="request_timeout") from None
+    except ClientDisconnect:
+        raise ClientGone(f"client disconnected after sending {len(body)} of "
+                         f"{declared or 'an unknown number of'} body bytes") from None
+    if too_large:
+        raise APIError(413, f"request body is larger than the limit of {limit} bytes; send a smaller "
+                            "request or raise --max_request_bytes", code="request_too_large")
+    return bytes(body)
+
+
+def parse_request(body: bytes, model: type) -> Any:
+    """JSON -> pydantic (on the prep pool): 422 for malformed or too deeply nested JSON, 400 for bad values."""
+    try:
+        data = json.loads(body)
+    except RecursionError:
+        data = None
+        depth = MAX_JSON_DEPTH + 1
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise APIError(422, f"request body is not valid JSON: {exc}", code="invalid_json") from None
+    else:
+        depth = _json_depth(data)
+    if depth > MAX_JSON_DEPTH:
+        raise APIError(422, f"request body nests JSON deeper than {MAX_JSON_DEPTH} levels; flatten it",
+                       code="invalid_json")
+    try:
+        return model.model_validate(data)
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        param = _loc_to_param(first.get("loc", ()))
+        where = f"'{param}': " if param else ""
+        raise APIError(400, f"invalid value for {where}{first['msg']} (got {_short(first.get('input'))})",
+                       param=param) from None
+
+
+def _json_depth(data: Any) -> int:
+    """Nesting depth of parsed JSON, walked without recursion; stops once past MAX_JSON_DEPTH."""
+    deepest, todo = 0, [(data, 1)]
+    while todo:
+        node, depth = todo.pop()
+        if isinstance(node, dict | list):
+            deepest = max(deepest, depth)
+            if depth > MAX_JSON_DEPTH:
+                break
+            children = node.values() if isinstance(node, dict) else node
+            todo.extend((child, depth + 1) for child in children if isinstance(child, dict | list))
+    return deepest
+
+
+_TYPE_TAGS = re.compile(r"^(str|int|float|bool|list\[.*\]|dict\[.*\]|function-after\[.*\])$")
+
+
+def _loc_to_param(loc: tuple) -> str | None:
+    parts = ""
+    for item in loc:
+        if isinstance(item, int):
+            parts += f"[{item}]"
+        elif not _TYPE_TAGS.match(str(item)):  # union branch tags are not parameter names
+            parts += ("." if parts else "") + str(item)
+    return parts or None
+
+
+def _short(value: Any) -> str:
+    text = json.dumps(value, default=str) if not isinstance(value, str) else repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+# ------------------------------------------------------------------------------- prompt token ids
+def render_messages(tokenizer: Any, conversation: list[dict[str, Any]]) -> list[int]:
+    """An Anthropic conversation through the chat template + tokenisation (on the prep pool)."""
+    try:
+        return tokenizer.apply_chat_template(conversation, add_generation_prompt=True, tokenize=True)
+    except Exception as exc:  # noqa: BLE001 - template errors (e.g. role order) are the client's
+        raise APIError(400, f"the chat template cannot render these messages: {exc}", param="messages") from None
+
+
+def render_chat(tokenizer: Any, req: ChatCompletionRequest) -> list[int]:
+    """Chat template + tokenisation (on the prep pool); the tools go to the template's `tools`."""
+    tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
+    try:
+        return tokenizer.apply_chat_template([m.to_template() for m in req.messages], add_generation_prompt=True,
+                                             tokenize=True, tools=tools)
+    except Exception as exc:  # noqa: BLE001 - template errors (e.g. role order) are the client's
+        raise APIError(400, f"the chat template cannot render these messages: {exc}", param="messages") from None
+
+
+def encode_prompts(tokenizer: Any, prompts: list[str | list[int]]) -> list[list[int]]:
+    """Text prompts -> token ids (on the prep pool); token-id prompts pass through."""
+    return [tokenizer.encode(p, add_special_tokens=True) if isinstance(p, str) else p for p in prompts]
