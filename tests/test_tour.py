@@ -93,7 +93,7 @@ def test_readme_tour_runs_and_its_figures_hold(tmp_path: Path) -> None:
         if "prints" in want:
             assert printed[i].strip() == want["prints"], f"{cmd!r}: printed {printed[i]!r}"
     assert len(accuracies) >= 2 and accuracies[-1] >= accuracies[0] + 0.3, f"no clear gain: {accuracies}"
-    named = re.findall(r"(out/[\w/]*step_\d+)", (ROOT / "README.md").read_text())
+    named = re.findall(r"(out/[\w/.-]*step_\d+)", (ROOT / "README.md").read_text())
     assert named and all((tmp_path / path).is_dir() for path in named), f"README names {named}"
 
 
