@@ -20,6 +20,7 @@ from typing import Any, TextIO
 
 from astrai.infer.defaults import GENERATION_CONFIG_HELP, describe, generation_defaults, with_defaults
 from astrai.infer.engine import EngineConfig, LLMEngine
+from astrai.infer.generate import add_engine_arguments
 from astrai.infer.sampling import SamplingParams
 
 HELP = "/reset forgets the conversation, /exit leaves (or end of input), Ctrl-C stops a reply"
@@ -126,17 +127,8 @@ def build_parser() -> argparse.ArgumentParser:
     for name, kind in SAMPLING.items():
         sampling.add_argument(f"--{name}", type=kind, default=None)
     sampling.add_argument("--generation_config", default="auto", help=GENERATION_CONFIG_HELP)
-    engine = p.add_argument_group("engine")
-    for f in fields(EngineConfig):
-        kind = {"int": int, "float": float, "str": str, "bool": _bool}[str(f.type).split(" |")[0]]
-        engine.add_argument(f"--{f.name}", type=kind, default=f.default)
+    add_engine_arguments(p)
     return p
-
-
-def _bool(text: str) -> bool:
-    if text.lower() not in ("true", "false", "1", "0"):
-        raise argparse.ArgumentTypeError(f"expected true or false, got {text!r}")
-    return text.lower() in ("true", "1")
 
 
 def main(argv: list[str] | None = None, stdin: TextIO | None = None, stdout: TextIO | None = None) -> int:

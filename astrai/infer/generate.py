@@ -59,11 +59,16 @@ def build_parser() -> argparse.ArgumentParser:
     sampling.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
     sampling.add_argument("--stop_token_ids", type=int, nargs="+", default=None)
     sampling.add_argument("--ignore_eos", action="store_true")
-    engine = p.add_argument_group("engine")
+    add_engine_arguments(p)
+    return p
+
+
+def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
+    """Every EngineConfig field as a flag (shared by `astrai generate` and `astrai chat`)."""
+    engine = parser.add_argument_group("engine")
     for f in fields(EngineConfig):
         kind = {"int": int, "float": float, "str": str, "bool": _bool}[str(f.type).split(" |")[0]]
         engine.add_argument(f"--{f.name}", type=kind, default=f.default)
-    return p
 
 
 def _bool(text: str) -> bool:
