@@ -11,7 +11,6 @@ training state on top of it. Layout and manifest are fixed by DESIGN.md 3.2.
 from __future__ import annotations
 
 import fcntl
-import hashlib
 import json
 import os
 import re
@@ -25,15 +24,13 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+from astrai.model import manifest as manifest_io
 from astrai.train.signals import pause_point
 
-FORMAT = "astrai-checkpoint"
-VERSION = 1
-MANIFEST = "manifest.json"
+FORMAT, VERSION, MANIFEST = manifest_io.FORMAT, manifest_io.VERSION, manifest_io.MANIFEST
 STEP_DIR = re.compile(r"^step_(\d{8,})$")
 # hidden siblings: .step_00000010.staging-<pid>, .retired-<pid>, .deleting-<pid>
 HIDDEN_DIR = re.compile(r"^\.(step_\d{8,})\.(staging|retired|deleting)-\d+$")
-_CHUNK = 8 << 20
 
 
 class CheckpointError(RuntimeError):
@@ -58,11 +55,6 @@ def _fsync_dir(path: Path) -> None:
 def _fsync_file(path: Path) -> None:
     with open(path, "rb") as f:
         os.fsync(f.fileno())
-
-
-def _file_entry(path: Path) -> dict[str, Any]:
-    digest, size = _hash_file(path)
-    return {"size": size, "sha256": digest}
 
 
 def _file_names(root: Path) -> list[str]:
@@ -200,29 +192,12 @@ def _apply_retention(ckpt_dir: Path, keep_last: int, keep: Path) -> None:
 
 
 def read_manifest(path: str | os.PathLike) -> dict[str, Any]:
-    """The parsed and schema-checked manifest of a checkpoint directory; CheckpointError if none."""
-    path = Path(path)
-    mpath = path / MANIFEST
-    if not mpath.is_file():
-        raise CheckpointError(f"{path} has no {MANIFEST}; it is not a complete checkpoint")
+    """The parsed and schema-checked manifest of a checkpoint directory; CheckpointError if none.
+    (The format is read by `astrai.model.manifest`, which serving uses too.)"""
     try:
-        manifest = json.loads(mpath.read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise CheckpointError(f"{mpath} is not valid JSON ({e}); the checkpoint is corrupt") from e
-    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
-        raise CheckpointError(f"{mpath}: 'format' must be {FORMAT!r}, got {manifest.get('format')!r}")
-    if manifest.get("version") != VERSION:
-        raise CheckpointError(
-            f"{mpath}: manifest version {manifest.get('version')!r} is not supported (this astrai reads "
-            f"version {VERSION}); upgrade astrai"
-        )
-    files = manifest.get("files")
-    if not isinstance(manifest.get("step"), int) or not isinstance(files, dict):
-        raise CheckpointError(f"{mpath}: needs an integer 'step' and a 'files' mapping")
-    for fname, entry in files.items():
-        if not (isinstance(entry, dict) and isinstance(entry.get("size"), int) and isinstance(entry.get("sha256"), str)):
-            raise CheckpointError(f"{mpath}: entry for {fname!r} needs 'size' (int) and 'sha256' (hex)")
-    return manifest
+        return manifest_io.read_manifest(path)
+    except manifest_io.ManifestError as e:
+        raise CheckpointError(f"{e}; it is not a complete checkpoint") from None
 
 
 def verify_checkpoint(path: str | os.PathLike, checksums: bool = True) -> None:
@@ -235,34 +210,14 @@ def verify_checkpoint(path: str | os.PathLike, checksums: bool = True) -> None:
             f"{path / MANIFEST} records step {manifest['step']} but the directory is {path.name}; "
             "a checkpoint directory must not be renamed"
         )
-    for fname, entry in manifest["files"].items():
-        fpath = path / fname
-        if not fpath.is_file():
-            raise CheckpointError(f"{fpath} is listed in {MANIFEST} but missing; the checkpoint is incomplete")
-        size = fpath.stat().st_size
-        if size != entry["size"]:
-            raise CheckpointError(
-                f"{fpath} has {size} bytes, the manifest says {entry['size']}; the file is truncated or altered"
-            )
-        if checksums:
-            digest, _ = _hash_file(fpath)
-            if digest != entry["sha256"]:
-                raise CheckpointError(
-                    f"{fpath} fails its sha256 check (manifest {entry['sha256'][:12]}..., file {digest[:12]}...); "
-                    "the file is corrupt, resume from an older checkpoint"
-                )
+    try:
+        manifest_io.check_manifest_files(path, checksums=checksums)
+    except manifest_io.ManifestError as e:
+        raise CheckpointError(str(e)) from None
 
 
-def _hash_file(path: Path) -> tuple[str, int]:
-    """sha256 hex digest and size of the bytes read."""
-    digest, size = hashlib.sha256(), 0
-    buf = bytearray(_CHUNK)
-    view = memoryview(buf)
-    with open(path, "rb") as f:
-        while n := f.readinto(buf):
-            digest.update(view[:n])  # hashlib drops the GIL on large buffers
-            size += n
-    return digest.hexdigest(), size
+def _file_entry(path: Path) -> dict[str, Any]:
+    return {"size": path.stat().st_size, "sha256": manifest_io.sha256_file(path)}
 
 
 def is_complete(path: str | os.PathLike, checksums: bool = False) -> bool:
