@@ -210,6 +210,22 @@ def any_rank(flag: bool) -> bool:
     return bool(buf.item())
 
 
+def stop_agreed(ctx: Any) -> bool:
+    """Whether to stop, the same answer on every rank: true when any rank's `ctx` asked to stop
+    (the others then record "another rank stopped"). A collective when several ranks run."""
+    if not is_distributed():
+        return ctx.stop_requested
+    stop = any_rank(ctx.stop_requested)
+    if stop and not ctx.stop_requested:
+        ctx.request_stop("another rank stopped")
+    return stop
+
+
+def autocast(device: torch.device, bf16: bool) -> Any:
+    """bf16 autocast for forward passes when asked, else a no-op context."""
+    return torch.autocast(device.type, dtype=torch.bfloat16) if bf16 else contextlib.nullcontext()
+
+
 def max_over_ranks(value: int) -> int:
     """The largest of every rank's `value` (e.g. micro-batches, so every rank runs as many)."""
     if not is_distributed():

@@ -16,7 +16,6 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Iterator
-from contextlib import nullcontext
 from typing import Any
 
 import torch
@@ -225,15 +224,10 @@ class Trainer:
             return self.ctx.stop_requested
         if self.grad_step.size != 0:
             return False
-        stop = dist.any_rank(self.ctx.stop_requested)
-        if stop and not self.ctx.stop_requested:
-            self.ctx.request_stop("another rank stopped")
-        return stop
+        return dist.stop_agreed(self.ctx)
 
     def _autocast(self):
-        if not self.config.train.bf16:
-            return nullcontext()
-        return torch.autocast(self.device.type, dtype=torch.bfloat16)
+        return dist.autocast(self.device, self.config.train.bf16)
 
     def _validation_due(self) -> bool:
         if self.val_dataset is None:

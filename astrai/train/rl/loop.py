@@ -15,7 +15,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import time
-from contextlib import ExitStack, nullcontext
+from contextlib import ExitStack
 from typing import Any
 
 import torch
@@ -218,12 +218,7 @@ class OnlineLoop:
                 "rollout_policy_version": rollout.policy_version, **result, **dist.all_reduce_metrics(stats)}
 
     def _should_stop(self) -> bool:
-        if self.dist.world_size == 1:
-            return self.ctx.stop_requested
-        stop = dist.any_rank(self.ctx.stop_requested)
-        if stop and not self.ctx.stop_requested:
-            self.ctx.request_stop("another rank stopped")
-        return stop
+        return dist.stop_agreed(self.ctx)  # every step boundary is a window boundary here
 
     def _no_sync(self, enabled: bool):
         """DDP: gradients are all-reduced only in the window's last backward (policy and critic)."""
@@ -234,9 +229,7 @@ class OnlineLoop:
         return stack
 
     def _autocast(self):
-        if not self.config.train.bf16:
-            return nullcontext()
-        return torch.autocast(self.device.type, dtype=torch.bfloat16)
+        return dist.autocast(self.device, self.config.train.bf16)
 
     # ---------------------------------------------------------------------------- state
 
