@@ -17,7 +17,7 @@ $(VENV)/.installed: pyproject.toml
 	touch $@
 
 lint: setup
-	$(VENV)/bin/ruff check astrai tests benchmarks
+	$(VENV)/bin/ruff check src tests benchmarks
 
 test: setup lint
 	$(VENV)/bin/pytest -q -ra --durations=15

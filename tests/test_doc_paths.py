@@ -1,5 +1,5 @@
 """No doc names a file the repository lacks: every repository path in README.md and docs/*.md
-(`astrai/...`, `configs/...`, `tests/...`, ...) and every relative Markdown link must exist.
+(`src/astrai/...`, `configs/...`, `tests/...`, ...) and every relative Markdown link must exist.
 Paths a run creates (`out/...`, `.cache/...`, `.venv`) are not repository paths and are skipped."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 DOC_FILES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
-TOP_DIRS = ("astrai", "configs", "docs", "tests", "scripts", "docker", "benchmarks", ".ci")
+TOP_DIRS = ("src", "astrai", "configs", "docs", "tests", "scripts", "docker", "benchmarks", ".ci")
 REPO_PATH = re.compile(rf"(?<![\w./$-])((?:{'|'.join(re.escape(d) for d in TOP_DIRS)})/[\w.*/-]*[\w*])")
 LINK = re.compile(r"\]\(([^)\s]+)\)")
 
@@ -44,8 +44,9 @@ def test_every_repository_path_in_the_docs_exists() -> None:
 
 
 def test_the_scanner_finds_paths_and_links(tmp_path: Path) -> None:
-    text = ("see `astrai/model/hf.py`, configs/sft.yaml. and tests/x/*.py; not out/data/x.jsonl, "
+    text = ("see `src/astrai/model/hf.py`, configs/sft.yaml. and tests/x/*.py; not out/data/x.jsonl, "
             "$HOME/astrai/y or astrai.model.hf; [a](training.md#config) [b](https://x.org/a.md)")
-    assert named_paths(text) == {"astrai/model/hf.py", "configs/sft.yaml", "tests/x/*.py"}
+    assert named_paths(text) == {"src/astrai/model/hf.py", "configs/sft.yaml", "tests/x/*.py"}
     assert linked_paths(tmp_path / "doc.md", text) == {(tmp_path / "training.md").resolve()}
-    assert not _exists("astrai/no_such_module.py") and _exists("astrai/model/*.py")
+    assert not _exists("src/astrai/no_such_module.py") and _exists("src/astrai/model/*.py")
+    assert not _exists("astrai/model/hf.py")  # the package lives under src/; a stale path is caught

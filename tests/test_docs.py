@@ -3,8 +3,8 @@
 Reference tables in docs/ have the header ``| field | section | type | default | meaning |``. Every
 field of the documented dataclasses must have exactly one row with its section, type and default,
 and every row must name a field that exists. Every ``astrai <command>`` shown in code in README.md
-or docs/ must be a command of ``astrai/cli.py`` (and its sub-command and ``--flags`` must exist).
-The module table of docs/architecture.md must list exactly the modules under ``astrai/``, and its
+or docs/ must be a command of ``src/astrai/cli.py`` (and its sub-command and ``--flags`` must exist).
+The module table of docs/architecture.md must list exactly the modules under ``src/astrai/``, and its
 import table's "must not import" rules must hold in the source.
 """
 
@@ -210,7 +210,7 @@ def test_docs_show_commands_at_all() -> None:
 
 def test_every_command_in_the_docs_exists() -> None:
     unknown = sorted({(f, c) for f, c, _ in command_uses() if c not in COMMANDS})
-    assert not unknown, f"commands shown in the docs but missing from astrai/cli.py COMMANDS: {unknown}"
+    assert not unknown, f"commands shown in the docs but missing from src/astrai/cli.py COMMANDS: {unknown}"
 
 
 def test_sub_commands_and_flags_in_the_docs_exist() -> None:
@@ -243,16 +243,16 @@ def test_sub_commands_and_flags_in_the_docs_exist() -> None:
 
 
 def test_architecture_module_table_matches_the_package() -> None:
-    """docs/architecture.md names every module under astrai/ (in backticks), and only those."""
+    """docs/architecture.md names every module under src/astrai/ (in backticks), and only those."""
     text = (DOCS / "architecture.md").read_text()
     table = [line for line in text.splitlines() if line.startswith("|")]
-    named = set(re.findall(r"`(astrai/[\w/]+\.py)`", "\n".join(table)))
-    package = ROOT / "astrai"
+    named = set(re.findall(r"`(src/astrai/[\w/]+\.py)`", "\n".join(table)))
+    package = ROOT / "src" / "astrai"
     actual = {
         p.relative_to(ROOT).as_posix() for p in package.rglob("*.py")
         if p.name not in ("__init__.py", "__main__.py") and "__pycache__" not in p.parts
     }
-    assert actual, "no modules found under astrai/"
+    assert actual, "no modules found under src/astrai/"
     assert not sorted(actual - named), f"modules missing from the docs/architecture.md table: {sorted(actual - named)}"
     assert not sorted(named - actual), f"docs/architecture.md names modules that do not exist: {sorted(named - actual)}"
 
@@ -261,7 +261,7 @@ def import_rules() -> dict[str, set[str]]:
     """layer -> layers it must not import, from the 'must not import' table of architecture.md."""
     rules = {}
     for line in (DOCS / "architecture.md").read_text().splitlines():
-        m = re.match(r"^\|\s*`astrai/(\w+)`\s*\|[^|]*\|([^|]*)\|\s*$", line)
+        m = re.match(r"^\|\s*`src/astrai/(\w+)`\s*\|[^|]*\|([^|]*)\|\s*$", line)
         if m:
             rules[m.group(1)] = {w.strip() for w in m.group(2).split(",") if w.strip()}
     return rules
@@ -280,7 +280,7 @@ def imported_layers(path: Path) -> set[str]:
             [a.name for a in node.names] if isinstance(node, ast.Import) else [])
         if isinstance(node, ast.ImportFrom) and node.module == "astrai":
             names = [astrai._EXPORTS.get(a.name, f"astrai.{a.name}") for a in node.names
-                     if a.name in astrai._EXPORTS or (ROOT / "astrai" / a.name).is_dir()]
+                     if a.name in astrai._EXPORTS or (ROOT / "src" / "astrai" / a.name).is_dir()]
         for name in names:
             parts = name.split(".")
             if parts[0] == "astrai" and len(parts) > 1:
@@ -293,24 +293,24 @@ def test_import_direction_matches_architecture() -> None:
     assert set(rules) == {"model", "data", "infer", "serve", "train"}, f"import table rows: {sorted(rules)}"
     violations = []
     for layer, forbidden in rules.items():
-        for path in sorted((ROOT / "astrai" / layer).rglob("*.py")):
+        for path in sorted((ROOT / "src" / "astrai" / layer).rglob("*.py")):
             bad = imported_layers(path) & forbidden
             violations += [f"{path.relative_to(ROOT)} imports astrai.{b}" for b in sorted(bad)]
     assert not violations, f"imports against docs/architecture.md: {violations}"
 
 
 # the one module of the train layer that may import the engine: online RL's rollouts
-ROLLOUT_MODULE = "astrai/train/rl/rollout.py"
+ROLLOUT_MODULE = "src/astrai/train/rl/rollout.py"
 
 
 def test_only_the_rollout_module_of_train_imports_infer() -> None:
-    """docs/architecture.md: inside astrai/train, only train/rl/rollout.py imports astrai.infer."""
+    """docs/architecture.md: inside src/astrai/train, only train/rl/rollout.py imports astrai.infer."""
     text = (DOCS / "architecture.md").read_text()
     assert f"one module may import `astrai.infer`: `{ROLLOUT_MODULE}`" in text, (
         f"docs/architecture.md no longer states that only {ROLLOUT_MODULE} of the train layer imports "
         "astrai.infer; update the rule here and there together")
-    modules = sorted((ROOT / "astrai" / "train").rglob("*.py"))
-    assert modules, "no modules found under astrai/train/"
+    modules = sorted((ROOT / "src" / "astrai" / "train").rglob("*.py"))
+    assert modules, "no modules found under src/astrai/train/"
     violations = [p.relative_to(ROOT).as_posix() for p in modules
                   if p.relative_to(ROOT).as_posix() != ROLLOUT_MODULE and "infer" in imported_layers(p)]
     assert not violations, (f"{violations} import astrai.infer; only {ROLLOUT_MODULE} may (rollouts go "

@@ -68,7 +68,7 @@ def test_server_services():
 def test_the_compose_variables_are_the_ones_the_scripts_export():
     """Every ${ASTRAI_*} compose reads is exported by the ops helper or the scripts."""
     used = set(re.findall(r"\$\{(ASTRAI_\w+)", (REPO / "docker" / "compose.yaml").read_text()))
-    exported = set(re.findall(r'"(ASTRAI_\w+)"', (REPO / "astrai" / "ops.py").read_text()))
+    exported = set(re.findall(r'"(ASTRAI_\w+)"', (REPO / "src" / "astrai" / "ops.py").read_text()))
     scripts = "".join(p.read_text() for p in (REPO / "scripts").glob("*.sh"))
     exported |= set(re.findall(r"(ASTRAI_\w+)=", scripts))
     assert used - exported == set()
@@ -85,4 +85,4 @@ def test_dockerfile_build_args_user_and_entrypoint():
     assert "COPY docker/entrypoint.sh /usr/local/bin/astrai-entrypoint" in text
     ignored = (REPO / ".dockerignore").read_text().split()
     assert {".git", ".venv", "tests", ".env*"} <= set(ignored)
-    assert not {"astrai", "pyproject.toml", "docker"} & set(ignored)  # what the image copies
+    assert not {"src", "pyproject.toml", "docker"} & set(ignored)  # what the image copies

@@ -17,7 +17,7 @@ BENCHMARKS = ["model", "preprocess", "train", "checkpoint", "generate", "serve",
 
 
 def benchmarks_dir() -> Path:
-    return Path(__file__).resolve().parent.parent / "benchmarks"
+    return Path(__file__).resolve().parents[2] / "benchmarks"
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,6 +1,6 @@
 """`astrai serve`: the command line of the HTTP server (flags, checks, uvicorn, signals).
 
-`main(argv)` is what `astrai serve` runs (astrai/cli.py's command table points here): it parses
+`main(argv)` is what `astrai serve` runs (src/astrai/cli.py's command table points here): it parses
 the server's flags plus one flag per `EngineConfig` field, refuses an unusable command line with
 one line on stderr (exit 2) before anything loads, builds the app of `app.py` and runs it on
 uvicorn. SIGTERM stops accepting connections, lets in-flight requests finish for
