@@ -1,8 +1,9 @@
 """astrai vs TRL on one workload: online GRPO (GRPOTrainer) and offline DPO (DPOTrainer), side by side.
 
-The workload is the one the RL tests use: a tiny Llama-shaped model (2 layers, hidden 64) is
-SFT'd by astrai on 1-digit addition chats (`astrai.data.tasks`) until its greedy held-out
-accuracy leaves room to learn; that model directory (HF format) is the start of all four runs.
+The workload is the demo's (`astrai demo`): a tiny Llama-shaped model (2 layers, hidden 64) is
+pre-trained briefly and SFT'd by astrai on 1-digit addition chats (`astrai.data.tasks`), which
+leaves its greedy held-out accuracy well below 100%; that model directory (HF format) is the
+start of all four runs.
 GRPO: the same training prompts, prompts per step, group size, max new tokens, temperature 1,
 `exact_match` reward, AdamW at a constant rate after the same warmup, clipping 1.0, no KL,
 token-mean loss, one optimizer step per rollout (TRL's settings are in `trl_common.grpo_config`).
@@ -24,6 +25,7 @@ snapshot at each (snapshot time is not counted). Prints a markdown table.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import resource
@@ -44,8 +46,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import torch  # noqa: E402
 from trl_common import StepClock, exact_match, grpo_config, prompt_dataset, time_generation  # noqa: E402
 
-MODEL = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
-         "num_key_value_heads": 2, "max_position_embeddings": 64, "tie_word_embeddings": True}
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
 RUNS = ("trl_grpo", "astrai_grpo", "trl_dpo", "astrai_dpo")  # TRL first: its time is the budget
 
@@ -56,26 +56,14 @@ def peak_rss_mb() -> float:
 
 
 def prepare(work: Path, args: argparse.Namespace) -> Path:
-    """Task files, tokenizer and the SFT'd start model (a checkpoint directory, HF format)."""
-    from astrai.cli import main as astrai_main
-    from astrai.data.tasks import write_task_files
-    from astrai.data.tokenizer import train_tokenizer
-    from astrai.train.checkpoint import latest_checkpoint
+    """Task files, tokenizer and the SFT'd start model: the demo's stages before RL (`astrai demo`
+    pre-trains briefly, then SFTs to well below 100% held-out, so RL has room to improve)."""
+    from astrai.demo import sft_stages
 
-    files = write_task_files(work / "data", num_train=2000, num_eval=args.num_eval, tasks=("add",), digits=1,
-                             seed=args.seed)
-    texts = [json.loads(line)["text"] for line in files["corpus"].read_text().splitlines()]
-    tok = train_tokenizer(texts + ["user assistant system"] * 5, 300, work / "tok")
-    config = work / "sft.yaml"
-    config.write_text(json.dumps({"model": {"vocab_size": tok.vocab_size, **MODEL}}))  # JSON is YAML
-    flags = {"config": config, "train_type": "sft", "data_path": files["sft"], "tokenizer_path": work / "tok",
-             "max_seq_len": 32, "batch_per_device": 32, "max_steps": args.sft_steps, "n_epoch": 1000,
-             "max_lr": 3e-3, "warmup_ratio": 0.05, "random_seed": args.seed, "ckpt_dir": work / "sft" / "ckpt",
-             "log_dir": work / "sft", "ckpt_interval": 0, "keep_last": 1, "progress": False, "device": "cpu"}
-    if astrai_main(["train", *[str(x) for k, v in flags.items() for x in (f"--{k}", v)]]) != 0:
-        raise RuntimeError("SFT of the start model failed")
-    start = latest_checkpoint(work / "sft" / "ckpt")
-    shutil.copytree(start, work / "start", ignore=shutil.ignore_patterns("*.pt", "trainer_state.json", "manifest.json"))
+    with (work / "prepare.log").open("w") as log, contextlib.redirect_stdout(log), contextlib.redirect_stderr(log):
+        sft_stages(work / "demo", scale=args.sft_scale, seed=args.seed, log=print)
+    shutil.copytree(work / "demo" / "sft" / "final", work / "start")
+    shutil.copytree(work / "demo" / "data", work / "data")
     return work / "start"
 
 
@@ -218,9 +206,9 @@ def fmt(value: Any, spec: str) -> str:
     return "n/a" if value is None else format(value, spec)
 
 
-def table(results: dict[str, dict[str, Any]], start_acc: float, args: argparse.Namespace) -> str:
-    lines = [f"Start: a 2-layer, hidden-64 model SFT'd for {args.sft_steps} steps on 1-digit addition; held-out "
-             f"greedy exact match {start_acc:.1%} on {args.num_eval} problems. GRPO: {args.prompts} prompts x "
+def table(results: dict[str, dict[str, Any]], start_acc: float, num_eval: int, args: argparse.Namespace) -> str:
+    lines = [f"Start: the demo's 2-layer, hidden-64 model, pre-trained and SFT'd on 1-digit addition; held-out "
+             f"greedy exact match {start_acc:.1%} on {num_eval} problems. GRPO: {args.prompts} prompts x "
              f"{args.group_size} completions, max {args.max_tokens} new tokens, lr {args.lr}; DPO: {args.pairs} pairs, "
              f"beta 0.1, lr {args.dpo_lr}. {args.steps} steps each; {args.threads} thread(s), CPU fp32.", "",
              "| metric | astrai GRPO | TRL GRPOTrainer | astrai DPO | TRL DPOTrainer |", "|---|---|---|---|---|"]
@@ -248,7 +236,7 @@ def table(results: dict[str, dict[str, Any]], start_acc: float, args: argparse.N
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="a few steps of a few prompts (smoke test)")
-    parser.add_argument("--steps", type=int, default=60, help="optimizer steps of every run")
+    parser.add_argument("--steps", type=int, default=100, help="optimizer steps of every run")
     parser.add_argument("--prompts", type=int, default=64, help="GRPO prompts per step")
     parser.add_argument("--group_size", type=int, default=8)
     parser.add_argument("--max_tokens", type=int, default=8)
@@ -256,8 +244,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--pairs", type=int, default=32, help="DPO pairs per step")
     parser.add_argument("--dpo_lr", type=float, default=1e-4)
     parser.add_argument("--warmup", type=int, default=5, help="linear warmup steps, then constant")
-    parser.add_argument("--sft_steps", type=int, default=250, help="SFT steps of the start model")
-    parser.add_argument("--num_eval", type=int, default=40, help="held-out problems")
+    parser.add_argument("--sft_scale", type=float, default=1.0,
+                        help="scale of the demo's pre-training and SFT steps for the start model (default 1)")
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads (default 1)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--worker", choices=RUNS, help=argparse.SUPPRESS)
@@ -265,7 +253,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--budget_s", type=float, default=0.0, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.quick:
-        args.steps, args.prompts, args.group_size, args.pairs, args.sft_steps, args.warmup = 3, 4, 4, 4, 20, 1
+        args.steps, args.prompts, args.group_size, args.pairs, args.sft_scale, args.warmup = 3, 4, 4, 4, 0.01, 1
     return args
 
 
@@ -289,6 +277,7 @@ def main(argv: list[str] | None = None) -> int:
         work = Path(tmp_name)
         start = prepare(work, args)
         start_acc = accuracy(str(start), work / "data" / "eval.jsonl")
+        num_eval = len((work / "data" / "eval.jsonl").read_text().splitlines())
         results: dict[str, dict[str, Any]] = {}
         for name in RUNS:
             budget = results[f"trl_{name.split('_')[1]}"]["snapshots"]["steps"]["seconds"] \
@@ -304,7 +293,7 @@ def main(argv: list[str] | None = None) -> int:
             results[name] = json.loads((work / f"{name}.json").read_text())
             for snap in results[name]["snapshots"].values():
                 snap["accuracy"] = accuracy(snap["path"], work / "data" / "eval.jsonl")
-    print(table(results, start_acc, args))
+    print(table(results, start_acc, num_eval, args))
     return 0
 
 

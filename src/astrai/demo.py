@@ -280,20 +280,17 @@ def main(argv: list[str] | None = None) -> int:
         torch.set_num_threads(threads)
 
 
-def _run(args: argparse.Namespace) -> int:
-    out = Path(args.out)
-    scale = args.minutes / BUDGET_MINUTES
-
-    def log(msg: str) -> None:
-        print(msg, flush=True)
-
+def sft_stages(out: Path, scale: float = 1.0, seed: int = 0, log: Any = print) -> dict[str, dict[str, Any]]:
+    """The stages before RL (data, tokenizer, pre-training, SFT, their held-out eval), each reused
+    when done: the SFT'd model is `out/sft/final`, its prompts `out/data/prompts.jsonl`.
+    benchmarks/compare_trl.py starts from the same model."""
     from astrai.data.tasks import write_task_files
     from astrai.data.tokenizer import train_tokenizer
 
     data_dir, tok_dir = out / "data", out / "tokenizer"
     stages: dict[str, dict[str, Any]] = {}
     stages["data"] = run_stage("data", data_dir, lambda: {
-        k: str(v) for k, v in write_task_files(data_dir, tasks=("add",), seed=args.seed, **TASK).items()}, log)
+        k: str(v) for k, v in write_task_files(data_dir, tasks=("add",), seed=seed, **TASK).items()}, log)
 
     def tokenizer_stage() -> dict[str, Any]:
         corpus = [json.loads(line)["text"] for line in (data_dir / "corpus.jsonl").read_text().splitlines()]
@@ -303,15 +300,26 @@ def _run(args: argparse.Namespace) -> int:
     stages["tokenizer"] = run_stage("tokenizer", tok_dir, tokenizer_stage, log)
     model = dict(MODEL, vocab_size=stages["tokenizer"]["vocab_size"])
     pre_cfg = stage_config("pretrain", out, data_dir / "corpus.jsonl", tok_dir,
-                           max(20, int(PRETRAIN["steps"] * scale)), PRETRAIN, model, None, args.seed)
+                           max(20, int(PRETRAIN["steps"] * scale)), PRETRAIN, model, None, seed)
     stages["pretrain"] = run_stage("pretrain", out / "pretrain", lambda: train_stage(out / "pretrain", pre_cfg), log)
     sft_cfg = stage_config("sft", out, data_dir / "sft.jsonl", tok_dir, max(20, int(SFT["steps"] * scale)),
-                           SFT, None, out / "pretrain" / "final", args.seed)
+                           SFT, None, out / "pretrain" / "final", seed)
     stages["sft"] = run_stage("sft", out / "sft", lambda: train_stage(out / "sft", sft_cfg), log)
     stages["eval"] = run_stage("eval", out / "eval", lambda: {
         "pretrained": evaluate(out / "pretrain" / "final", data_dir / "eval.jsonl", TASK["num_eval"]),
         "sft": evaluate(out / "sft" / "final", data_dir / "eval.jsonl", TASK["num_eval"])}, log)
+    return stages
 
+
+def _run(args: argparse.Namespace) -> int:
+    out = Path(args.out)
+    scale = args.minutes / BUDGET_MINUTES
+
+    def log(msg: str) -> None:
+        print(msg, flush=True)
+
+    stages = sft_stages(out, scale, args.seed, log)
+    data_dir, tok_dir = out / "data", out / "tokenizer"
     rl_name = f"rl-{args.algo}"
     rl_cfg = rl_config(out, args.algo, data_dir / "prompts.jsonl", tok_dir, max(10, int(RL["steps"] * scale)),
                        out / "sft" / "final", args.seed)

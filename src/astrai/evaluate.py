@@ -1,8 +1,10 @@
-"""`astrai eval`: exact-match accuracy of a model on verifiable prompts, run through the engine.
+"""`astrai eval`: accuracy of a model on verifiable prompts, run through the engine.
 
 Reads prompt records (`{"messages": [...], "answer": "..."}`, as written by
 `astrai.data.tasks.write_task_files`), renders each with the model's chat template, generates
-greedily in one batch with the inference engine, and scores each reply with the task verifier.
+greedily in one batch with the inference engine, and scores each reply with a task verifier:
+`--match exact` (default: the reply is the answer) or `--match final_number` (the last number in
+the reply is the answer, for chat models that answer in sentences).
 The demo uses `evaluate_model` before and after SFT.
 """
 
@@ -16,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from astrai.data.tasks import score
+from astrai.data.tasks import SCORERS
 
 
 @dataclass
@@ -47,8 +49,9 @@ def read_prompt_records(path: str | Path, limit: int | None = None) -> list[dict
 
 
 def evaluate_model(llm: Any, records: list[dict[str, Any]], max_tokens: int = 16,
-                   num_samples_kept: int = 5) -> EvalResult:
-    """Greedy, batched generation over `records` with an `astrai.LLM`; exact-match scoring."""
+                   num_samples_kept: int = 5, match: str = "exact") -> EvalResult:
+    """Greedy, batched generation over `records` with an `astrai.LLM`, scored by `SCORERS[match]`."""
+    score = SCORERS[match]
     from astrai.infer.sampling import SamplingParams
 
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
@@ -73,6 +76,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--data", required=True, help="JSONL prompt records with 'messages' and 'answer'")
     parser.add_argument("--limit", type=int, default=None, help="evaluate only the first N records")
     parser.add_argument("--max_tokens", type=int, default=16)
+    parser.add_argument("--match", choices=list(SCORERS), default="exact",
+                        help="exact: the reply is the answer (default); final_number: its last number is")
     args = parser.parse_args(argv)
     from astrai.infer.llm import LLM
 
@@ -81,8 +86,8 @@ def main(argv: list[str] | None = None) -> int:
     except (OSError, ValueError) as err:
         print(f"astrai eval: {err}", file=sys.stderr)
         return 2
-    result = evaluate_model(LLM(args.model), records, args.max_tokens)
-    print(json.dumps({"accuracy": result.accuracy, "num_correct": result.num_correct,
+    result = evaluate_model(LLM(args.model), records, args.max_tokens, match=args.match)
+    print(json.dumps({"match": args.match, "accuracy": result.accuracy, "num_correct": result.num_correct,
                       "num_total": result.num_total, "tokens_per_s": round(result.tokens_per_s, 1),
                       "samples": result.samples}, indent=2))
     return 0

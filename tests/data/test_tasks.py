@@ -7,7 +7,16 @@ import random
 
 import pytest
 
-from astrai.data.tasks import TASKS, corrupt, generate_items, make_item, score, write_task_files
+from astrai.data.tasks import (
+    SCORERS,
+    TASKS,
+    corrupt,
+    generate_items,
+    make_item,
+    score,
+    score_final_number,
+    write_task_files,
+)
 
 
 def _solve(question: str) -> str:
@@ -73,3 +82,13 @@ def test_task_files(tmp_path):
         assert prompt["metadata"]["task"] in ("add", "sort")
     again = write_task_files(tmp_path / "again", num_train=40, num_eval=10, tasks=["add", "sort"], seed=1)
     assert all(again[k].read_text() == paths[k].read_text() for k in paths)
+
+
+@pytest.mark.parametrize("completion, answer, expected", [
+    ("12", "12", 1.0), ("7 + 5 = 12.", "12", 1.0), ("The answer is 12", "12", 1.0), ("12.0", "12", 1.0),
+    ("-3", "-3", 1.0), ("12 or maybe 13", "12", 0.0), ("no number", "12", 0.0), ("", "12", 0.0),
+    ("dcba", "dcba", 0.0),  # a non-numeric answer never matches by number
+])
+def test_final_number_scores_the_last_number(completion, answer, expected):
+    assert score_final_number(completion, answer) == expected
+    assert SCORERS["final_number"] is score_final_number and SCORERS["exact"] is score

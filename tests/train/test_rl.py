@@ -80,6 +80,17 @@ def test_builtin_rewards_and_weights():
         RewardSet(RLConfig(rewards=["exact"]))
 
 
+def test_final_number_reward_checks_the_last_number_against_the_answer():
+    cfg = RLConfig(rewards=["final_number", "exact_match"], reward_weights=[1.0, 0.5])
+    completions = ["3 + 4 = 7.", "7", "The answer is 8", "seven"]
+    total, terms = RewardSet(cfg)(["p"] * 4, completions, [{"answer": "7"}] * 4, [[1]] * 4, 2)
+    assert terms["final_number"].tolist() == [1.0, 1.0, 0.0, 0.0]
+    assert terms["exact_match"].tolist() == [0.0, 1.0, 0.0, 0.0]
+    assert total.tolist() == [1.0, 1.5, 0.0, 0.0]
+    with pytest.raises(ValueError, match="final_number needs an 'answer'"):
+        RewardSet(RLConfig(rewards=["final_number"]))(["p"] * 2, ["1", "2"], [{}, {}], [[1]] * 2, 2)
+
+
 def test_policy_lag_and_future_versions_are_errors():
     check_policy_lag(3, 4, max_lag=1)
     with pytest.raises(ValueError, match="version 2 is 2 versions behind the current version 4"):

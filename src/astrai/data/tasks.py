@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import random
+import re
 import string
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -92,6 +93,23 @@ def generate_items(num: int, tasks: Iterable[str] = ("add",), digits: int = 2, s
 def score(completion: str, answer: str) -> float:
     """1.0 when the completion is exactly the answer (ignoring surrounding whitespace), else 0.0."""
     return 1.0 if completion.strip() == str(answer).strip() else 0.0
+
+
+_NUMBER = re.compile(r"-?\d+(?:\.\d+)?")
+
+
+def score_final_number(completion: str, answer: str) -> float:
+    """1.0 when the last number in the completion equals the numeric answer ("7 + 5 = 12." for "12"),
+    else 0.0: the verifier for chat models that answer in sentences. Non-numeric answers never match."""
+    found = _NUMBER.findall(completion)
+    try:
+        return 1.0 if found and float(found[-1]) == float(str(answer).strip()) else 0.0
+    except ValueError:
+        return 0.0
+
+
+# `astrai eval --match` and the rewards of the same names
+SCORERS = {"exact": score, "final_number": score_final_number}
 
 
 def corrupt(item: TaskItem, rng: random.Random) -> str:

@@ -4,6 +4,8 @@ Sits after generation in the online RL data flow: the rollout runner hands every
 with its prompt text and prompt record, to ``RewardSet``, which returns the weighted sum and each
 function's own scores. A reward entry in the config (``rewards``) is one of:
   - a built-in name: ``exact_match`` (the completion equals the record's ``answer`` after strip),
+    ``final_number`` (the last number in the completion equals the numeric ``answer``: for chat
+    models that answer in sentences),
     ``format`` (1 when the completion matches ``format_pattern``), ``length`` (0 up to
     ``length_target`` characters, falling linearly to -1 at twice that);
   - ``module:function``: a user function ``f(prompt, completion, record) -> float``;
@@ -25,17 +27,27 @@ from typing import Any
 import torch
 
 from astrai.config import RLConfig
-from astrai.data.tasks import score as exact_score
+from astrai.data.tasks import SCORERS
 
 RewardFn = Callable[[str, str, dict[str, Any]], float]
 
 
-def exact_match(prompt: str, completion: str, record: dict[str, Any]) -> float:
-    answer = record.get("answer")
-    if answer is None:
-        raise ValueError("exact_match needs an 'answer' in every prompt record (or 'output' in instruction "
-                         "records); add it or choose another reward")
-    return exact_score(completion, answer)
+def answer_reward(name: str, scorer: Callable[[str, str], float]) -> RewardFn:
+    """A reward that checks the completion against the record's reference ``answer``."""
+
+    def reward(prompt: str, completion: str, record: dict[str, Any]) -> float:
+        answer = record.get("answer")
+        if answer is None:
+            raise ValueError(f"{name} needs an 'answer' in every prompt record (or 'output' in instruction "
+                             "records); add it or choose another reward")
+        return scorer(completion, answer)
+
+    reward.__name__ = name
+    return reward
+
+
+exact_match = answer_reward("exact_match", SCORERS["exact"])
+final_number = answer_reward("final_number", SCORERS["final_number"])
 
 
 def format_reward(pattern: str) -> RewardFn:
@@ -53,6 +65,7 @@ def length_reward(target: int) -> RewardFn:
 
 BUILTINS: dict[str, Callable[[RLConfig], RewardFn]] = {
     "exact_match": lambda cfg: exact_match,
+    "final_number": lambda cfg: final_number,
     "format": lambda cfg: format_reward(cfg.format_pattern),
     "length": lambda cfg: length_reward(cfg.length_target),
 }
