@@ -8,7 +8,6 @@ The demo uses `evaluate_model` before and after SFT.
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 import time
@@ -17,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from astrai.data.tasks import score
+from astrai.flags import ArgumentParser
 
 
 @dataclass
@@ -68,7 +68,7 @@ def evaluate_model(llm: Any, records: list[dict[str, Any]], max_tokens: int = 16
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="astrai eval", description=__doc__.splitlines()[0])
+    parser = ArgumentParser(prog="astrai eval", description=__doc__.splitlines()[0])
     parser.add_argument("--model", required=True, help="model directory (or checkpoint directory)")
     parser.add_argument("--data", required=True, help="JSONL prompt records with 'messages' and 'answer'")
     parser.add_argument("--limit", type=int, default=None, help="evaluate only the first N records")

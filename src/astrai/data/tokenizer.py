@@ -11,7 +11,6 @@ conversation incrementally and checking that every rendering is a prefix of the 
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 from collections.abc import Iterable, Iterator
@@ -24,6 +23,8 @@ import jinja2
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers, trainers
 from tokenizers import Tokenizer as BackendTokenizer
+
+from astrai.flags import ArgumentParser
 
 ENDOFTEXT = "<|endoftext|>"
 IM_START = "<|im_start|>"
@@ -397,7 +398,7 @@ def train_tokenizer(files_or_texts: Iterable[str | Path], vocab_size: int, out_d
 
 def main(argv: list[str] | None = None) -> int:
     """`astrai tokenizer train --input FILE... --vocab_size N --out DIR`."""
-    parser = argparse.ArgumentParser(prog="astrai tokenizer", description="train a byte-level BPE tokenizer")
+    parser = ArgumentParser(prog="astrai tokenizer", description="train a byte-level BPE tokenizer")
     sub = parser.add_subparsers(dest="command", required=True)
     train = sub.add_parser("train", help="train a byte-level BPE with ChatML special tokens")
     train.add_argument("--input", nargs="+", required=True, help="text or JSONL files")

@@ -18,6 +18,7 @@ from dataclasses import fields
 from itertools import count
 from typing import Any, TextIO
 
+from astrai.flags import ArgumentParser
 from astrai.infer.defaults import GENERATION_CONFIG_HELP, describe, generation_defaults, with_defaults
 from astrai.infer.engine import EngineConfig, LLMEngine
 from astrai.infer.generate import add_engine_arguments
@@ -119,7 +120,7 @@ def run(session: ChatSession, lines: Iterable[str], out: TextIO, prompt: str = "
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="astrai chat", description=__doc__.split("\n\n")[0], allow_abbrev=False)
+    p = ArgumentParser(prog="astrai chat", description=__doc__.split("\n\n")[0], allow_abbrev=False)
     p.add_argument("--model", required=True, help="model directory with a tokenizer and chat template")
     p.add_argument("--system", default=None, help="system prompt, kept across /reset")
     p.add_argument("--max_tokens", type=int, default=512, help="longest reply in tokens")

@@ -16,6 +16,7 @@ import sys
 from dataclasses import fields
 from pathlib import Path
 
+from astrai.flags import ArgumentParser
 from astrai.infer.defaults import (
     DEFAULT_FIELDS,
     GENERATION_CONFIG_HELP,
@@ -37,7 +38,7 @@ SAMPLING_FLAGS = {  # flag -> type; names and defaults are SamplingParams'
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="astrai generate", description=__doc__.split("\n\n")[0], allow_abbrev=False)
+    p = ArgumentParser(prog="astrai generate", description=__doc__.split("\n\n")[0], allow_abbrev=False)
     p.add_argument("--model", required=True, help="model directory (config.json, weights, tokenizer)")
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompt", help="one prompt; the completion is printed")
@@ -67,14 +68,11 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     """Every EngineConfig field as a flag (shared by `astrai generate` and `astrai chat`)."""
     engine = parser.add_argument_group("engine")
     for f in fields(EngineConfig):
-        kind = {"int": int, "float": float, "str": str, "bool": _bool}[str(f.type).split(" |")[0]]
-        engine.add_argument(f"--{f.name}", type=kind, default=f.default)
-
-
-def _bool(text: str) -> bool:
-    if text.lower() not in ("true", "false", "1", "0"):
-        raise argparse.ArgumentTypeError(f"expected true or false, got {text!r}")
-    return text.lower() in ("true", "1")
+        kind = str(f.type).split(" |")[0]
+        if kind == "bool":  # --enable_prefix_caching [true|false], --no-enable-prefix-caching
+            engine.add_argument(f"--{f.name}", action="bool", default=f.default)
+        else:
+            engine.add_argument(f"--{f.name}", type={"int": int, "float": float, "str": str}[kind], default=f.default)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -19,12 +19,13 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from astrai.flags import ArgumentParser
 from astrai.infer.defaults import GENERATION_CONFIG_HELP, generation_defaults
 from astrai.serve.app import ServeConfig, ServerState, create_app
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="astrai serve", description="OpenAI-compatible HTTP server.")
+    p = ArgumentParser(prog="astrai serve", description="OpenAI-compatible HTTP server.")
     p.add_argument("--model", required=True, help="model directory (config.json, model.safetensors, tokenizer)")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
     p.add_argument("--port", type=int, default=8000)
@@ -44,7 +45,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--log_level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     p.add_argument("--generation_config", default="auto", help=GENERATION_CONFIG_HELP)
     for name, default, help_ in _engine_fields():
-        p.add_argument(f"--{name}", type=_parse_value, default=argparse.SUPPRESS,
+        kind = {"action": "bool"} if isinstance(default, bool) else {"type": _parse_value}
+        p.add_argument(f"--{name}", **kind, default=argparse.SUPPRESS,
                        help=f"engine setting (default: {default!r}){': ' + help_ if help_ else ''}")
     return p
 
