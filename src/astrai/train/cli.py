@@ -65,18 +65,15 @@ def run(cfg: Config, ctx: TrainContext) -> int:
         if loop.is_main:
             print(optimizer_summary(cfg, loop.total_steps), file=sys.stderr)
         try:
-            loop.train()
+            loop.train()  # ends with the run's summary (train/summary.py): how it ended, losses, checkpoint
         finally:
             dist.cleanup()
-    if ctx.stop_requested and loop.is_main:
-        saved = "checkpoint published" if ctx.step > 0 else "no optimizer step completed, nothing to save"
-        print(f"stopped at step {ctx.step} ({ctx.stop_reason}); {saved}", file=sys.stderr)
     return 0
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    ctx = TrainContext()
+    ctx = TrainContext(command=argv)
     from astrai.train import signals
 
     signals.install_signal_handlers(ctx)  # before anything slow: a signal during setup is kept
