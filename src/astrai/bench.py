@@ -7,10 +7,11 @@ part of the installed package).
 
 from __future__ import annotations
 
-import argparse
 import subprocess
 import sys
 from pathlib import Path
+
+from astrai.flags import ArgumentParser
 
 BENCHMARKS = ["model", "preprocess", "train", "checkpoint", "generate", "serve", "hostile", "rl", "lora", "guided",
               "compare_trl"]
@@ -21,7 +22,7 @@ def benchmarks_dir() -> Path:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="astrai bench", description=__doc__.splitlines()[0])
+    parser = ArgumentParser(prog="astrai bench", description=__doc__.splitlines()[0])
     parser.add_argument("names", nargs="*", help=f"benchmarks to run (default: all of {', '.join(BENCHMARKS)})")
     parser.add_argument("--quick", action="store_true", help="short runs (smoke test of the scripts)")
     args = parser.parse_args(argv)

@@ -355,6 +355,8 @@ def build_config(yaml_data: dict[str, Any], overrides: dict[str, Any]) -> Config
                 values[name] = _check_key(name, key, value, table)
         elif key in table:  # flat key at top level
             values[key] = check_value(key, table[key][0], content, table[key][1])
+        elif isinstance(content, dict):  # a mapping: meant as a section
+            raise ConfigError(_unknown_section(key, content, table))
         else:
             names = ["model", *SECTIONS, *table]
             raise ConfigError(f"unknown config section or key {key!r}{did_you_mean(key, names)}")
@@ -381,6 +383,20 @@ def resolve_defaults(cfg: Config) -> None:
         o.warmup_ratio = FINE_TUNING_WARMUP_RATIO if fine_tuning and o.warmup_steps is None else 0.0
         if o.warmup_steps is None:  # otherwise warmup_steps decides and the ratio is unused
             cfg.filled_defaults["warmup_ratio"] = situation
+
+
+def _unknown_section(key: str, content: dict[str, Any], table: dict[str, tuple[str, Any]]) -> str:
+    """`unknown config section 'optimiser'; did you mean 'optim'?`: the closest section name, else
+    the section that owns the keys inside it."""
+    sections = ["model", *SECTIONS]
+    hint = did_you_mean(key, sections)
+    if not hint:
+        owners = {table[name][0] for name in content if name in table}
+        hint = f"; did you mean '{owners.pop()}' (the section of {', '.join(map(str, content))})?" \
+            if len(owners) == 1 else ""
+    if not hint and did_you_mean(key, list(table)):  # a mapping-valued key (rope_scaling) misspelled
+        return f"unknown config section or key {key!r}{did_you_mean(key, list(table))}"
+    return f"unknown config section {key!r}{hint} (sections: {', '.join(sections)})"
 
 
 def _check_key(name: str, section: str, value: Any, table: dict[str, tuple[str, Any]]) -> Any:
@@ -478,7 +494,8 @@ def load_yaml(path: str | Path) -> dict[str, Any]:
 
 
 def parse_overrides(args: list[str]) -> dict[str, Any]:
-    """``--key value`` / ``--key=value`` / bare ``--bool_key`` -> typed flat overrides."""
+    """``--key value`` / ``--key=value`` / bare ``--bool_key`` / ``--no-bool-key`` -> typed flat overrides.
+    Keys are accepted in snake_case (as in the YAML) and kebab-case (``--max-lr``, vLLM's)."""
     table = field_table()
     out: dict[str, Any] = {}
     i = 0
@@ -487,9 +504,19 @@ def parse_overrides(args: list[str]) -> dict[str, Any]:
         if not arg.startswith("--"):
             raise ConfigError(f"unexpected argument {arg!r}; config values are given as --key value")
         name, eq, text = arg[2:].partition("=")
-        name = name.replace("-", "_")
+        name = name.replace("-", "_")  # --max-lr (vLLM's kebab-case) is --max_lr
         if "." in name:  # allow --optim.max_lr
             name = name.split(".", 1)[1]
+        negated = name.removeprefix("no_")
+        if name not in table and negated != name and negated in table:  # --no-pack: a boolean set false
+            if bool not in _base_types(table[negated][1]):
+                raise ConfigError(f"flag {arg} sets {negated!r} false, but {negated!r} is "
+                                  f"{_type_name(table[negated][1])}, not a boolean; give --{negated} VALUE")
+            if eq:
+                raise ConfigError(f"flag {arg} takes no value; use --{negated} {text} instead")
+            out[negated] = False
+            i += 1
+            continue
         if name not in table:
             raise ConfigError(f"unknown flag --{name}{did_you_mean(name, list(table))}")
         section, tp = table[name]
@@ -506,6 +533,52 @@ def parse_overrides(args: list[str]) -> dict[str, Any]:
         out[name] = parse_flag_value(name, section, text, tp)
         i += 1
     return out
+
+
+# ----------------------------------------------------------------------------- help
+
+
+def _field_comments(cls: type) -> dict[str, str]:
+    """field -> its trailing ``# comment`` in the dataclass source (the field's meaning), when the
+    source is available."""
+    import inspect
+    import re
+
+    try:
+        source = inspect.getsource(cls)
+    except (OSError, TypeError):
+        return {}
+    found = re.findall(r"^\s+(\w+): [^#\n]*#\s*(.*)$", source, flags=re.MULTILINE)
+    return dict(found)
+
+
+def _yaml_scalar(value: Any) -> str:
+    """A default as YAML writes it: null, true, 0.001, [exact_match]."""
+    return yaml.safe_dump(value, default_flow_style=True, width=10**6).strip().removesuffix("...").strip()
+
+
+def fields_help() -> str:
+    """Every config field by YAML section, with its type, default and meaning; generated from the
+    dataclasses (what ``astrai train --help`` prints after its usage)."""
+    from astrai.model.config import ModelConfig
+
+    lines = ["config fields by YAML section: name, type, default, meaning (in full: docs/training.md)"]
+    rows: list[tuple[str, ...]] = []  # (section,) headers and (name, type, default, meaning) rows
+    for section, cls in {"model": ModelConfig, **SECTIONS}.items():
+        hints, comments = typing.get_type_hints(cls), _field_comments(cls)
+        rows.append((f"{section}:" + (" (a model built from scratch; omit with param_path)" if section == "model"
+                                      else ""),))
+        for f in dataclasses.fields(cls):
+            if not f.name.startswith("_"):
+                default = f.default if f.default is not dataclasses.MISSING else f.default_factory()  # type: ignore[misc]
+                rows.append((f.name, _type_name(hints[f.name]), _yaml_scalar(default), comments.get(f.name, "")))
+    widths = [min(max(len(r[i]) for r in rows if len(r) > 1), cap) for i, cap in enumerate((32, 22, 14))]
+    for row in rows:
+        if len(row) == 1:
+            lines += ["", row[0]]
+        else:
+            lines.append("  " + "  ".join(cell.ljust(w) for cell, w in zip(row, widths)) + "  " + row[3])
+    return "\n".join(line.rstrip() for line in lines) + "\n"
 
 
 def load_config(config_path: str | Path | None, args: list[str] | None = None) -> Config:

@@ -27,6 +27,8 @@ from typing import Any
 
 import yaml
 
+from astrai.flags import ArgumentParser
+
 MODEL = {  # ~100k parameters: small enough for hundreds of RL steps on 2 CPU cores
     "vocab_size": 300,  # replaced by the trained tokenizer's size
     "hidden_size": 64,
@@ -256,7 +258,7 @@ def write_report(out: Path, stages: dict[str, dict[str, Any]], minutes: float, a
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="astrai demo", description=__doc__.splitlines()[0])
+    parser = ArgumentParser(prog="astrai demo", description=__doc__.splitlines()[0])
     parser.add_argument("--out", default="out/demo", help="output folder (default out/demo)")
     parser.add_argument("--minutes", type=float, default=BUDGET_MINUTES,
                         help=f"time budget that scales the training steps (default {BUDGET_MINUTES:g}; 1 = shortest)")

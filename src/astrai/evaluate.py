@@ -10,7 +10,6 @@ The demo uses `evaluate_model` before and after SFT.
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 import time
@@ -19,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from astrai.data.tasks import SCORERS
+from astrai.flags import ArgumentParser
 
 
 @dataclass
@@ -71,8 +71,9 @@ def evaluate_model(llm: Any, records: list[dict[str, Any]], max_tokens: int = 16
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="astrai eval", description=__doc__.splitlines()[0])
-    parser.add_argument("--model", required=True, help="model directory (or checkpoint directory)")
+    parser = ArgumentParser(prog="astrai eval", description=__doc__.splitlines()[0])
+    parser.add_argument("--model", required=True, help="model or checkpoint directory, or a run's ckpt_dir "
+                        "(its newest complete checkpoint)")
     parser.add_argument("--data", required=True, help="JSONL prompt records with 'messages' and 'answer'")
     parser.add_argument("--limit", type=int, default=None, help="evaluate only the first N records")
     parser.add_argument("--max_tokens", type=int, default=16)
@@ -82,6 +83,9 @@ def main(argv: list[str] | None = None) -> int:
     from astrai.infer.llm import LLM
 
     try:
+        from astrai.model.manifest import model_argument
+
+        args.model = model_argument(args.model, "astrai eval")  # a run's ckpt_dir: its newest checkpoint
         records = read_prompt_records(args.data, args.limit)
     except (OSError, ValueError) as err:
         print(f"astrai eval: {err}", file=sys.stderr)

@@ -18,7 +18,6 @@ set by `.env.train`), then to its default. Every error names the file and the ke
 
 from __future__ import annotations
 
-import argparse
 import os
 import re
 import shlex
@@ -28,6 +27,8 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from astrai.flags import ArgumentParser
 
 try:
     import yaml
@@ -417,7 +418,7 @@ def main(argv: list[str] | None = None) -> int:
               "`pip install pyyaml`, or set ASTRAI_PYTHON to a Python that has it", file=sys.stderr)
         return 2
     args, extra = (argv[:argv.index("--")], argv[argv.index("--") + 1:]) if "--" in argv else (argv, [])
-    parser = argparse.ArgumentParser(prog="python -m astrai.ops", description="job YAML helper of scripts/*.sh")
+    parser = ArgumentParser(prog="python -m astrai.ops", description="job YAML helper of scripts/*.sh")
     sub = parser.add_subparsers(dest="command", required=True)
     for name in ("env", "prepare", "preflight", "init", "clean"):
         p = sub.add_parser(name)

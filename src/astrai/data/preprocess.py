@@ -13,7 +13,6 @@ UTF-8 byte-order mark at the start of a file is accepted.
 
 from __future__ import annotations
 
-import argparse
 import json
 import shutil
 import sys
@@ -35,6 +34,7 @@ from astrai.data.records import (
 )
 from astrai.data.shards import ShardWriter
 from astrai.data.tokenizer import Tokenizer, load_tokenizer
+from astrai.flags import ArgumentParser
 
 KEYS = {
     "seq": ["input_ids"],
@@ -240,7 +240,7 @@ def _write(rows: Iterator[dict[str, list[int]]], writer: ShardWriter, bad: BadRe
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="astrai preprocess", description="JSONL records -> token shards")
+    parser = ArgumentParser(prog="astrai preprocess", description="JSONL records -> token shards")
     parser.add_argument("--input", nargs="+", required=True, help="JSONL files, or directories of .jsonl files")
     parser.add_argument("--out", required=True, help="output shard directory (must not hold shards yet)")
     parser.add_argument("--tokenizer", required=True, help="directory with tokenizer.json")

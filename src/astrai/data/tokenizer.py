@@ -11,7 +11,6 @@ conversation incrementally and checking that every rendering is a prefix of the 
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 from collections.abc import Iterable, Iterator
@@ -24,6 +23,8 @@ import jinja2
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers, trainers
 from tokenizers import Tokenizer as BackendTokenizer
+
+from astrai.flags import ArgumentParser
 
 ENDOFTEXT = "<|endoftext|>"
 IM_START = "<|im_start|>"
@@ -379,7 +380,21 @@ def train_tokenizer(files_or_texts: Iterable[str | Path], vocab_size: int, out_d
                                   special_tokens=[AddedToken(t, special=True, normalized=False)
                                                   for t in SPECIAL_TOKENS],
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    backend.train_from_iterator(_iter_training_texts(files_or_texts), trainer=trainer)
+    corpus = {"texts": 0, "chars": 0}
+
+    def counted() -> Iterator[str]:
+        for text in _iter_training_texts(files_or_texts):
+            corpus["texts"] += 1
+            corpus["chars"] += len(text)
+            yield text
+
+    backend.train_from_iterator(counted(), trainer=trainer)
+    trained = backend.get_vocab_size()
+    if trained < vocab_size:  # BPE stops when no pair of tokens occurs min_frequency times any more
+        print(f"warning: the trained vocabulary has {trained} tokens, not the {vocab_size} asked: after "
+              f"{trained - min_vocab} merges no pair of tokens occurs {min_frequency} or more times "
+              f"(min_frequency) in the corpus of {corpus['texts']:,} texts, {corpus['chars']:,} characters; "
+              "train on more text or lower --min_frequency for a larger vocabulary", file=sys.stderr)
     config = {
         "tokenizer_class": "PreTrainedTokenizerFast",
         "bos_token": ENDOFTEXT, "eos_token": ENDOFTEXT, "pad_token": ENDOFTEXT, "unk_token": None,
@@ -397,7 +412,7 @@ def train_tokenizer(files_or_texts: Iterable[str | Path], vocab_size: int, out_d
 
 def main(argv: list[str] | None = None) -> int:
     """`astrai tokenizer train --input FILE... --vocab_size N --out DIR`."""
-    parser = argparse.ArgumentParser(prog="astrai tokenizer", description="train a byte-level BPE tokenizer")
+    parser = ArgumentParser(prog="astrai tokenizer", description="train a byte-level BPE tokenizer")
     sub = parser.add_subparsers(dest="command", required=True)
     train = sub.add_parser("train", help="train a byte-level BPE with ChatML special tokens")
     train.add_argument("--input", nargs="+", required=True, help="text or JSONL files")
@@ -414,5 +429,6 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    print(f"wrote {args.out}: vocab_size={tok.vocab_size}, special tokens {SPECIAL_TOKENS}")
+    asked = "" if tok.vocab_size == args.vocab_size else f" (asked {args.vocab_size}; see the warning above)"
+    print(f"wrote {args.out}: vocab_size={tok.vocab_size}{asked}, special tokens {SPECIAL_TOKENS}")
     return 0

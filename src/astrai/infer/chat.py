@@ -18,6 +18,7 @@ from dataclasses import fields
 from itertools import count
 from typing import Any, TextIO
 
+from astrai.flags import ArgumentParser
 from astrai.infer.defaults import GENERATION_CONFIG_HELP, describe, generation_defaults, with_defaults
 from astrai.infer.engine import EngineConfig, LLMEngine
 from astrai.infer.generate import add_engine_arguments
@@ -119,8 +120,9 @@ def run(session: ChatSession, lines: Iterable[str], out: TextIO, prompt: str = "
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="astrai chat", description=__doc__.split("\n\n")[0], allow_abbrev=False)
-    p.add_argument("--model", required=True, help="model directory with a tokenizer and chat template")
+    p = ArgumentParser(prog="astrai chat", description=__doc__.split("\n\n")[0], allow_abbrev=False)
+    p.add_argument("--model", required=True, help="model or checkpoint directory with a tokenizer and chat template, or a "
+                   "run's ckpt_dir (its newest complete checkpoint)")
     p.add_argument("--system", default=None, help="system prompt, kept across /reset")
     p.add_argument("--max_tokens", type=int, default=512, help="longest reply in tokens")
     sampling = p.add_argument_group("sampling (unset: the model's generation_config.json, else SamplingParams')")
@@ -136,8 +138,9 @@ def main(argv: list[str] | None = None, stdin: TextIO | None = None, stdout: Tex
     stdin, stdout = stdin or sys.stdin, stdout or sys.stdout
     try:
         from astrai.model.hf import check_device
-        from astrai.model.manifest import check_model_dir
+        from astrai.model.manifest import check_model_dir, model_argument
 
+        args.model = model_argument(args.model, "astrai chat")  # a run's ckpt_dir: its newest checkpoint
         check_device(args.device)
         check_model_dir(args.model)
         defaults = generation_defaults(args.model, args.generation_config)

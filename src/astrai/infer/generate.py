@@ -16,6 +16,7 @@ import sys
 from dataclasses import fields
 from pathlib import Path
 
+from astrai.flags import ArgumentParser
 from astrai.infer.defaults import (
     DEFAULT_FIELDS,
     GENERATION_CONFIG_HELP,
@@ -27,7 +28,7 @@ from astrai.infer.engine import EngineConfig
 from astrai.infer.llm import LLM
 from astrai.infer.sampling import SamplingParams
 from astrai.model.hf import check_device
-from astrai.model.manifest import check_model_dir
+from astrai.model.manifest import check_model_dir, model_argument
 
 SAMPLING_FLAGS = {  # flag -> type; names and defaults are SamplingParams'
     "temperature": float, "top_p": float, "top_k": int, "min_p": float, "frequency_penalty": float,
@@ -37,8 +38,9 @@ SAMPLING_FLAGS = {  # flag -> type; names and defaults are SamplingParams'
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="astrai generate", description=__doc__.split("\n\n")[0], allow_abbrev=False)
-    p.add_argument("--model", required=True, help="model directory (config.json, weights, tokenizer)")
+    p = ArgumentParser(prog="astrai generate", description=__doc__.split("\n\n")[0], allow_abbrev=False)
+    p.add_argument("--model", required=True, help="model or checkpoint directory (config.json, weights, tokenizer), "
+                   "or a run's ckpt_dir (its newest complete checkpoint)")
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompt", help="one prompt; the completion is printed")
     src.add_argument("--input_jsonl", help="records with a 'prompt' or 'messages' field")
@@ -67,14 +69,11 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     """Every EngineConfig field as a flag (shared by `astrai generate` and `astrai chat`)."""
     engine = parser.add_argument_group("engine")
     for f in fields(EngineConfig):
-        kind = {"int": int, "float": float, "str": str, "bool": _bool}[str(f.type).split(" |")[0]]
-        engine.add_argument(f"--{f.name}", type=kind, default=f.default)
-
-
-def _bool(text: str) -> bool:
-    if text.lower() not in ("true", "false", "1", "0"):
-        raise argparse.ArgumentTypeError(f"expected true or false, got {text!r}")
-    return text.lower() in ("true", "1")
+        kind = str(f.type).split(" |")[0]
+        if kind == "bool":  # --enable_prefix_caching [true|false], --no-enable-prefix-caching
+            engine.add_argument(f"--{f.name}", action="bool", default=f.default)
+        else:
+            engine.add_argument(f"--{f.name}", type={"int": int, "float": float, "str": str}[kind], default=f.default)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -83,6 +82,7 @@ def main(argv: list[str] | None = None) -> int:
         print("astrai generate: --input_jsonl needs --output_jsonl", file=sys.stderr)
         return 2
     try:
+        args.model = model_argument(args.model, "astrai generate")  # a run's ckpt_dir: its newest checkpoint
         if not (Path(args.model) / "config.json").is_file():
             raise FileNotFoundError(f"--model '{args.model}' is not a model directory (no config.json)")
         defaults = generation_defaults(args.model, args.generation_config)

@@ -9,13 +9,13 @@ and is used by `make real-model`.
 
 from __future__ import annotations
 
-import argparse
 import importlib.util
 import json
 import sys
 from pathlib import Path
 from typing import Any
 
+from astrai.flags import ArgumentParser
 from astrai.model.config import ModelConfig
 from astrai.model.hf import (
     GENERATION_SAMPLING_KEYS,
@@ -90,7 +90,7 @@ def _save_hf_tokenizer(hf_tokenizer: Any, out: Path) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     """`astrai convert --gguf FILE --out DIR [--dtype float32]`."""
-    parser = argparse.ArgumentParser(prog="astrai convert", description=__doc__.splitlines()[0])
+    parser = ArgumentParser(prog="astrai convert", description=__doc__.splitlines()[0])
     parser.add_argument("--gguf", required=True, help="GGUF checkpoint to dequantise")
     parser.add_argument("--out", required=True, help="model directory to write")
     parser.add_argument("--dtype", default="float32", help="dtype of the written weights")

@@ -14,6 +14,7 @@ This module owns the files (shards, index, JSON, generation_config.json) and the
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 from typing import Any
 
@@ -291,6 +292,26 @@ def _end_of_turn_ids(config: ModelConfig, tokenizer: Any | None) -> list[int]:
     return [i for i in dict.fromkeys(ids) if isinstance(i, int) and 0 <= i < config.vocab_size]
 
 
+def current_umask() -> int:
+    """The process umask, read without changing it where Linux shows it (/proc/self/status)."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
+    except (OSError, ValueError):
+        pass
+    mask = os.umask(0o022)  # elsewhere: set and restore (the only portable way to read it)
+    os.umask(mask)
+    return mask
+
+
+def save_safetensors(tensors: dict[str, Tensor], file: str | Path) -> None:
+    """safetensors' save_file, with the file's mode as any other file the process writes
+    (0o666 & ~umask): save_file writes through a private temporary file (mode 0600)."""
+    save_file(tensors, str(file), metadata={"format": "pt"})
+    os.chmod(file, 0o666 & ~current_umask())
+
+
 def _write_shards(tensors: dict[str, Tensor], path: Path, max_shard_bytes: int) -> None:
     """One model.safetensors, or numbered shards plus model.safetensors.index.json."""
     shards: list[dict[str, Tensor]] = [{}]
@@ -306,12 +327,12 @@ def _write_shards(tensors: dict[str, Tensor], path: Path, max_shard_bytes: int) 
     for old in [*path.glob("model-*-of-*.safetensors"), path / SAFE_WEIGHTS, path / SAFE_INDEX]:
         old.unlink(missing_ok=True)
     if len(shards) == 1:
-        save_file(shards[0], str(path / SAFE_WEIGHTS), metadata={"format": "pt"})
+        save_safetensors(shards[0], path / SAFE_WEIGHTS)
         return
     weight_map = {}
     for i, shard in enumerate(shards):
         name = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
-        save_file(shard, str(path / name), metadata={"format": "pt"})
+        save_safetensors(shard, path / name)
         weight_map.update(dict.fromkeys(shard, name))
     total = sum(t.numel() * t.element_size() for t in tensors.values())
     index = {"metadata": {"total_size": total}, "weight_map": weight_map}

@@ -216,7 +216,7 @@ def save_adapter(model: nn.Module, path: str | Path, base_model_name_or_path: st
                  state_dict: dict[str, Tensor] | None = None, tokenizer: Any | None = None) -> Path:
     """Write `model`'s adapters as a PEFT adapter directory (the base weights are not written).
     `state_dict` overrides the model's own (e.g. gathered from FSDP ranks)."""
-    from safetensors.torch import save_file
+    from astrai.model.hf import save_safetensors  # at call time: hf imports this module
 
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
@@ -224,7 +224,7 @@ def save_adapter(model: nn.Module, path: str | Path, base_model_name_or_path: st
     state = state_dict if state_dict is not None else getattr(model, "module", model).state_dict()
     tensors = {to_peft_key(k): v.detach().to("cpu").contiguous()
                for k, v in state.items() if k.endswith((".lora_A", ".lora_B"))}
-    save_file(tensors, str(path / ADAPTER_WEIGHTS), metadata={"format": "pt"})
+    save_safetensors(tensors, path / ADAPTER_WEIGHTS)
     (path / ADAPTER_CONFIG).write_text(json.dumps(config, indent=2) + "\n")
     if tokenizer is not None:
         tokenizer.save(path)

@@ -7,11 +7,11 @@ normal Hugging Face model directory does.
 
 from __future__ import annotations
 
-import argparse
 import shutil
 import sys
 from pathlib import Path
 
+from astrai.flags import ArgumentParser
 from astrai.model.hf import load_model, save_model
 from astrai.model.lora import resolve_base
 
@@ -27,7 +27,7 @@ def copy_tokenizer_files(src: Path, dst: Path) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     """`astrai lora merge --adapter DIR [--base DIR] --out DIR`: a plain HF model directory."""
-    parser = argparse.ArgumentParser(prog="astrai lora", description="LoRA adapter tools.")
+    parser = ArgumentParser(prog="astrai lora", description="LoRA adapter tools.")
     sub = parser.add_subparsers(dest="command", required=True)
     merge = sub.add_parser("merge", help="fold an adapter into its base and write a plain model directory")
     merge.add_argument("--adapter", required=True, help="PEFT adapter directory (e.g. a LoRA run's checkpoint)")

@@ -13,10 +13,12 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 from pathlib import Path
 from typing import Any
 
 MANIFEST = "manifest.json"
+STEP_DIR = re.compile(r"^step_(\d{8,})$")  # <ckpt_dir>/step_<N:08d>, DESIGN.md 3.2
 FORMAT = "astrai-checkpoint"
 VERSION = 1
 _CHUNK = 8 << 20
@@ -89,3 +91,45 @@ def check_model_dir(path: str | os.PathLike, verify: bool = False) -> bool:
         return False
     check_manifest_files(path, checksums=verify)
     return True
+
+
+def latest_complete_checkpoint(ckpt_dir: str | os.PathLike) -> tuple[Path | None, str | None]:
+    """(the newest `step_N` directory of a run's ckpt_dir whose manifest records step N and whose
+    listed files are all there at their sizes, the problem of the newest damaged one skipped)."""
+    steps = sorted((p for p in Path(ckpt_dir).iterdir() if p.is_dir() and STEP_DIR.match(p.name)), reverse=True)
+    problem = None
+    for path in steps:
+        try:
+            manifest = check_manifest_files(path)
+            if manifest["step"] != int(STEP_DIR.match(path.name).group(1)):
+                raise ManifestError(f"{path / MANIFEST} records step {manifest['step']}; the directory was renamed")
+            return path, problem
+        except ManifestError as e:
+            problem = problem or str(e)
+    return None, problem
+
+
+def resolve_model_dir(path: str | os.PathLike) -> Path:
+    """What `--model` and `param_path` accept: a model or checkpoint directory as it is, or a run's
+    ckpt_dir (step_N directories, no config.json), which stands for its newest complete checkpoint.
+    A ckpt_dir whose checkpoints are all incomplete is a ManifestError naming the damage."""
+    p = Path(path)
+    if not p.is_dir() or (p / "config.json").exists() or not any(STEP_DIR.match(c.name) for c in p.iterdir()):
+        return p
+    latest, problem = latest_complete_checkpoint(p)
+    if latest is None:
+        raise ManifestError(f"{p} holds checkpoints but none is complete ({problem}); point at a model "
+                            "directory or another checkpoint")
+    return latest
+
+
+def model_argument(value: str, prog: str) -> str:
+    """A command's `--model` value resolved by `resolve_model_dir`; says on stderr which checkpoint
+    a run's ckpt_dir stood for (`astrai generate`, `chat`, `serve`, `eval`)."""
+    import sys
+
+    resolved = resolve_model_dir(value)
+    if resolved != Path(value):
+        print(f"{prog}: --model {value} is a run's checkpoint folder; using its newest complete checkpoint "
+              f"{resolved}", file=sys.stderr)
+    return str(resolved)

@@ -300,7 +300,7 @@ def create_app(config: ServeConfig, loader: Callable[[ServeConfig], tuple[Any, A
         try:
             engine, tokenizer = await asyncio.to_thread(loader, config)
             state.ready(engine, tokenizer)
-            logger.info("model '%s' ready (max_model_len %d)", state.model_name, state.max_model_len)
+            logger.info("%s", startup_summary(state, engine))
         except Exception as exc:  # noqa: BLE001 - reported by /health, never crashes the server
             logger.error("loading the model failed: %s", exc)
             state.status, state.error = "failed", str(exc)
@@ -316,7 +316,7 @@ def create_app(config: ServeConfig, loader: Callable[[ServeConfig], tuple[Any, A
 
     app = FastAPI(title="astrai", lifespan=lifespan, docs_url=None, redoc_url=None)
     app.state.serve = state
-    app.add_middleware(_CountResponses, metrics=state.metrics)
+    app.add_middleware(_AccessLog, metrics=state.metrics)
 
     @app.exception_handler(APIError)
     async def _api_error(request: Request, exc: APIError) -> JSONResponse:
@@ -442,8 +442,26 @@ async def _submit(engine: AsyncEngine, renderer: Renderer, params: Any, want_log
         raise APIError(503, str(exc), type_="service_unavailable") from None
 
 
-class _CountResponses:
-    """ASGI middleware: count responses by route and status (a plain wrapper, cheap on SSE)."""
+def startup_summary(state: ServerState, engine: Any) -> str:
+    """The line the server logs once the model is loaded: what is served, where, and how much fits."""
+    cfg = engine.config
+    param = next(engine.model.parameters())
+    num_blocks = engine.block_manager.num_blocks
+    onoff = {True: "on", False: "off"}
+    return (f"serving '{state.model_name}' from {state.config.model_dir}: dtype "
+            f"{str(param.dtype).removeprefix('torch.')}, device {param.device}; KV cache "
+            f"{num_blocks * cfg.block_size} tokens in {num_blocks} blocks of {cfg.block_size}; max_model_len "
+            f"{state.max_model_len}; max_num_seqs {cfg.max_num_seqs}; prefix caching "
+            f"{onoff[cfg.enable_prefix_caching]}, chunked prefill {onoff[cfg.enable_chunked_prefill]}")
+
+
+access_logger = logging.getLogger("astrai.serve.access")
+
+
+class _AccessLog:
+    """ASGI middleware: counts responses by route and status, and logs one line per request when
+    its response has ended (a stream: its last chunk) -- client, method, path, status, latency.
+    uvicorn's own access log is off (cli.py), so each request has exactly this one line."""
 
     def __init__(self, app: Any, metrics: ServerMetrics):
         self.app, self.metrics = app, metrics
@@ -452,10 +470,19 @@ class _CountResponses:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         route = scope["path"] if scope["path"] in ROUTES else "other"
+        start, status = time.perf_counter(), None
 
         async def counting_send(message: Any) -> None:
+            nonlocal status
             if message["type"] == "http.response.start":
-                self.metrics.count_http(route, message["status"])
+                status = message["status"]
+                self.metrics.count_http(route, status)
             await send(message)
 
-        await self.app(scope, receive, counting_send)
+        try:
+            await self.app(scope, receive, counting_send)
+        finally:
+            client = scope.get("client")
+            where = f"{client[0]}:{client[1]}" if client else "-"
+            access_logger.info('%s "%s %s" %s %.1f ms', where, scope["method"], scope["path"],
+                               status if status is not None else "-", (time.perf_counter() - start) * 1000)

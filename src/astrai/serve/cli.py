@@ -19,13 +19,15 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from astrai.flags import ArgumentParser
 from astrai.infer.defaults import GENERATION_CONFIG_HELP, generation_defaults
 from astrai.serve.app import ServeConfig, ServerState, create_app
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="astrai serve", description="OpenAI-compatible HTTP server.")
-    p.add_argument("--model", required=True, help="model directory (config.json, model.safetensors, tokenizer)")
+    p = ArgumentParser(prog="astrai serve", description="OpenAI-compatible HTTP server.")
+    p.add_argument("--model", required=True, help="model or checkpoint directory (config.json, model.safetensors, "
+                   "tokenizer), or a run's ckpt_dir (its newest complete checkpoint)")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--api_key", default=os.environ.get("ASTRAI_API_KEY"),
@@ -44,7 +46,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--log_level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     p.add_argument("--generation_config", default="auto", help=GENERATION_CONFIG_HELP)
     for name, default, help_ in _engine_fields():
-        p.add_argument(f"--{name}", type=_parse_value, default=argparse.SUPPRESS,
+        kind = {"action": "bool"} if isinstance(default, bool) else {"type": _parse_value}
+        p.add_argument(f"--{name}", **kind, default=argparse.SUPPRESS,
                        help=f"engine setting (default: {default!r}){': ' + help_ if help_ else ''}")
     return p
 
@@ -105,8 +108,12 @@ def _graceful_server_class(state: ServerState) -> type:
 def _check_args(args: argparse.Namespace) -> str | None:
     """What makes this command line unusable, as one line for stderr; None when it is fine."""
     from astrai.model.hf import check_device
-    from astrai.model.manifest import check_model_dir
+    from astrai.model.manifest import check_model_dir, model_argument
 
+    try:
+        args.model = model_argument(args.model, "astrai serve")  # a run's ckpt_dir: its newest checkpoint
+    except ValueError as exc:
+        return str(exc)
     if args.api_key is not None and not args.api_key.strip():
         return ("the API key is empty (--api_key or $ASTRAI_API_KEY set to ''); give a key, or unset "
                 "ASTRAI_API_KEY to serve without authentication")

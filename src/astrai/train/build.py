@@ -43,14 +43,10 @@ def build_tokenizer(cfg: Config) -> Any:
 def resolve_param_path(path: str) -> str:
     """A model or checkpoint directory as it is; a ckpt_dir (holding step_N checkpoints) stands
     for its newest complete checkpoint, so a config can chain stages without knowing N."""
-    p = Path(path)
-    if p.is_dir() and not (p / "config.json").exists():
-        from astrai.train.checkpoint import latest_checkpoint
+    from astrai.model.manifest import resolve_model_dir  # the rule `astrai generate --model` follows too
 
-        latest = latest_checkpoint(p)
-        if latest is not None:
-            return str(latest)
-    return path
+    resolved = resolve_model_dir(path)
+    return path if resolved == Path(path) else str(resolved)
 
 
 def build_model(cfg: Config) -> torch.nn.Module:

@@ -5,7 +5,7 @@ per micro-batch ``on_batch_begin`` / ``on_batch_end``, per optimizer step
 ``before_optimizer_step`` / ``after_optimizer_step`` (``trainer.step_metrics`` holds the step's
 metrics there, validation ones included), ``on_epoch_end``; ``on_error`` when the loop raises and
 ``on_train_end`` always. Built in: metrics log (``metrics.jsonl``), checkpoints, tqdm progress,
-early stopping and optional TensorBoard. Users pass their own objects to ``Trainer(callbacks=...)``;
+early stopping, optional TensorBoard and the end-of-run summary (``summary.py``). Users pass their own objects to ``Trainer(callbacks=...)``;
 a callback implements any subset of the hooks, and may offer ``state_dict``/``load_state_dict``
 (saved in the checkpoint's trainer state).
 
@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
 from astrai.train.context import Loop
+from astrai.train.summary import RunSummary
 
 HOOKS = (
     "on_train_begin", "on_epoch_begin", "on_batch_begin", "on_batch_end", "before_optimizer_step",
@@ -289,4 +290,12 @@ def default_callbacks(trainer: Loop) -> list[Any]:
     if cfg.log.tensorboard:
         cbs.append(TensorBoardLogger(cfg.log.log_dir, cfg.log.log_metrics))
     cbs.append(CheckpointSaver(cfg.ckpt.ckpt_interval))
+    cbs.append(RunSummary(trainer.ctx.command))
     return cbs
+
+
+def arrange_callbacks(built: list[Any], user: list[Any]) -> CallbackList:
+    """The built-in observers, then the user's callbacks (they see a step before its checkpoint is
+    published), then the checkpoint saver, then the run summary (it names the published checkpoint)."""
+    last = [cb for cb in built if isinstance(cb, CheckpointSaver | RunSummary)]
+    return CallbackList([cb for cb in built if cb not in last] + list(user) + last)

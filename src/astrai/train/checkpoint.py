@@ -10,7 +10,6 @@ weight or optimizer value is never published.
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import os
@@ -21,6 +20,7 @@ from typing import Any
 
 import torch
 
+from astrai.flags import ArgumentParser
 from astrai.train import dist
 from astrai.train.publish import (  # noqa: F401 - re-exported: the checkpoint vocabulary in one place
     FORMAT,
@@ -350,7 +350,7 @@ def _cmd_latest(ckpt_dir: Path) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="astrai ckpt", description="List, verify or pick training checkpoints.")
+    parser = ArgumentParser(prog="astrai ckpt", description="List, verify or pick training checkpoints.")
     sub = parser.add_subparsers(dest="command", required=True)
     list_cmd = sub.add_parser("list", help="checkpoints in a ckpt_dir, their size and status")
     list_cmd.add_argument("dir", type=Path)

@@ -11,18 +11,19 @@ A graceful stop (signal, early stopping) publishes a checkpoint and exits 0.
 
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 from contextlib import nullcontext
 
-from astrai.config import Config, ConfigError, load_config
+from astrai.config import Config, ConfigError, fields_help, load_config
+from astrai.flags import ArgumentParser, RawEpilogHelpFormatter
 from astrai.train.context import TrainContext
 
 USAGE = """astrai train --config run.yaml [--key value ...] [--dry_run]
 
-Any config field is a flag (snake_case, as in the YAML; the section is optional): e.g.
-  --train_type sft --data_path data/train.jsonl --max_lr 3e-4 --batch_per_device 8
+Any config field listed below is a flag, snake_case as in the YAML or kebab-case (vLLM's); the
+section is optional; a boolean takes --pack, --pack false or --no-pack. For example:
+  --train_type sft --data_path data/train.jsonl --max-lr 3e-4 --batch_per_device 8
   --param_path DIR      initialise from a model or checkpoint directory (weights only)
   --resume              restore the full training state (from --param_path or the newest
                         complete checkpoint in --ckpt_dir)
@@ -64,23 +65,21 @@ def run(cfg: Config, ctx: TrainContext) -> int:
         if loop.is_main:
             print(optimizer_summary(cfg, loop.total_steps), file=sys.stderr)
         try:
-            loop.train()
+            loop.train()  # ends with the run's summary (train/summary.py): how it ended, losses, checkpoint
         finally:
             dist.cleanup()
-    if ctx.stop_requested and loop.is_main:
-        saved = "checkpoint published" if ctx.step > 0 else "no optimizer step completed, nothing to save"
-        print(f"stopped at step {ctx.step} ({ctx.stop_reason}); {saved}", file=sys.stderr)
     return 0
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    ctx = TrainContext()
+    ctx = TrainContext(command=argv)
     from astrai.train import signals
 
     signals.install_signal_handlers(ctx)  # before anything slow: a signal during setup is kept
 
-    parser = argparse.ArgumentParser(prog="astrai train", usage=USAGE, allow_abbrev=False, add_help=True)
+    parser = ArgumentParser(prog="astrai train", usage=USAGE, allow_abbrev=False, add_help=True,
+                            epilog=fields_help(), formatter_class=RawEpilogHelpFormatter)
     parser.add_argument("--config", default=None, help="YAML file with model/data/train/optim/... sections")
     parser.add_argument("--dry_run", action="store_true", help="print the resolved config and exit")
     args, rest = parser.parse_known_args(argv)

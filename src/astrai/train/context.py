@@ -24,6 +24,7 @@ class TrainContext:
     tokens_seen: int = 0  # non-padding input tokens of completed steps (global)
     policy_version: int = 0  # bumped on every optimizer step (weights served to rollouts)
     stop_reason: str | None = None
+    command: list[str] | None = None  # the `astrai train` arguments (the summary's resume line); None from Python
     _stop: threading.Event = field(default_factory=threading.Event, repr=False)
 
     @property

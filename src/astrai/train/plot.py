@@ -8,11 +8,12 @@ training counterpart (``val/loss`` on the ``loss`` plot).
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import sys
 from pathlib import Path
+
+from astrai.flags import ArgumentParser
 
 SKIP = {"step", "epoch", "split", "num_loss_units"}
 
@@ -94,7 +95,7 @@ def plot_log_dir(log_dir: str | Path, out_dir: str | Path | None = None) -> list
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="astrai plot", description="PNG curves from LOG_DIR/metrics.jsonl")
+    parser = ArgumentParser(prog="astrai plot", description="PNG curves from LOG_DIR/metrics.jsonl")
     parser.add_argument("log_dir", help="a training run's log_dir (or a metrics.jsonl file)")
     parser.add_argument("--out", default=None, help="directory for the PNGs (default: LOG_DIR)")
     args = parser.parse_args(argv)

@@ -28,7 +28,7 @@ from astrai.model import manifest as manifest_io
 from astrai.train.signals import pause_point
 
 FORMAT, VERSION, MANIFEST = manifest_io.FORMAT, manifest_io.VERSION, manifest_io.MANIFEST
-STEP_DIR = re.compile(r"^step_(\d{8,})$")
+STEP_DIR = manifest_io.STEP_DIR
 # hidden siblings: .step_00000010.staging-<pid>, .retired-<pid>, .deleting-<pid>
 HIDDEN_DIR = re.compile(r"^\.(step_\d{8,})\.(staging|retired|deleting)-\d+$")
 

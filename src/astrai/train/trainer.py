@@ -32,7 +32,7 @@ from astrai.train.build import (
     log_trainable,
     seed_everything,
 )
-from astrai.train.callbacks import CallbackList, CheckpointSaver, default_callbacks, requested_metrics
+from astrai.train.callbacks import arrange_callbacks, default_callbacks, requested_metrics
 from astrai.train.context import TrainContext
 from astrai.train.objectives import num_tokens
 from astrai.train.optim import LRSchedule, build_optimizer
@@ -84,11 +84,8 @@ class Trainer:
         self.grad_step = GradientStep(self.params, self.optimizer, self.scheduler,
                                       max_grad_norm=cfg.train.max_grad_norm, world_size=self.dist.world_size,
                                       device=self.device, max_nonfinite_steps=cfg.train.max_nonfinite_steps)
-        user = list(callbacks or [])
-        built = default_callbacks(self)
         # user callbacks see a step before the checkpoint of that step is published
-        saver = [cb for cb in built if isinstance(cb, CheckpointSaver)]
-        self.callbacks = CallbackList([cb for cb in built if cb not in saver] + user + saver)
+        self.callbacks = arrange_callbacks(default_callbacks(self), list(callbacks or []))
         self._request_metrics(requested_metrics(self.callbacks.callbacks))
         self.step_metrics: dict[str, Any] = {}
         self._data_epoch, self._data_consumed = self.ctx.epoch, self.ctx.consumed_samples

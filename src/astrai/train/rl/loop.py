@@ -32,7 +32,7 @@ from astrai.train.build import (
     log_trainable,
     seed_everything,
 )
-from astrai.train.callbacks import CallbackList, CheckpointSaver, default_callbacks, requested_metrics
+from astrai.train.callbacks import arrange_callbacks, default_callbacks, requested_metrics
 from astrai.train.context import TrainContext
 from astrai.train.objectives import num_tokens
 from astrai.train.optim import LRSchedule, build_optimizer
@@ -90,9 +90,8 @@ class OnlineLoop:
         rewards = RewardSet(cfg.rl, self.device)
         self.runner = RolloutRunner(self.raw_model, self.tokenizer, cfg.rl, self.num_prompts, rewards,
                                     cfg.train.random_seed)
-        built = default_callbacks(self)
-        saver = [cb for cb in built if isinstance(cb, CheckpointSaver)]  # user callbacks see a step first
-        self.callbacks = CallbackList([cb for cb in built if cb not in saver] + list(callbacks or []) + saver)
+        # user callbacks see a step before the checkpoint of that step is published
+        self.callbacks = arrange_callbacks(default_callbacks(self), list(callbacks or []))
         self.objective.requested_metrics = requested_metrics(self.callbacks.callbacks)
         self.rollout: Rollout | None = None
         self.step_metrics: dict[str, Any] = {}
