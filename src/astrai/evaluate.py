@@ -77,6 +77,9 @@ def main(argv: list[str] | None = None) -> int:
     from astrai.infer.llm import LLM
 
     try:
+        from astrai.model.hub import resolve_model_path
+
+        args.model = resolve_model_path(args.model)  # a Hub id -> its cached snapshot directory
         records = read_prompt_records(args.data, args.limit)
     except (OSError, ValueError) as err:
         print(f"astrai eval: {err}", file=sys.stderr)

@@ -27,6 +27,7 @@ from astrai.infer.engine import EngineConfig
 from astrai.infer.llm import LLM
 from astrai.infer.sampling import SamplingParams
 from astrai.model.hf import check_device
+from astrai.model.hub import resolve_model_path
 from astrai.model.manifest import check_model_dir
 
 SAMPLING_FLAGS = {  # flag -> type; names and defaults are SamplingParams'
@@ -83,6 +84,7 @@ def main(argv: list[str] | None = None) -> int:
         print("astrai generate: --input_jsonl needs --output_jsonl", file=sys.stderr)
         return 2
     try:
+        args.model = resolve_model_path(args.model)  # a Hub id -> its cached snapshot directory
         if not (Path(args.model) / "config.json").is_file():
             raise FileNotFoundError(f"--model '{args.model}' is not a model directory (no config.json)")
         defaults = generation_defaults(args.model, args.generation_config)
