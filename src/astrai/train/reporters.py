@@ -12,7 +12,8 @@ the checkpoint, so a resumed run continues the same run.
 
 Where they write: TensorBoard events under ``<log_dir>/tensorboard``; wandb under ``$WANDB_DIR``
 (default ``<log_dir>``), offline with ``WANDB_MODE=offline``; MLflow to ``$MLFLOW_TRACKING_URI``
-(default ``<log_dir>/mlruns``, a local file store).
+(default ``<log_dir>/mlruns``, a local file store; ``MLFLOW_ALLOW_FILE_STORE=true`` is set for it,
+as MLflow 3 asks).
 """
 
 from __future__ import annotations
@@ -109,7 +110,10 @@ class MLflowReporter:
         mlflow = _require("mlflow")
         from mlflow.tracking import MlflowClient
 
-        uri = os.environ.get("MLFLOW_TRACKING_URI") or (log_dir / "mlruns").resolve().as_uri()
+        uri = os.environ.get("MLFLOW_TRACKING_URI")
+        if not uri:  # the local default: a file store (mlflow-skinny has no SQL backend; MLflow 3 asks for opt-in)
+            uri = (log_dir / "mlruns").resolve().as_uri()
+            os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")
         self.client = MlflowClient(tracking_uri=uri)
         if run_id is None:
             experiment = self.client.get_experiment_by_name(project)
