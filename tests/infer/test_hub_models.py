@@ -130,3 +130,24 @@ def test_serve_checks_resolve_a_hub_id(offline_cache):
     assert Path(args.model) == offline_cache and args.served_model_name == REPO_ID  # clients use the id
     bad: argparse.Namespace = build_parser().parse_args(["--model", "tiny-org/absent"])
     assert "--model 'tiny-org/absent'" in _check_args(bad)
+
+
+def test_resume_with_a_hub_param_path_uses_ckpt_dir(offline_cache, tmp_path):
+    from astrai.config import load_config
+    from astrai.train.publish import CheckpointError
+    from astrai.train.resume import resume_path
+
+    cfg = load_config(None, ["--param_path", REPO_ID, "--resume", "--ckpt_dir", str(tmp_path / "ckpt")])
+    with pytest.raises(CheckpointError, match="found no checkpoint in"):  # looked in ckpt_dir, not at the id
+        resume_path(cfg)
+
+
+def test_adapter_base_named_by_hub_id(offline_cache, tmp_path):
+    import json
+
+    from astrai.model.lora import resolve_base
+
+    (tmp_path / "adapter_config.json").write_text(json.dumps(
+        {"peft_type": "LORA", "base_model_name_or_path": REPO_ID, "target_modules": ["q_proj"], "r": 2,
+         "lora_alpha": 4}))
+    assert resolve_base(tmp_path) == offline_cache

@@ -32,9 +32,10 @@ def resume_path(cfg: Config) -> Path:
     """The checkpoint ``--resume`` continues from: param_path when it names one training
     checkpoint, else the latest in ckpt_dir. A param_path that is a model directory or another
     run's ckpt_dir is this run's initial weights (a chained stage), not a state to resume."""
+    from astrai.model.hub import is_hub_id
     from astrai.train.checkpoint import find_resumable_checkpoint
 
-    if cfg.train.param_path is not None:
+    if cfg.train.param_path is not None and not is_hub_id(cfg.train.param_path):  # a Hub model is no checkpoint
         path = Path(cfg.train.param_path)
         if not path.is_dir():
             raise FileNotFoundError(f"--resume from param_path {str(path)!r}: no such checkpoint directory")
