@@ -160,3 +160,38 @@ def test_report_to_closes_on_error_and_keeps_run_ids():
     again = ReportTo(["mlflow"], "unused")
     again.load_state_dict({"run_ids": {"mlflow": "abc"}})
     assert again.run_ids == {"mlflow": "abc"}
+
+
+def test_a_stopped_run_closes_its_reporters_cleanly(tmp_path, monkeypatch):
+    """A stop request (what SIGTERM becomes) ends the loop through on_train_end: closed, not failed."""
+    from astrai.train import reporters
+
+    events = []
+
+    class Fake:
+        run_id = None
+
+        def __init__(self, log_dir, start_step):
+            events.append(("open", start_step))
+
+        def log(self, metrics, step):
+            events.append(("log", step, metrics["loss"]))
+
+        def close(self, failed):
+            events.append(("close", failed))
+
+    class StopAt2:
+        requested_metrics = frozenset()
+
+        def after_optimizer_step(self, trainer):
+            if trainer.ctx.step == 2:
+                trainer.ctx.request_stop("SIGTERM")
+
+    monkeypatch.setattr(reporters, "TensorBoardReporter", Fake)
+    monkeypatch.setattr(reporters, "missing_package", lambda name: None)
+    cfg = tiny_config(tmp_path, "--batch_per_device", "4", "--max_steps", "6", "--report_to", "[tensorboard]")
+    t = Trainer(cfg, model=tiny_model(), train_dataset=ToySeqDataset(32), callbacks=[StopAt2()])
+    without_checkpoints(t)
+    t.train()
+    losses = expected_series(tmp_path / "log")["loss"]
+    assert events == [("open", 0), ("log", 1, losses[1]), ("log", 2, losses[2]), ("close", False)]
