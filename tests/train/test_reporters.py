@@ -134,6 +134,9 @@ def test_wandb_offline_run_equals_metrics_jsonl(tmp_path, monkeypatch):
     monkeypatch.setenv("WANDB_DIR", str(tmp_path / "wandb_dir"))
     monkeypatch.setenv("WANDB_SILENT", "true")
     log_dir = run_short(tmp_path, "wandb")
+    import wandb
+
+    wandb.teardown()  # run.finish() may return before wandb-core has written the file; its exit flushes it
     (run_file,) = (tmp_path / "wandb_dir").glob("wandb/offline-run-*/run-*.wandb")
     assert_same(wandb_history(run_file), expected_series(log_dir))
 
