@@ -31,7 +31,8 @@ class ConfigError(ValueError):
 @dataclass
 class DataConfig:
     train_type: str = "sft"  # a key of astrai.train.objectives.OBJECTIVES (seq | sft | dpo | ...)
-    data_path: str | None = None  # JSONL file or preprocessed shard dir
+    data_path: str | None = None  # JSONL file, preprocessed shard dir, or a dataset: hf:NAME[@SPLIT] or a save_to_disk dir
+    data_columns: dict[str, str] | None = None  # record field -> column of the rows (datasets and JSONL)
     tokenizer_path: str | None = None  # defaults to param_path
     max_seq_len: int = 128
     pack: bool = False  # pack several documents per row (seq and sft), positions reset per document
@@ -140,7 +141,10 @@ class CkptConfig:
 class LogConfig:
     log_dir: str = "out"  # metrics.jsonl, plots
     progress: bool = True  # tqdm bar on rank 0
-    tensorboard: bool = False  # also write TensorBoard events (needs the tensorboard package)
+    tensorboard: bool = False  # the same as report_to: [tensorboard] (needs the tensorboard package)
+    report_to: list[str] = field(default_factory=list)  # tensorboard | wandb | mlflow: the metrics.jsonl numbers
+    report_project: str | None = None  # wandb project / mlflow experiment; None = $WANDB_PROJECT / $MLFLOW_EXPERIMENT_NAME, else astrai
+    run_name: str | None = None  # wandb / mlflow run name; None = the log_dir's folder name
     log_metrics: list[str] | None = None  # objective metrics to log; None = all, [] = none
 
 
@@ -475,6 +479,40 @@ def validate(cfg: Config) -> None:
         raise ConfigError(f"lora_targets has {unknown or 'no entries'}; choose from {', '.join(PROJECTIONS)}")
     if not 0.0 <= cfg.data.val_split < 1.0:
         raise ConfigError(f"val_split={cfg.data.val_split} must be within [0, 1)")
+    _validate_data_columns(cfg)
+    _validate_report_to(cfg)
+
+
+def _validate_data_columns(cfg: Config) -> None:
+    """data_columns maps record fields of the train type's record kind onto column names."""
+    from astrai.data.records import RECORD_FIELDS
+    from astrai.train.types import record_kind
+
+    columns = cfg.data.data_columns
+    if not columns:
+        return
+    kind = record_kind(cfg.data.train_type)
+    fields = RECORD_FIELDS[kind]
+    for name, column in columns.items():
+        if name not in fields:
+            raise ConfigError(f"data_columns has record field {name!r}, which {cfg.data.train_type} records "
+                              f"({kind}) do not read{did_you_mean(name, list(fields))}; map columns onto "
+                              f"{', '.join(fields)} as 'field: column'")
+        if not isinstance(column, str) or not column:
+            raise ConfigError(f"data_columns[{name!r}] is {column!r}; give the dataset's column name as a string")
+    if len(set(columns.values())) != len(columns):
+        raise ConfigError(f"data_columns {columns} maps one column onto two fields; give each field its own column")
+
+
+def _validate_report_to(cfg: Config) -> None:
+    from astrai.train.reporters import REPORTERS, missing_package
+
+    for name in cfg.log.report_to:
+        if name not in REPORTERS:
+            raise ConfigError(f"report_to has {name!r}{did_you_mean(name, list(REPORTERS))}; choose from "
+                              f"{', '.join(REPORTERS)} (or leave report_to empty: metrics.jsonl is always written)")
+        if (problem := missing_package(name)) is not None:
+            raise ConfigError(problem)
 
 
 def load_yaml(path: str | Path) -> dict[str, Any]:

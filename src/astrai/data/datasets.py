@@ -21,6 +21,7 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
+from astrai.data.hf_datasets import iter_dataset, parse_dataset_path, rename_columns
 from astrai.data.records import RECORD_KINDS, RecordError, encode_record, iter_jsonl
 from astrai.data.shards import RecordStore
 from astrai.data.tokenizer import Tokenizer
@@ -282,13 +283,24 @@ class RolloutDataset(Dataset):
 
 
 def encode_jsonl(paths: list[Path], kind: str, tokenizer: Tokenizer, max_seq_len: int,
-                 truncation: str = "keep_start", strict: bool = False) -> RecordStore:
+                 truncation: str = "keep_start", strict: bool = False,
+                 columns: dict[str, str] | None = None) -> RecordStore:
     """Tokenise small JSONL files in memory; bad records are skipped with a warning (or raise)."""
+    return encode_rows(iter_jsonl(paths), ", ".join(str(p) for p in paths), kind, tokenizer, max_seq_len,
+                       truncation, strict, columns)
+
+
+def encode_rows(rows: Iterable[tuple[str, Any]], names: str, kind: str, tokenizer: Tokenizer, max_seq_len: int,
+                truncation: str = "keep_start", strict: bool = False,
+                columns: dict[str, str] | None = None) -> RecordStore:
+    """("where", record) rows (JSONL lines, dataset rows) -> an in-memory store; each record's
+    columns renamed by `columns` first (record field -> column), bad ones skipped and counted."""
     records, bad = [], []
-    for where, record in iter_jsonl(paths):
+    for where, record in rows:
         try:
             if isinstance(record, RecordError):
                 raise record
+            record = rename_columns(record, columns)
             records.append(encode_record(record, kind, tokenizer, max_seq_len, truncation))
         except RecordError as e:
             if strict:
@@ -297,16 +309,23 @@ def encode_jsonl(paths: list[Path], kind: str, tokenizer: Tokenizer, max_seq_len
     if bad:
         print(f"warning: skipped {len(bad)} bad record(s); first: {'; '.join(bad[:3])}", file=sys.stderr)
     if not records:
-        names = ", ".join(str(p) for p in paths)
         raise ValueError(f"no usable {kind} records in {names}" + (f" ({len(bad)} bad)" if bad else
                                                                          " (empty input)"))
     return RecordStore.from_records(records, tokenizer.vocab_size, {"train_type": kind})
 
 
 def _open_store(kind: str, data_path: str | Path | list, tokenizer: Tokenizer | None, max_seq_len: int,
-                truncation: str) -> RecordStore:
+                truncation: str, columns: dict[str, str] | None = None) -> RecordStore:
+    source = parse_dataset_path(data_path)
+    if source is not None:  # a `datasets` dataset: rows -> the same record checks as JSONL
+        if tokenizer is None:
+            raise ValueError(f"reading dataset '{source.text}' needs a tokenizer; set tokenizer_path")
+        return encode_rows(iter_dataset(source, columns), source.text, kind, tokenizer, max_seq_len, truncation)
     paths = [Path(p) for p in (data_path if isinstance(data_path, list | tuple) else [data_path])]
     if len(paths) == 1 and paths[0].is_dir():
+        if columns:
+            raise ValueError(f"data_columns is set but '{paths[0]}' is a preprocessed shard dir (already "
+                             "tokenised); data_columns applies to JSONL files and datasets: drop it")
         store = RecordStore.open(paths[0])
         found = store.meta.get("train_type")
         if found != kind:
@@ -318,15 +337,17 @@ def _open_store(kind: str, data_path: str | Path | list, tokenizer: Tokenizer | 
         return store
     if tokenizer is None:
         raise ValueError(f"reading '{paths[0]}' needs a tokenizer; set tokenizer_path")
-    return encode_jsonl(paths, kind, tokenizer, max_seq_len, truncation)
+    return encode_jsonl(paths, kind, tokenizer, max_seq_len, truncation, columns=columns)
 
 
 def build_dataset(kind: str, data_path: str | Path | list, tokenizer: Tokenizer | None, max_seq_len: int,
-                  pack: bool = False, stride: int | None = None, truncation: str = "keep_start") -> Dataset:
-    """A dataset of one record kind (seq | sft | dpo | prompt | rollout) from JSONL or shards."""
+                  pack: bool = False, stride: int | None = None, truncation: str = "keep_start",
+                  columns: dict[str, str] | None = None) -> Dataset:
+    """A dataset of one record kind (seq | sft | dpo | prompt | rollout) from JSONL, shards or a
+    `datasets` dataset (hf_datasets.py); `columns` renames record fields (field -> column)."""
     if kind not in RECORD_KINDS:
         raise ValueError(f"unknown record kind '{kind}'; expected one of {', '.join(RECORD_KINDS)}")
-    store = _open_store(kind, data_path, tokenizer, max_seq_len, truncation)
+    store = _open_store(kind, data_path, tokenizer, max_seq_len, truncation, columns)
     pad_id = _pad_id(tokenizer, store)
     if kind == "seq":
         eos = tokenizer.eos_token_id if tokenizer is not None else store.meta.get("eos_token_id")

@@ -23,6 +23,14 @@ from typing import Any
 from astrai.data.tokenizer import Tokenizer
 
 RECORD_KINDS = ("seq", "sft", "dpo", "prompt", "rollout")
+# the fields each record kind reads (what `data_columns` may map a dataset's columns onto)
+RECORD_FIELDS = {
+    "seq": ("text",),
+    "sft": ("messages", "instruction", "input", "output", "tools"),
+    "dpo": ("prompt", "messages", "chosen", "rejected", "tools"),
+    "prompt": ("messages", "prompt", "instruction", "input", "output", "answer", "metadata", "tools"),
+    "rollout": ("prompt", "messages", "responses", "rewards", "logprobs"),
+}
 TRUNCATION_MODES = ("keep_start", "keep_end", "error")
 _PROMPT_KEYS = {"messages", "prompt", "instruction", "input", "answer", "metadata", "output"}
 

@@ -23,6 +23,7 @@ from astrai.infer.defaults import GENERATION_CONFIG_HELP, describe, generation_d
 from astrai.infer.engine import EngineConfig, LLMEngine
 from astrai.infer.generate import add_engine_arguments
 from astrai.infer.sampling import SamplingParams
+from astrai.model.hub import resolve_model_path
 
 HELP = "/reset forgets the conversation, /exit leaves (or end of input), Ctrl-C stops a reply"
 SAMPLING = {"temperature": float, "top_p": float, "top_k": int, "min_p": float, "repetition_penalty": float,
@@ -142,6 +143,7 @@ def main(argv: list[str] | None = None, stdin: TextIO | None = None, stdout: Tex
 
         args.model = model_argument(args.model, "astrai chat")  # a run's ckpt_dir: its newest checkpoint
         check_device(args.device)
+        args.model = resolve_model_path(args.model)  # a Hub id -> its cached snapshot directory
         check_model_dir(args.model)
         defaults = generation_defaults(args.model, args.generation_config)
         if defaults:

@@ -132,7 +132,9 @@ class LLMEngine:
     def from_pretrained(cls, model_dir: str | Path, **config_fields: Any) -> LLMEngine:
         from astrai.data.tokenizer import load_tokenizer
         from astrai.model.hf import load_model
+        from astrai.model.hub import resolve_model_path
 
+        model_dir = resolve_model_path(model_dir)  # a Hub id -> its cached snapshot; a local path as it is
         config = _make_config(None, config_fields)
         device = config.device or ("cuda" if torch.cuda.is_available() else "cpu")
         model = load_model(model_dir, dtype=config.dtype, device=device, lora=config.lora)

@@ -161,8 +161,11 @@ def load_model(
     """A CausalLM from a HF model directory; built on the meta device, then given the weights.
     A checkpoint directory's manifest is checked first: file sizes always, sha256 with `verify`.
     A PEFT adapter directory (a LoRA run's checkpoint) loads its base with the adapter merged,
-    and so does a base directory with `lora=ADAPTER_DIR`."""
-    path = Path(path)
+    and so does a base directory with `lora=ADAPTER_DIR`. A Hugging Face Hub id (`org/name`) that
+    is not a local path loads from the Hub cache (`model/hub.py`)."""
+    from astrai.model.hub import resolve_model_path
+
+    path = Path(resolve_model_path(path, "model path"))
     check_device(device)
     if (path / "adapter_config.json").is_file() and not (path / "config.json").is_file():
         from astrai.model.lora import resolve_base

@@ -262,13 +262,17 @@ def read_adapter_config(path: str | Path) -> dict[str, Any]:
 
 def resolve_base(adapter: str | Path, base: str | Path | None = None) -> Path:
     """The base model directory of an adapter: `base`, else its base_model_name_or_path (as
-    written, or relative to the adapter directory)."""
+    written, or relative to the adapter directory, or a Hub id's cached snapshot as PEFT names it)."""
     if base is not None:
         return Path(base)
     named = read_adapter_config(adapter).get("base_model_name_or_path")
     for candidate in ([Path(named), Path(adapter) / named] if named else []):
         if (candidate / "config.json").is_file():
             return candidate
+    from astrai.model.hub import is_hub_id, resolve_model_path
+
+    if named and is_hub_id(named):
+        return Path(resolve_model_path(named, f"the base model of adapter {adapter}"))
     raise FileNotFoundError(f"the base model of adapter {adapter} ({named!r}) is not a model directory "
                             "here; pass the base directory explicitly (--base DIR or --model DIR)")
 

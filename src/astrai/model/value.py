@@ -51,7 +51,9 @@ class ValueModel(nn.Module):
         from ``score.weight`` (transformers' sequence classification, one label) or
         ``value_head.weight``/``.bias`` when present, else zero (a warm start from a policy)."""
         from astrai.model.hf import load_config, read_safetensors, state_dict_from_hf
+        from astrai.model.hub import resolve_model_path
 
+        path = resolve_model_path(path, "critic_model_path")  # a Hub id -> its cached snapshot
         config = load_config(path)
         tensors = read_safetensors(path)
         weight, bias = tensors.pop("score.weight", None), tensors.pop("score.bias", None)

@@ -32,7 +32,7 @@ def build_tokenizer(cfg: Config) -> Any:
     path = cfg.data.tokenizer_path or cfg.train.param_path
     if path is None:
         return None
-    path = resolve_param_path(path)
+    path = resolve_param_path(path, "tokenizer_path" if cfg.data.tokenizer_path else "param_path")
     from astrai.data.tokenizer import load_tokenizer
 
     if not Path(path).exists():
@@ -40,10 +40,14 @@ def build_tokenizer(cfg: Config) -> Any:
     return load_tokenizer(path)
 
 
-def resolve_param_path(path: str) -> str:
+def resolve_param_path(path: str, what: str = "param_path") -> str:
     """A model or checkpoint directory as it is; a ckpt_dir (holding step_N checkpoints) stands
-    for its newest complete checkpoint, so a config can chain stages without knowing N."""
+    for its newest complete checkpoint, so a config can chain stages without knowing N; a Hugging
+    Face Hub id (`org/name`) that is not a local path stands for its cached snapshot."""
+    from astrai.model.hub import resolve_model_path
     from astrai.model.manifest import resolve_model_dir  # the rule `astrai generate --model` follows too
+
+    path = resolve_model_path(path, what)
 
     resolved = resolve_model_dir(path)
     return path if resolved == Path(path) else str(resolved)
@@ -116,23 +120,27 @@ class _Subset:
 def build_datasets(cfg: Config, tokenizer: Any) -> tuple[Any, Any]:
     """(train, val) datasets; val from val_data_path, else a seeded val_split of data_path, else None."""
     from astrai.data.datasets import build_dataset
+    from astrai.data.hf_datasets import parse_dataset_path
     from astrai.train.types import record_kind
 
     d = cfg.data
     for name in ("data_path", "val_data_path"):
         path = getattr(d, name)
         if name == "data_path" and path is None:
-            raise ValueError("data_path is not set; give --data_path FILE.jsonl or a preprocessed shard dir")
-        if path is not None and not Path(path).exists():
-            raise FileNotFoundError(f"{name} {path!r} does not exist; check --{name}")
-    if tokenizer is None and Path(d.data_path).is_file():  # shard dirs are already tokenized
+            raise ValueError("data_path is not set; give --data_path FILE.jsonl, a preprocessed shard dir or a "
+                             "dataset (hf:NAME@SPLIT, a save_to_disk dir)")
+        if path is not None and parse_dataset_path(path) is None and not Path(path).exists():
+            raise FileNotFoundError(f"{name} {path!r} does not exist; check --{name} (a dataset on the Hub is "
+                                    f"written hf:{path})")
+    if tokenizer is None and (Path(d.data_path).is_file() or parse_dataset_path(d.data_path) is not None):
+        # shard dirs are already tokenized; JSONL and datasets are not
         raise ValueError("no tokenizer: set tokenizer_path (or param_path, whose directory holds one)")
 
     def build(path: str) -> Any:
         kind = record_kind(d.train_type)
         # prompts are checked against max_prompt_len at rollout time: skipped and counted there
         max_len = 1 << 30 if kind == "prompt" else d.max_seq_len
-        return build_dataset(kind, path, tokenizer, max_len, pack=d.pack, stride=d.seq_stride)
+        return build_dataset(kind, path, tokenizer, max_len, pack=d.pack, stride=d.seq_stride, columns=d.data_columns)
 
     train = build(d.data_path)
     if d.val_data_path is not None:

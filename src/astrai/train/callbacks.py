@@ -5,7 +5,8 @@ per micro-batch ``on_batch_begin`` / ``on_batch_end``, per optimizer step
 ``before_optimizer_step`` / ``after_optimizer_step`` (``trainer.step_metrics`` holds the step's
 metrics there, validation ones included), ``on_epoch_end``; ``on_error`` when the loop raises and
 ``on_train_end`` always. Built in: metrics log (``metrics.jsonl``), checkpoints, tqdm progress,
-early stopping, optional TensorBoard and the end-of-run summary (``summary.py``). Users pass their own objects to ``Trainer(callbacks=...)``;
+early stopping, the ``report_to`` backends (``reporters.py``: TensorBoard, wandb, MLflow) and the
+end-of-run summary (``summary.py``). Users pass their own objects to ``Trainer(callbacks=...)``;
 a callback implements any subset of the hooks, and may offer ``state_dict``/``load_state_dict``
 (saved in the checkpoint's trainer state).
 
@@ -244,39 +245,6 @@ class EarlyStopping:
         self.best, self.num_bad = state["best"], int(state["num_bad"])
 
 
-# ------------------------------------------------------------------------------ tensorboard
-
-
-class TensorBoardLogger:
-    """Scalars to TensorBoard event files when the ``tensorboard`` package is installed."""
-
-    def __init__(self, log_dir: str | Path, metrics: Iterable[str] | None = None):
-        self.log_dir = Path(log_dir) / "tensorboard"
-        self.writer = None
-        self.requested_metrics = None if metrics is None else frozenset(metrics)
-
-    def on_train_begin(self, trainer: Loop) -> None:
-        if not trainer.is_main:
-            return
-        try:
-            from torch.utils.tensorboard import SummaryWriter
-        except ImportError:
-            print("tensorboard=true but the tensorboard package is not installed; "
-                  "pip install tensorboard, or set --tensorboard false", file=sys.stderr)
-            return
-        self.writer = SummaryWriter(str(self.log_dir))
-
-    def after_optimizer_step(self, trainer: Loop) -> None:
-        if self.writer is not None:
-            for k, v in trainer.step_metrics.items():
-                if isinstance(v, int | float) and k not in ("step", "epoch"):
-                    self.writer.add_scalar(k, v, trainer.ctx.step)
-
-    def on_train_end(self, trainer: Loop) -> None:
-        if self.writer is not None:
-            self.writer.close()
-
-
 def default_callbacks(trainer: Loop) -> list[Any]:
     """The built-in callbacks a config asks for; metrics come before checkpoints so that a
     checkpoint's copy of metrics.jsonl holds its own step."""
@@ -287,8 +255,12 @@ def default_callbacks(trainer: Loop) -> list[Any]:
                                  cfg.train.early_stopping_min_delta, cfg.train.early_stopping_mode))
     if cfg.log.progress:
         cbs.append(ProgressBar(trainer.total_steps))
-    if cfg.log.tensorboard:
-        cbs.append(TensorBoardLogger(cfg.log.log_dir, cfg.log.log_metrics))
+    report_to = list(cfg.log.report_to) + (["tensorboard"] if cfg.log.tensorboard else [])
+    if report_to:  # the same numbers as metrics.jsonl, to TensorBoard / wandb / MLflow (reporters.py)
+        from astrai.train.reporters import ReportTo
+
+        cbs.append(ReportTo(report_to, cfg.log.log_dir, cfg.log.report_project, cfg.log.run_name,
+                            cfg.log.log_metrics))
     cbs.append(CheckpointSaver(cfg.ckpt.ckpt_interval))
     cbs.append(RunSummary(trainer.ctx.command))
     return cbs

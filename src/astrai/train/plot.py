@@ -2,8 +2,12 @@
 
 The end of the training data flow for humans: the metrics log written by the trainer's
 MetricsLogger becomes one PNG per metric (loss, lr, grad_norm, tokens_per_s and every objective
-metric) plus ``curves.png`` with all of them on one page. A validation metric is drawn over its
-training counterpart (``val/loss`` on the ``loss`` plot).
+metric), one PNG per metric group (``group_loss.png``, ``group_lr.png``, ``group_grad_norm.png``,
+``group_throughput.png``, ``group_reward.png``, ``group_length.png``, ``group_other.png``: the
+group's metrics side by side) and ``curves.png`` with all of them on one page. Training curves
+are smoothed by an exponential moving average (``--smooth``, TensorBoard's debiased form) with
+the raw curve drawn faint behind; a validation metric is drawn raw over its training counterpart
+(``val/loss`` on the ``loss`` plot). Gradient norms use a log y-scale.
 """
 
 from __future__ import annotations
@@ -11,17 +15,33 @@ from __future__ import annotations
 import json
 import math
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 from astrai.flags import ArgumentParser
 
 SKIP = {"step", "epoch", "split", "num_loss_units"}
+DEFAULT_SMOOTH = 0.6
+
+# metric groups, first match wins; each becomes group_<name>.png
+GROUPS: dict[str, Callable[[str], bool]] = {
+    "loss": lambda m: "loss" in m,
+    "lr": lambda m: m == "lr" or m.endswith("_lr"),
+    "grad_norm": lambda m: "grad_norm" in m,
+    "throughput": lambda m: m.endswith("_per_s"),
+    "reward": lambda m: m.startswith("reward") or m.startswith("rewards/"),
+    "length": lambda m: "length" in m,
+    "other": lambda m: True,
+}
+LOG_SCALE_GROUPS = {"grad_norm"}
+
+Series = list[tuple[int, float]]
 
 
-def read_metrics(path: Path) -> tuple[dict[str, list[tuple[int, float]]], dict[str, list[tuple[int, float]]]]:
+def read_metrics(path: Path) -> tuple[dict[str, Series], dict[str, Series]]:
     """(train, val) series: metric name -> [(step, value)]; val names without the 'val/' prefix."""
-    train: dict[str, list[tuple[int, float]]] = {}
-    val: dict[str, list[tuple[int, float]]] = {}
+    train: dict[str, Series] = {}
+    val: dict[str, Series] = {}
     for n, line in enumerate(path.read_text().splitlines(), 1):
         if not line.strip():
             continue
@@ -38,15 +58,43 @@ def read_metrics(path: Path) -> tuple[dict[str, list[tuple[int, float]]], dict[s
     return train, val
 
 
+def ema(values: list[float], smooth: float) -> list[float]:
+    """Debiased exponential moving average, as TensorBoard draws it:
+    s_t = smooth * s_{t-1} + (1 - smooth) * x_t (s_0 = 0), shown as s_t / (1 - smooth^t).
+    ``smooth`` 0 returns the values; a non-finite value is shown as it is and does not enter the average."""
+    if not 0.0 <= smooth < 1.0:
+        raise ValueError(f"smooth={smooth} must be within [0, 1); 0 draws the raw curve, 0.6 is TensorBoard's default")
+    out, acc, n = [], 0.0, 0
+    for x in values:
+        if not math.isfinite(x):
+            out.append(x)
+            continue
+        acc, n = smooth * acc + (1.0 - smooth) * x, n + 1
+        out.append(acc / (1.0 - smooth**n))
+    return out
+
+
+def group_of(metric: str) -> str:
+    return next(name for name, match in GROUPS.items() if match(metric))
+
+
 def _file_name(metric: str) -> str:
     return metric.replace("/", "_") + ".png"
 
 
-def _draw(ax, metric: str, train: list[tuple[int, float]] | None, val: list[tuple[int, float]] | None) -> None:
+def _draw(ax, metric: str, train: Series | None, val: Series | None, smooth: float, log_y: bool) -> None:
     if train:
-        ax.plot(*zip(*train), label="train", linewidth=1.2)
+        steps, values = zip(*train)
+        if smooth > 0:
+            line, = ax.plot(steps, values, linewidth=1.0, alpha=0.25)  # raw, faint
+            ax.plot(steps, ema(list(values), smooth), color=line.get_color(), label="train", linewidth=1.4)
+        else:
+            ax.plot(steps, values, label="train", linewidth=1.2)
     if val:
         ax.plot(*zip(*val), label="val", marker="o", markersize=3, linewidth=1.2)
+    positive = all(v > 0 for _, v in (train or []) + (val or []) if math.isfinite(v))
+    if log_y and positive:
+        ax.set_yscale("log")
     ax.set_title(metric)
     ax.set_xlabel("step")
     ax.grid(alpha=0.3)
@@ -54,13 +102,27 @@ def _draw(ax, metric: str, train: list[tuple[int, float]] | None, val: list[tupl
         ax.legend()
 
 
-def plot_log_dir(log_dir: str | Path, out_dir: str | Path | None = None) -> list[Path]:
+def _page(plt, metrics: list[str], train: dict[str, Series], val: dict[str, Series], smooth: float, path: Path):
+    cols = min(3, len(metrics))
+    rows = math.ceil(len(metrics) / cols)
+    fig, axes = plt.subplots(rows, cols, figsize=(5 * cols, 3.5 * rows), squeeze=False)
+    for ax, metric in zip(axes.flat, metrics):
+        _draw(ax, metric, train.get(metric), val.get(metric), smooth, group_of(metric) in LOG_SCALE_GROUPS)
+    for ax in list(axes.flat)[len(metrics):]:
+        ax.axis("off")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def plot_log_dir(log_dir: str | Path, out_dir: str | Path | None = None, smooth: float = DEFAULT_SMOOTH) -> list[Path]:
     """Write the PNGs; returns their paths. Raises FileNotFoundError when there is no log."""
     import matplotlib
 
     matplotlib.use("Agg")  # files only: no display on servers and CI
     import matplotlib.pyplot as plt
 
+    ema([], smooth)  # checks the factor before any file is written
     log_dir = Path(log_dir)
     path = log_dir / "metrics.jsonl" if log_dir.is_dir() else log_dir
     if not path.is_file():
@@ -74,22 +136,14 @@ def plot_log_dir(log_dir: str | Path, out_dir: str | Path | None = None) -> list
     metrics = first + sorted((set(train) | set(val)) - set(first))
     written = []
     for metric in metrics:
-        fig, ax = plt.subplots(figsize=(6, 4))
-        _draw(ax, metric, train.get(metric), val.get(metric))
-        fig.tight_layout()
-        fig.savefig(out / _file_name(metric), dpi=100)
-        plt.close(fig)
+        _page(plt, [metric], train, val, smooth, out / _file_name(metric))
         written.append(out / _file_name(metric))
-    cols = min(3, len(metrics))
-    rows = math.ceil(len(metrics) / cols)
-    fig, axes = plt.subplots(rows, cols, figsize=(5 * cols, 3.5 * rows), squeeze=False)
-    for ax, metric in zip(axes.flat, metrics):
-        _draw(ax, metric, train.get(metric), val.get(metric))
-    for ax in list(axes.flat)[len(metrics):]:
-        ax.axis("off")
-    fig.tight_layout()
-    fig.savefig(out / "curves.png", dpi=100)
-    plt.close(fig)
+    for group in GROUPS:
+        members = [m for m in metrics if group_of(m) == group]
+        if members:
+            _page(plt, members, train, val, smooth, out / f"group_{group}.png")
+            written.append(out / f"group_{group}.png")
+    _page(plt, metrics, train, val, smooth, out / "curves.png")
     written.append(out / "curves.png")
     return written
 
@@ -98,9 +152,12 @@ def main(argv: list[str] | None = None) -> int:
     parser = ArgumentParser(prog="astrai plot", description="PNG curves from LOG_DIR/metrics.jsonl")
     parser.add_argument("log_dir", help="a training run's log_dir (or a metrics.jsonl file)")
     parser.add_argument("--out", default=None, help="directory for the PNGs (default: LOG_DIR)")
+    parser.add_argument("--smooth", type=float, default=DEFAULT_SMOOTH,
+                        help=f"EMA factor in [0, 1) for training curves, raw curve drawn faint; 0 = raw only "
+                             f"(default {DEFAULT_SMOOTH})")
     args = parser.parse_args(argv)
     try:
-        written = plot_log_dir(args.log_dir, args.out)
+        written = plot_log_dir(args.log_dir, args.out, args.smooth)
     except (FileNotFoundError, ValueError) as e:
         print(f"astrai plot: error: {e}", file=sys.stderr)
         return 1

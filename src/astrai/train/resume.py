@@ -32,9 +32,10 @@ def resume_path(cfg: Config) -> Path:
     """The checkpoint ``--resume`` continues from: param_path when it names one training
     checkpoint, else the latest in ckpt_dir. A param_path that is a model directory or another
     run's ckpt_dir is this run's initial weights (a chained stage), not a state to resume."""
+    from astrai.model.hub import is_hub_id
     from astrai.train.checkpoint import find_resumable_checkpoint
 
-    if cfg.train.param_path is not None:
+    if cfg.train.param_path is not None and not is_hub_id(cfg.train.param_path):  # a Hub model is no checkpoint
         path = Path(cfg.train.param_path)
         if not path.is_dir():
             raise FileNotFoundError(f"--resume from param_path {str(path)!r}: no such checkpoint directory")
@@ -134,7 +135,7 @@ def set_rng_state(state: dict[str, Any]) -> None:
 # Fields a resume may change without breaking anything: they are applied from the new config.
 APPLIED_ON_RESUME = frozenset({
     "resume", "param_path", "max_steps", "n_epoch", "ckpt_dir", "ckpt_interval", "keep_last", "ckpt_background",
-    "log_dir", "progress", "tensorboard", "log_metrics", "val_interval", "val_max_batches", "stop_timeout",
+    "log_dir", "progress", "tensorboard", "report_to", "report_project", "run_name", "log_metrics", "val_interval", "val_max_batches", "stop_timeout",
     "early_stopping_metric", "early_stopping_patience", "early_stopping_min_delta", "early_stopping_mode",
     "max_nonfinite_steps", "device", "nprocs", "max_policy_lag",
 })
