@@ -43,6 +43,9 @@ class StepClock:
             out.update({"tokens_per_s": sum(roll_t) / max(sum(roll_s), 1e-9),
                         "rollout_share": sum(roll_s) / max(sum(wall), 1e-9),
                         "tokens_per_step": statistics.mean(roll_t) if roll_t else float("nan")})
+            if roll_s:  # the rest of a step: log-probs, loss, backward, optimizer, bookkeeping
+                out["rollout_s"] = statistics.mean(roll_s)
+                out["train_s"] = out["step_s"] - out["rollout_s"]
         return out
 
 
