@@ -15,6 +15,7 @@ from astrai import config as run_config
 from astrai.cli import COMMANDS
 from astrai.cli import main as astrai_main
 from astrai.config import ConfigError, build_config, parse_overrides
+from astrai.config_values import type_name
 from astrai.flags import ArgumentParser
 
 
@@ -160,6 +161,6 @@ def test_train_help_lists_every_config_field_by_section_with_type_and_default() 
                 continue
             default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
             cells = re.split(r"\s{2,}", rows[f.name].strip())
-            assert cells[1] == run_config._type_name(hints[f.name]), rows[f.name]
+            assert cells[1] == type_name(hints[f.name]), rows[f.name]
             assert run_config.yaml.safe_load(cells[2]) == default, rows[f.name]
     assert "restore the full training state" in " ".join(blocks["train"])  # the field's comment is its meaning

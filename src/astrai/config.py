@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import types
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -21,11 +20,8 @@ from typing import Any
 
 import yaml
 
+from astrai.config_values import ConfigError, base_types, check_value, parse_flag_value, type_name
 from astrai.model.config import did_you_mean
-
-
-class ConfigError(ValueError):
-    """A bad config file, key, flag or value; the message names the field and the fix."""
 
 
 @dataclass
@@ -250,96 +246,6 @@ def field_table() -> dict[str, tuple[str, Any]]:
     return table
 
 
-def _type_name(tp: Any) -> str:
-    if isinstance(tp, type):
-        return tp.__name__
-    return str(tp).replace("typing.", "")
-
-
-def _is_optional(tp: Any) -> bool:
-    return type(None) in typing.get_args(tp)
-
-
-def _base_types(tp: Any) -> tuple[Any, ...]:
-    origin = typing.get_origin(tp)
-    if origin in (typing.Union, types.UnionType):
-        return tuple(a for a in typing.get_args(tp) if a is not type(None))
-    return (tp,)
-
-
-def _check_one(value: Any, tp: Any) -> tuple[bool, Any]:
-    """(ok, coerced value) for one non-None base type."""
-    origin = typing.get_origin(tp) or tp
-    if tp is Any:
-        return True, value
-    if tp is bool:
-        return isinstance(value, bool), value
-    if tp is int:
-        return isinstance(value, int) and not isinstance(value, bool), value
-    if tp is float:
-        if isinstance(value, int | float) and not isinstance(value, bool):
-            return True, float(value)
-        if isinstance(value, str):  # PyYAML reads 1e-3 (no dot) as a string
-            try:
-                return True, float(value)
-            except ValueError:
-                return False, value
-        return False, value
-    if tp is str:
-        return isinstance(value, str), value
-    if origin in (list, tuple):
-        return isinstance(value, list | tuple), list(value) if isinstance(value, tuple) else value
-    if origin is dict:
-        return isinstance(value, dict), value
-    return True, value  # unknown annotation: let the owning dataclass validate it
-
-
-def check_value(name: str, section: str, value: Any, tp: Any) -> Any:
-    """Return ``value`` coerced to ``tp`` or raise a ConfigError naming field, value and type."""
-    if value is None:
-        if _is_optional(tp):
-            return None
-        raise ConfigError(f"config key {name!r} in section {section!r} may not be null; expected {_type_name(tp)}")
-    for base in _base_types(tp):
-        ok, coerced = _check_one(value, base)
-        if ok:
-            return coerced
-    raise ConfigError(
-        f"config key {name!r} in section {section!r} has value {value!r} of type "
-        f"{type(value).__name__}; expected {_type_name(tp)}"
-    )
-
-
-def parse_flag_value(name: str, section: str, text: str, tp: Any) -> Any:
-    """Parse a command-line string for a field of type ``tp``."""
-    if text.lower() in ("null", "none") and _is_optional(tp):
-        return None
-    for base in _base_types(tp):
-        if base is bool:
-            if text.lower() in ("true", "1", "yes", "on"):
-                return True
-            if text.lower() in ("false", "0", "no", "off"):
-                return False
-        elif base is int:
-            try:
-                return int(text)
-            except ValueError:
-                pass
-        elif base is float:
-            try:
-                return float(text)
-            except ValueError:
-                pass
-        elif base is str:
-            return text
-        else:  # lists, dicts: YAML syntax on the command line
-            try:
-                return check_value(name, section, yaml.safe_load(text), base)
-            except (yaml.YAMLError, ConfigError):
-                pass
-    raise ConfigError(f"flag --{name} has value {text!r}; expected {_type_name(tp)}")
-
-
 # ----------------------------------------------------------------------------- assembling
 
 
@@ -547,9 +453,9 @@ def parse_overrides(args: list[str]) -> dict[str, Any]:
             name = name.split(".", 1)[1]
         negated = name.removeprefix("no_")
         if name not in table and negated != name and negated in table:  # --no-pack: a boolean set false
-            if bool not in _base_types(table[negated][1]):
+            if bool not in base_types(table[negated][1]):
                 raise ConfigError(f"flag {arg} sets {negated!r} false, but {negated!r} is "
-                                  f"{_type_name(table[negated][1])}, not a boolean; give --{negated} VALUE")
+                                  f"{type_name(table[negated][1])}, not a boolean; give --{negated} VALUE")
             if eq:
                 raise ConfigError(f"flag {arg} takes no value; use --{negated} {text} instead")
             out[negated] = False
@@ -560,63 +466,17 @@ def parse_overrides(args: list[str]) -> dict[str, Any]:
         section, tp = table[name]
         if not eq:
             nxt = args[i + 1] if i + 1 < len(args) else None
-            if bool in _base_types(tp) and (nxt is None or nxt.startswith("--")):
+            if bool in base_types(tp) and (nxt is None or nxt.startswith("--")):
                 out[name] = True
                 i += 1
                 continue
             if nxt is None:
-                raise ConfigError(f"flag --{name} needs a value ({_type_name(tp)})")
+                raise ConfigError(f"flag --{name} needs a value ({type_name(tp)})")
             text = nxt
             i += 1
         out[name] = parse_flag_value(name, section, text, tp)
         i += 1
     return out
-
-
-# ----------------------------------------------------------------------------- help
-
-
-def _field_comments(cls: type) -> dict[str, str]:
-    """field -> its trailing ``# comment`` in the dataclass source (the field's meaning), when the
-    source is available."""
-    import inspect
-    import re
-
-    try:
-        source = inspect.getsource(cls)
-    except (OSError, TypeError):
-        return {}
-    found = re.findall(r"^\s+(\w+): [^#\n]*#\s*(.*)$", source, flags=re.MULTILINE)
-    return dict(found)
-
-
-def _yaml_scalar(value: Any) -> str:
-    """A default as YAML writes it: null, true, 0.001, [exact_match]."""
-    return yaml.safe_dump(value, default_flow_style=True, width=10**6).strip().removesuffix("...").strip()
-
-
-def fields_help() -> str:
-    """Every config field by YAML section, with its type, default and meaning; generated from the
-    dataclasses (what ``astrai train --help`` prints after its usage)."""
-    from astrai.model.config import ModelConfig
-
-    lines = ["config fields by YAML section: name, type, default, meaning (in full: docs/training.md)"]
-    rows: list[tuple[str, ...]] = []  # (section,) headers and (name, type, default, meaning) rows
-    for section, cls in {"model": ModelConfig, **SECTIONS}.items():
-        hints, comments = typing.get_type_hints(cls), _field_comments(cls)
-        rows.append((f"{section}:" + (" (a model built from scratch; omit with param_path)" if section == "model"
-                                      else ""),))
-        for f in dataclasses.fields(cls):
-            if not f.name.startswith("_"):
-                default = f.default if f.default is not dataclasses.MISSING else f.default_factory()  # type: ignore[misc]
-                rows.append((f.name, _type_name(hints[f.name]), _yaml_scalar(default), comments.get(f.name, "")))
-    widths = [min(max(len(r[i]) for r in rows if len(r) > 1), cap) for i, cap in enumerate((32, 22, 14))]
-    for row in rows:
-        if len(row) == 1:
-            lines += ["", row[0]]
-        else:
-            lines.append("  " + "  ".join(cell.ljust(w) for cell, w in zip(row, widths)) + "  " + row[3])
-    return "\n".join(line.rstrip() for line in lines) + "\n"
 
 
 def load_config(config_path: str | Path | None, args: list[str] | None = None) -> Config:

@@ -11,11 +11,17 @@ A graceful stop (signal, early stopping) publishes a checkpoint and exits 0.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import sys
+import typing
 from contextlib import nullcontext
+from typing import Any
 
-from astrai.config import Config, ConfigError, fields_help, load_config
+import yaml
+
+from astrai.config import SECTIONS, Config, ConfigError, load_config
+from astrai.config_values import type_name
 from astrai.flags import ArgumentParser, RawEpilogHelpFormatter
 from astrai.train.context import TrainContext
 
@@ -102,3 +108,49 @@ def main(argv: list[str] | None = None) -> int:
         if type(e).__name__ in ("CheckpointError", "HFFormatError", "CkptDirLocked", "NonFiniteError"):
             return _fail(str(e), 1)
         raise
+
+
+# ----------------------------------------------------------------------------- --help
+
+
+def _field_comments(cls: type) -> dict[str, str]:
+    """field -> its trailing ``# comment`` in the dataclass source (the field's meaning), when the
+    source is available."""
+    import inspect
+    import re
+
+    try:
+        source = inspect.getsource(cls)
+    except (OSError, TypeError):
+        return {}
+    found = re.findall(r"^\s+(\w+): [^#\n]*#\s*(.*)$", source, flags=re.MULTILINE)
+    return dict(found)
+
+
+def _yaml_scalar(value: Any) -> str:
+    """A default as YAML writes it: null, true, 0.001, [exact_match]."""
+    return yaml.safe_dump(value, default_flow_style=True, width=10**6).strip().removesuffix("...").strip()
+
+
+def fields_help() -> str:
+    """Every config field by YAML section, with its type, default and meaning; generated from the
+    dataclasses (what ``astrai train --help`` prints after its usage)."""
+    from astrai.model.config import ModelConfig
+
+    lines = ["config fields by YAML section: name, type, default, meaning (in full: docs/training.md)"]
+    rows: list[tuple[str, ...]] = []  # (section,) headers and (name, type, default, meaning) rows
+    for section, cls in {"model": ModelConfig, **SECTIONS}.items():
+        hints, comments = typing.get_type_hints(cls), _field_comments(cls)
+        rows.append((f"{section}:" + (" (a model built from scratch; omit with param_path)" if section == "model"
+                                      else ""),))
+        for f in dataclasses.fields(cls):
+            if not f.name.startswith("_"):
+                default = f.default if f.default is not dataclasses.MISSING else f.default_factory()  # type: ignore[misc]
+                rows.append((f.name, type_name(hints[f.name]), _yaml_scalar(default), comments.get(f.name, "")))
+    widths = [min(max(len(r[i]) for r in rows if len(r) > 1), cap) for i, cap in enumerate((32, 22, 14))]
+    for row in rows:
+        if len(row) == 1:
+            lines += ["", row[0]]
+        else:
+            lines.append("  " + "  ".join(cell.ljust(w) for cell, w in zip(row, widths)) + "  " + row[3])
+    return "\n".join(line.rstrip() for line in lines) + "\n"
