@@ -53,6 +53,7 @@ def test_tutorial_script_keeps_every_runnable_block():
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(3600)  # serving, two evals and 20 GRPO steps of a 135M model on a CPU
 @pytest.mark.skipif(not (MODEL_DIR / "config.json").exists(),
                     reason=f"{MODEL_DIR} not found; run `make real-model` to create it")
 def test_tutorial_runs_as_written(tmp_path):
