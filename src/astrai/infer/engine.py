@@ -26,6 +26,7 @@ import torch
 from torch import nn
 
 from astrai.infer.block_manager import BlockManager, kv_bytes_per_token
+from astrai.infer.compiled import CompiledDecode
 from astrai.infer.detokenize import detokenize, find_stop_string, flush_text, visible_text
 from astrai.infer.outputs import (
     CompletionOutput,
@@ -64,6 +65,7 @@ class EngineConfig:
     lora: str | None = None  # from_pretrained only: a PEFT adapter directory, merged into the weights at load
     num_threads: int | None = None  # from_pretrained on CPU: torch threads; None: probed (default vs 1)
     linear_layout: str | None = None  # from_pretrained: "out_in" | "in_out" weight storage; None: probed
+    compile: bool = False  # decode steps' MLPs under torch.compile, per batch-size bucket (warm-up at start)
 
 
 @dataclass
@@ -122,6 +124,10 @@ class LLMEngine:
                              f"got {config.decode_view_memory_gb!r}")
         self.runner = ModelRunner(model, num_blocks, config.block_size, dtype=dtype, device=device,
                                   decode_view_bytes=int(config.decode_view_memory_gb * (1 << 30)))
+        if config.compile:
+            self.runner.compiled = CompiledDecode(model, config.max_num_seqs)
+            self.runner.compiled.warm_up()
+            self.probes["compile"] = self.runner.compiled.describe()
         self.sampler = Sampler(make_generator(config.engine_seed, device))
         self.device = device
         self.policy_version = 0

@@ -68,7 +68,10 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     engine = parser.add_argument_group("engine")
     for f in fields(EngineConfig):
         kind = {"int": int, "float": float, "str": str, "bool": _bool}[str(f.type).split(" |")[0]]
-        engine.add_argument(f"--{f.name}", type=kind, default=f.default)
+        if kind is _bool:  # `--compile` alone means true; `--compile false` still works
+            engine.add_argument(f"--{f.name}", type=kind, default=f.default, nargs="?", const=True)
+        else:
+            engine.add_argument(f"--{f.name}", type=kind, default=f.default)
 
 
 def _bool(text: str) -> bool:

@@ -44,7 +44,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--log_level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     p.add_argument("--generation_config", default="auto", help=GENERATION_CONFIG_HELP)
     for name, default, help_ in _engine_fields():
-        p.add_argument(f"--{name}", type=_parse_value, default=argparse.SUPPRESS,
+        bare = dict(nargs="?", const=True) if isinstance(default, bool) else {}  # `--compile` alone: true
+        p.add_argument(f"--{name}", type=_parse_value, default=argparse.SUPPRESS, **bare,
                        help=f"engine setting (default: {default!r}){': ' + help_ if help_ else ''}")
     return p
 
