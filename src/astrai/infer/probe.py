@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-CHUNK_COST_RATIO = 6.0  # a prefill chunk may cost this many single-token forward passes
+CHUNK_COST_RATIO = 4.0  # a prefill chunk may cost this many single-token forward passes
 CHUNK_MIN, CHUNK_MAX = 16, 2048  # the chunk sizes probed (powers of two)
 PROBE_TOKENS = 32  # tokens of the forward pass that compares threads and layouts (a decode batch)
 MIN_GAIN = 0.05  # a non-default setting is kept only when at least this much faster
