@@ -36,7 +36,7 @@ from astrai.infer.outputs import (
     TopLogprobs,
     logprob_entry,
 )
-from astrai.infer.probe import choose_linear_layout, choose_threads, measure_step_cost, set_linear_layout
+from astrai.infer.probe import check_tuning, measure_step_cost, tune_owned_model
 from astrai.infer.runner import ModelRunner, StepLogits
 from astrai.infer.sampling import Sampler, SamplerOutput, SamplingParams, make_generator, top_alternatives
 from astrai.infer.scheduler import Scheduler, Sequence
@@ -148,10 +148,11 @@ class LLMEngine:
         from astrai.model.hf import load_model
 
         config = _make_config(None, config_fields)
+        check_tuning(config.num_threads, config.linear_layout)  # before the (slow) load
         device = config.device or ("cuda" if torch.cuda.is_available() else "cpu")
         model = load_model(model_dir, dtype=config.dtype, device=device, lora=config.lora)
         model.eval()
-        probes = _tune_owned_model(model, config)
+        probes = tune_owned_model(model, config.num_threads, config.linear_layout)
         tokenizer = load_tokenizer(model_dir) if (Path(model_dir) / "tokenizer.json").exists() else None
         engine = cls(model, tokenizer, config)
         engine.probes = {**probes, **engine.probes}
@@ -533,28 +534,6 @@ class LLMEngine:
                     pending.discard(req.request_id)
                     if on_finish is not None:
                         on_finish()
-
-
-def _tune_owned_model(model: nn.Module, config: EngineConfig) -> dict[str, Any]:
-    """Settings of a model the engine loaded itself (so nobody else's threads or weights are
-    touched): torch's CPU thread count and the linear weights' storage order, given or probed."""
-    probes: dict[str, Any] = {}
-    on_cpu = next(model.parameters()).device.type == "cpu"
-    if config.num_threads is not None:
-        if config.num_threads < 1:
-            raise ValueError(f"num_threads must be >= 1, got {config.num_threads}")
-        torch.set_num_threads(config.num_threads)
-    elif on_cpu:
-        with torch.inference_mode():
-            probes["threads"] = choose_threads(model)
-    if config.linear_layout not in (None, "out_in", "in_out"):
-        raise ValueError(f"linear_layout must be 'out_in', 'in_out' or unset (probed), got {config.linear_layout!r}")
-    if config.linear_layout is not None:
-        set_linear_layout([m for m in model.modules() if isinstance(m, nn.Linear)], config.linear_layout == "in_out")
-    elif on_cpu:
-        with torch.inference_mode():
-            probes["linear_layout"] = choose_linear_layout(model)
-    return probes
 
 
 def _make_config(config: EngineConfig | None, overrides: dict[str, Any]) -> EngineConfig:

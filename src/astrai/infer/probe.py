@@ -138,3 +138,29 @@ def choose_linear_layout(model: nn.Module, repeats: int = 3) -> dict:
     chosen = "in_out" if times["in_out"] < (1 - MIN_GAIN) * times["out_in"] else "out_in"
     set_linear_layout(linears, chosen == "in_out")
     return {"linear_layout": chosen, "probed": True, "forward_ms": {k: round(s * 1e3, 2) for k, s in times.items()}}
+
+
+def check_tuning(num_threads: int | None, linear_layout: str | None) -> None:
+    if num_threads is not None and num_threads < 1:
+        raise ValueError(f"num_threads must be >= 1, got {num_threads}")
+    if linear_layout not in (None, "out_in", "in_out"):
+        raise ValueError(f"linear_layout must be 'out_in', 'in_out' or unset (probed), got {linear_layout!r}")
+
+
+def tune_owned_model(model: nn.Module, num_threads: int | None, linear_layout: str | None) -> dict:
+    """Settings of a model an engine loaded itself (nobody else's threads or weights are touched):
+    torch's CPU thread count and the linear weights' storage order, each given or probed (CPU)."""
+    check_tuning(num_threads, linear_layout)
+    probes: dict = {}
+    on_cpu = next(model.parameters()).device.type == "cpu"
+    if num_threads is not None:
+        torch.set_num_threads(num_threads)
+    elif on_cpu:
+        with torch.inference_mode():
+            probes["threads"] = choose_threads(model)
+    if linear_layout is not None:
+        set_linear_layout([m for m in model.modules() if isinstance(m, nn.Linear)], linear_layout == "in_out")
+    elif on_cpu:
+        with torch.inference_mode():
+            probes["linear_layout"] = choose_linear_layout(model)
+    return probes
