@@ -9,7 +9,10 @@ Rows (ratios are astrai / peer, medians over interleaved repeats):
    tiny model (where both are bound by per-step overhead) and on a small one (hidden 256, 4
    layers), where recomputation costs compute as it does for real models;
 3. KV bytes per cached token vs the theoretical 2 * layers * kv_heads * head_dim * dtype size;
-4. the same throughput rows on a converted SmolLM2 directory when `.cache/smollm2` exists.
+4. the same throughput rows on a converted SmolLM2 directory when `.cache/smollm2` exists (32 prompts x
+   64 new tokens; `--smollm_only` runs just these), loaded with `LLMEngine.from_pretrained` as users
+   load it: its probes pick the CPU thread count (process-wide, so the peer runs with the same) and
+   the linear weight layout.
 Both sides use the same weights (a transformers model saved and loaded with `load_model`) and
 the same thread count. Run: `python benchmarks/bench_generate.py [--quick]`.
 """
@@ -17,6 +20,7 @@ the same thread count. Run: `python benchmarks/bench_generate.py [--quick]`.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import statistics
 import tempfile
@@ -114,10 +118,16 @@ def naive_generate(model, prompts: list[list[int]], new_tokens: int) -> None:
             ids = torch.cat([ids, nxt], dim=1)
 
 
-def throughput_rows(name: str, hf_model, model, prompts, new_tokens: int, args) -> list[tuple]:
+def engine_fields(prompts: list[list[int]], new_tokens: int, args) -> dict:
+    """Offline settings, as `LLM` and `astrai generate` use them: throughput first, no prefill cap."""
+    return dict(max_num_seqs=len(prompts), max_num_batched_tokens=args.batched_tokens, long_prefill_token_threshold=0,
+                kv_cache_tokens=len(prompts) * (max(map(len, prompts)) + new_tokens + 16))
+
+
+def throughput_rows(name: str, hf_model, model, prompts, new_tokens: int, args,
+                    engine: LLMEngine | None = None) -> list[tuple]:
     greedy = SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True)
-    engine = LLMEngine(model, None, max_num_seqs=len(prompts), max_num_batched_tokens=args.batched_tokens,
-                       kv_cache_tokens=len(prompts) * (max(map(len, prompts)) + new_tokens + 16))
+    engine = engine or LLMEngine(model, None, **engine_fields(prompts, new_tokens, args))
     engine.run_batch(prompts[:2], SamplingParams(temperature=0, max_tokens=2))  # warm-up
 
     sampled = SamplingParams(temperature=1.0, top_p=SAMPLED_TOP_P, max_tokens=new_tokens, ignore_eos=True)
@@ -192,11 +202,20 @@ def tiny_models(tmp: Path, shape: dict = TINY):
     return hf_model, load_model(tmp).eval()
 
 
-def smollm_models(path: Path):
+def smollm_rows(path: Path, args) -> list[tuple]:
+    """The real model as users load it (`from_pretrained`, whose probes pick threads and weight
+    layout; the thread count is process-wide, so transformers runs with the same)."""
     from transformers import AutoModelForCausalLM
 
+    vocab = json.loads((path / "config.json").read_text())["vocab_size"]
+    prompts = make_prompts(args.smollm_prompts, 32, 256, vocab, seed=2)
+    new_tokens = args.smollm_tokens
+    engine = LLMEngine.from_pretrained(path, dtype="float32", num_threads=args.threads,
+                                       **engine_fields(prompts, new_tokens, args))
+    print(f"astrai engine: {json.dumps(engine.describe()['probes'])}", flush=True)
     hf_model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    return hf_model, load_model(path, dtype="float32").eval()
+    return throughput_rows(f"SmolLM2 ({len(prompts)} x {new_tokens})", hf_model, engine.model, prompts, new_tokens,
+                           args, engine) + [kv_row(engine.model)]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -209,7 +228,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--batched_tokens", type=int, default=2048, help="astrai token budget per step")
     p.add_argument("--skip_continuous", action="store_true")
     p.add_argument("--smollm_dir", default=".cache/smollm2")
+    p.add_argument("--smollm_only", action="store_true", help="only the real-model rows")
+    p.add_argument("--smollm_prompts", type=int, default=None, help="default 32 (4 with --quick)")
+    p.add_argument("--smollm_tokens", type=int, default=None, help="new tokens each; default 64 (16 with --quick)")
     args = p.parse_args(argv)
+    args.smollm_prompts = args.smollm_prompts or (4 if args.quick else 32)
+    args.smollm_tokens = args.smollm_tokens or (16 if args.quick else 64)
     num_prompts, new_tokens = (16, 32) if args.quick else (64, 128)
     args.naive_prompts, args.naive_tokens = (2, 64) if args.quick else (8, 256)
     if args.quick:
@@ -217,24 +241,21 @@ def main(argv: list[str] | None = None) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     rows = []
-    with tempfile.TemporaryDirectory() as tmp:
-        hf_model, model = tiny_models(Path(tmp))
-        prompts = make_prompts(num_prompts, 32, 256, TINY["vocab_size"])
-        rows += throughput_rows("tiny llama", hf_model, model, prompts, new_tokens, args)
-        rows.append(naive_row("tiny llama", model, args, naive_repeats=max(1, args.repeats - 1)))
-        rows.append(kv_row(model))
-        _print_table(rows, args.repeats)  # the tiny-model rows, before the slower ones
-        if not args.quick:
-            _, small = tiny_models(Path(tmp) / "small", SMALL)
-            rows.append(naive_row("small llama (hidden 256, 4 layers)", small, args, naive_repeats=1))
-            _print_table(rows, args.repeats)
+    if not args.smollm_only:
+        with tempfile.TemporaryDirectory() as tmp:
+            hf_model, model = tiny_models(Path(tmp))
+            prompts = make_prompts(num_prompts, 32, 256, TINY["vocab_size"])
+            rows += throughput_rows("tiny llama", hf_model, model, prompts, new_tokens, args)
+            rows.append(naive_row("tiny llama", model, args, naive_repeats=max(1, args.repeats - 1)))
+            rows.append(kv_row(model))
+            _print_table(rows, args.repeats)  # the tiny-model rows, before the slower ones
+            if not args.quick:
+                _, small = tiny_models(Path(tmp) / "small", SMALL)
+                rows.append(naive_row("small llama (hidden 256, 4 layers)", small, args, naive_repeats=1))
+                _print_table(rows, args.repeats)
     smol = Path(args.smollm_dir)
     if (smol / "config.json").exists():
-        hf_model, model = smollm_models(smol)
-        n, k = (4, 16) if args.quick else (16, 64)
-        prompts = make_prompts(n, 32, 256, model.config.vocab_size, seed=2)
-        rows += throughput_rows("SmolLM2", hf_model, model, prompts, k, args)
-        rows.append(kv_row(model))
+        rows += smollm_rows(smol, args)
         _print_table(rows, args.repeats)
     return 0
 

@@ -66,10 +66,10 @@ def free_port() -> int:
 
 
 class Server:
-    def __init__(self, name: str, cmd: list[str], port: int, model_id: str):
+    def __init__(self, name: str, cmd: list[str], port: int, model_id: str, env: dict[str, str] | None = None):
         self.name, self.port, self.model_id = name, port, model_id
         self.url = f"http://127.0.0.1:{port}"
-        env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+        env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", **(env or {})}
         self.proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
 
     def wait_ready(self, timeout: float = 300.0) -> None:
@@ -94,11 +94,14 @@ class Server:
                 self.proc.kill()
 
 
-def start_servers(model_dir: Path, with_peer: bool, max_model_len: int) -> list[Server]:
+def start_servers(model_dir: Path, with_peer: bool, max_model_len: int, threads: int | None = None,
+                  engine_flags: list[str] | None = None) -> list[Server]:
     port = free_port()
     astrai_cmd = [sys.executable, "-c", "import sys; from astrai.serve.cli import main; sys.exit(main(sys.argv[1:]))",
                   "--model", str(model_dir), "--port", str(port), "--log_level", "warning",
-                  "--max_model_len", str(max_model_len)]
+                  "--max_model_len", str(max_model_len), *(engine_flags or [])]
+    if threads:
+        astrai_cmd += ["--num_threads", str(threads)]
     servers = [Server("astrai", astrai_cmd, port, model_dir.resolve().name)]
     if with_peer:
         port = free_port()
@@ -106,7 +109,8 @@ def start_servers(model_dir: Path, with_peer: bool, max_model_len: int) -> list[
         device = "cuda" if _has_cuda() else "cpu"
         peer_cmd = [str(exe), "serve", "--continuous-batching", "--device", device, "--host", "127.0.0.1",
                     "--port", str(port), "--log-level", "warning", str(model_dir)]
-        servers.append(Server("transformers", peer_cmd, port, str(model_dir)))
+        servers.append(Server("transformers", peer_cmd, port, str(model_dir),
+                              {"OMP_NUM_THREADS": str(threads)} if threads else None))
     for s in servers:
         s.wait_ready()
     return servers
@@ -193,13 +197,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--repeats", type=int, default=None)
     p.add_argument("--max_model_len", type=int, default=1024)
     p.add_argument("--num_requests", type=int, default=None, help="per concurrency level (default: from it)")
+    p.add_argument("--threads", type=int, default=None,
+                   help="CPU threads of both servers (default: astrai probes its own, the peer uses torch's default)")
+    p.add_argument("--engine_flags", default="", help="extra astrai serve flags, e.g. '--compile'")
     args = p.parse_args(argv)
     levels = [int(c) for c in args.concurrency.split(",")]
     max_tokens = args.max_tokens or (32 if args.quick else 128)
     repeats = args.repeats or (1 if args.quick else 3)
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = Path(args.model) if args.model else make_tiny_model(Path(tmp) / "tiny-random")
-        servers = start_servers(model_dir, not args.no_peer, args.max_model_len)
+        servers = start_servers(model_dir, not args.no_peer, args.max_model_len, args.threads, args.engine_flags.split())
         try:
             for s in servers:  # warm-up: first-request costs (lazy imports, allocations) are not measured
                 asyncio.run(run_load(s, 2, 2, 8))
@@ -233,11 +240,13 @@ def print_table(rows: dict[int, dict[str, dict[str, float]]], model: str, max_to
                   f"{m['tpot_p50'] * 1e3:.2f} / {m['tpot_p99'] * 1e3:.2f} | "
                   f"{m['itl_p50'] * 1e3:.2f} / {m['itl_p99'] * 1e3:.2f} |")
     if all("transformers" in v for v in rows.values()):
-        print("\n| concurrency | astrai / transformers output tok/s | transformers / astrai p50 TTFT |")
-        print("|---|---|---|")
+        print("\n| concurrency | astrai / transformers output tok/s | transformers / astrai p50 TTFT "
+              "| transformers / astrai p99 ITL |")
+        print("|---|---|---|---|")
         for c, v in rows.items():
             a, t = v["astrai"], v["transformers"]
-            print(f"| {c} | {a['tok_s'] / t['tok_s']:.2f}x | {t['ttft_p50'] / a['ttft_p50']:.2f}x |")
+            print(f"| {c} | {a['tok_s'] / t['tok_s']:.2f}x | {t['ttft_p50'] / a['ttft_p50']:.2f}x "
+                  f"| {t['itl_p99'] / max(a['itl_p99'], 1e-9):.2f}x |")
 
 
 if __name__ == "__main__":

@@ -46,3 +46,12 @@ def test_bad_flags_fail_clearly(model_dir, capsys):
     assert "unrecognized arguments: --temprature" in capsys.readouterr().err
     assert main(["--model", str(model_dir), "--prompt", "x", "--top_p", "0"]) == 2
     assert "SamplingParams.top_p" in capsys.readouterr().err
+
+
+def test_scheduling_and_compile_flags():
+    from astrai.infer.generate import build_parser
+
+    base = ["--model", "m", "--prompt", "x"]
+    args = build_parser().parse_args(base + ["--compile", "--long_prefill_token_threshold", "32"])
+    assert args.compile is True and args.long_prefill_token_threshold == 32 and args.max_num_batched_tokens is None
+    assert build_parser().parse_args(base + ["--compile", "false"]).compile is False

@@ -17,6 +17,9 @@ def test_defaults_bind_loopback_and_read_the_key_from_env(monkeypatch):
 def test_engine_config_fields_are_flags():
     args = build_parser().parse_args(["--model", "m", "--max_model_len", "64", "--enable_prefix_caching", "false"])
     assert args.max_model_len == 64 and args.enable_prefix_caching is False
+    args = build_parser().parse_args(["--model", "m", "--compile", "--max_num_batched_tokens", "256",
+                                      "--long_prefill_token_threshold", "64"])
+    assert args.compile is True and (args.max_num_batched_tokens, args.long_prefill_token_threshold) == (256, 64)
 
 
 def test_model_name_is_the_directory_basename_unless_given(tmp_path):

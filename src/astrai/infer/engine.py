@@ -26,6 +26,7 @@ import torch
 from torch import nn
 
 from astrai.infer.block_manager import BlockManager, kv_bytes_per_token
+from astrai.infer.compiled import CompiledDecode
 from astrai.infer.detokenize import detokenize, find_stop_string, flush_text, visible_text
 from astrai.infer.outputs import (
     CompletionOutput,
@@ -35,6 +36,7 @@ from astrai.infer.outputs import (
     TopLogprobs,
     logprob_entry,
 )
+from astrai.infer.probe import check_tuning, measure_step_cost, tune_owned_model
 from astrai.infer.runner import ModelRunner, StepLogits
 from astrai.infer.sampling import Sampler, SamplerOutput, SamplingParams, make_generator, top_alternatives
 from astrai.infer.scheduler import Scheduler, Sequence
@@ -42,6 +44,7 @@ from astrai.infer.scheduler import Scheduler, Sequence
 DEFAULT_KV_CACHE_BYTES_CPU = 1 << 30  # without a size, a CPU engine caps its KV pool here
 DEFAULT_GPU_MEMORY_FRACTION = 0.5  # ... and a CUDA engine takes this share of free memory
 DETOKENIZE_CONTEXT = 5  # tokens of left context when decoding a new token's text
+DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048  # budget's chunk part when long_prefill_token_threshold is 0
 
 
 @dataclass
@@ -51,7 +54,8 @@ class EngineConfig:
     kv_cache_memory_gb: float | None = None  # ... or in GiB; neither: a default budget
     max_model_len: int | None = None  # None = the model's max_position_embeddings (at most its sliding_window)
     max_num_seqs: int = 256
-    max_num_batched_tokens: int = 2048  # token budget of one step
+    max_num_batched_tokens: int | None = None  # token budget of one step; None: one chunk + a decode per seat
+    long_prefill_token_threshold: int | None = None  # prefill tokens in a step that decodes; None: probed, 0: no cap
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True
     decode_view_memory_gb: float = 1.0  # dense copy of decoding sequences' KV kept across steps; 0 = off
@@ -59,6 +63,9 @@ class EngineConfig:
     device: str | None = None  # from_pretrained: where to load (None: cuda if available); else the model's
     dtype: str | None = None  # from_pretrained only: weights dtype (None = float32, "auto" = the checkpoint's)
     lora: str | None = None  # from_pretrained only: a PEFT adapter directory, merged into the weights at load
+    num_threads: int | None = None  # from_pretrained on CPU: torch threads; None: probed (default vs 1)
+    linear_layout: str | None = None  # from_pretrained: "out_in" | "in_out" weight storage; None: probed
+    compile: bool = False  # decode steps' MLPs under torch.compile, per batch-size bucket (warm-up at start)
 
 
 @dataclass
@@ -104,16 +111,23 @@ class LLMEngine:
                              f"move the model first or leave device unset")
         dtype = next(model.parameters()).dtype
         num_blocks = self._num_blocks(model_cfg, dtype, device)
-        batched = config.max_num_batched_tokens
+        self.probes: dict[str, Any] = {}  # what load-time probes measured and chose (describe())
+        self._in_inference_mode = False
+        threshold, batched = self._token_budgets(model)
         if not config.enable_chunked_prefill:  # whole prompts (and recomputes) must fit one step
             batched = max(batched, self.max_model_len)
         self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
-        self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, batched, config.enable_chunked_prefill)
+        self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, batched, config.enable_chunked_prefill,
+                                   threshold)
         if not config.decode_view_memory_gb >= 0:
             raise ValueError(f"decode_view_memory_gb must be >= 0 (0 disables the decode copy), "
                              f"got {config.decode_view_memory_gb!r}")
         self.runner = ModelRunner(model, num_blocks, config.block_size, dtype=dtype, device=device,
                                   decode_view_bytes=int(config.decode_view_memory_gb * (1 << 30)))
+        if config.compile:
+            self.runner.compiled = CompiledDecode(model, config.max_num_seqs)
+            self.runner.compiled.warm_up()
+            self.probes["compile"] = self.runner.compiled.describe()
         self.sampler = Sampler(make_generator(config.engine_seed, device))
         self.device = device
         self.policy_version = 0
@@ -136,11 +150,55 @@ class LLMEngine:
 
         model_dir = resolve_model_path(model_dir)  # a Hub id -> its cached snapshot; a local path as it is
         config = _make_config(None, config_fields)
+        check_tuning(config.num_threads, config.linear_layout)  # before the (slow) load
         device = config.device or ("cuda" if torch.cuda.is_available() else "cpu")
         model = load_model(model_dir, dtype=config.dtype, device=device, lora=config.lora)
         model.eval()
+        probes = tune_owned_model(model, config.num_threads, config.linear_layout)
         tokenizer = load_tokenizer(model_dir) if (Path(model_dir) / "tokenizer.json").exists() else None
-        return cls(model, tokenizer, config)
+        engine = cls(model, tokenizer, config)
+        engine.probes = {**probes, **engine.probes}
+        return engine
+
+    def _token_budgets(self, model: nn.Module) -> tuple[int, int]:
+        """(long_prefill_token_threshold, max_num_batched_tokens), the unset ones from the model's
+        measured step cost: one prefill chunk per decoding step, and a budget of that chunk plus
+        a decode for every seat."""
+        cfg = self.config
+        threshold = cfg.long_prefill_token_threshold
+        if threshold is not None and threshold < 0:
+            raise ValueError(f"long_prefill_token_threshold must be >= 0 (0: no cap), got {threshold}")
+        if cfg.max_num_batched_tokens is not None and cfg.max_num_batched_tokens < 1:
+            raise ValueError(f"max_num_batched_tokens must be >= 1, got {cfg.max_num_batched_tokens}")
+        if threshold is None and cfg.enable_chunked_prefill:
+            with self._inference_mode():
+                cost = measure_step_cost(model)
+            self.probes["step_cost"] = cost.as_dict()
+            threshold = cost.chunk
+        threshold = threshold or 0
+        batched = cfg.max_num_batched_tokens
+        if batched is None:
+            batched = (threshold or DEFAULT_MAX_NUM_BATCHED_TOKENS) + cfg.max_num_seqs
+        if threshold > batched:
+            threshold = batched
+        return threshold, batched
+
+    def describe(self) -> dict[str, Any]:
+        """The settings this engine runs with, including what load-time probes measured and chose
+        (for a startup summary): scheduling budgets, KV pool, threads, weight layout."""
+        sched = self.scheduler
+        return {
+            "max_num_seqs": sched.max_num_seqs,
+            "max_num_batched_tokens": sched.max_num_batched_tokens,
+            "long_prefill_token_threshold": sched.long_prefill_token_threshold,
+            "max_model_len": self.max_model_len,
+            "kv_cache_tokens": self.block_manager.num_blocks * self.block_manager.block_size,
+            "block_size": self.block_manager.block_size,
+            "device": str(self.device),
+            "dtype": str(self.runner.kv_caches[0][0].dtype).removeprefix("torch.") if self.runner.kv_caches else None,
+            "torch_threads": torch.get_num_threads(),
+            "probes": self.probes,
+        }
 
     def _num_blocks(self, model_cfg: Any, dtype: torch.dtype, device: torch.device) -> int:
         cfg = self.config

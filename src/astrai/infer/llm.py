@@ -23,6 +23,10 @@ class LLM:
     """Offline generation with vLLM's names: `LLM(model_dir | model, tokenizer).generate(...)`."""
 
     def __init__(self, model: str | Path | nn.Module, tokenizer: Any | None = None, **config_fields: Any) -> None:
+        # offline generation is judged by throughput, not by the gaps between one stream's tokens:
+        # unless given, no per-step prefill cap (as vLLM's LLM class defaults differ from its server's)
+        if config_fields.get("long_prefill_token_threshold") is None:
+            config_fields["long_prefill_token_threshold"] = 0
         if isinstance(model, str | Path):
             self.engine = LLMEngine.from_pretrained(model, **config_fields)
             if tokenizer is not None:

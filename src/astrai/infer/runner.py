@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor, nn
 
+from astrai.infer.compiled import CompiledDecode
 from astrai.infer.scheduler import Sequence
 from astrai.model.attention import DecodeKVView, PagedAttentionMetadata
 
@@ -48,6 +49,7 @@ class ModelRunner:
         self.kv_caches = model.allocate_kv_cache(num_blocks, block_size, dtype=dtype, device=self.device)
         # decode steps read a kept dense copy of their context instead of gathering it every step
         self.decode_view = DecodeKVView(decode_view_bytes) if decode_view_bytes > 0 else None
+        self.compiled: CompiledDecode | None = None  # EngineConfig.compile: decode steps' MLPs compiled
 
     def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
         """Copy-on-write: duplicate block src into dst in every layer's cache."""
@@ -112,9 +114,15 @@ class ModelRunner:
     def _execute_decode(self, seqs: list[Sequence]) -> StepLogits:
         """The steady state: every sequence feeds its last token and samples the next one."""
         positions = [seq.num_computed_tokens for seq in seqs]
-        logits = self._forward([seq.token_ids[-1] for seq in seqs], positions, [1] * len(seqs),
-                               [p + 1 for p in positions], [seq.block_table for seq in seqs],
-                               [seq.seq_id for seq in seqs], None)
+        if self.compiled is not None:
+            self.compiled.active = True
+        try:
+            logits = self._forward([seq.token_ids[-1] for seq in seqs], positions, [1] * len(seqs),
+                                   [p + 1 for p in positions], [seq.block_table for seq in seqs],
+                                   [seq.seq_id for seq in seqs], None)
+        finally:
+            if self.compiled is not None:
+                self.compiled.active = False
         return StepLogits(logits, seqs)
 
     def _forward(self, input_ids: list[int], positions: list[int], query_lens: list[int], context_lens: list[int],

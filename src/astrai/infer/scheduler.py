@@ -1,10 +1,13 @@
 """Continuous batching: which sequences run in the next engine step, and how many tokens each.
 
-The engine adds sequences to `waiting`; every step `schedule()` fills a token budget, first
-with the running sequences in arrival order (a decode costs one token, an unfinished chunked
-prefill what is left of it), then with waiting sequences in arrival order (FCFS: a sequence
-that does not fit blocks the ones behind it). Prefills longer than the remaining budget are
-split into chunks over several steps, mixed with the decodes of other sequences. When the KV
+The engine adds sequences to `waiting`; every step `schedule()` fills a token budget
+(`max_num_batched_tokens`), first with the running sequences in arrival order (a decode costs
+one token, an unfinished chunked prefill what is left of it), then with waiting sequences in
+arrival order (FCFS: a sequence that does not fit blocks the ones behind it). Prefills longer
+than the remaining budget are split into chunks over several steps, mixed with the decodes of
+other sequences. A step that decodes carries at most `long_prefill_token_threshold` prefill
+tokens in all (0: no such cap), so a running decode never waits behind more than one prefill
+chunk of bounded cost; a step without decodes fills the whole budget with prefill. When the KV
 pool runs out, the most recently arrived running sequence is preempted: its blocks are freed
 and it waits at the head of the queue to be recomputed later (cheaply, when its blocks are
 still in the prefix cache). A sequence is never dropped here: it runs, waits, or the engine
@@ -106,11 +109,14 @@ class Scheduler:
         max_num_seqs: int,
         max_num_batched_tokens: int,
         enable_chunked_prefill: bool = True,
+        long_prefill_token_threshold: int = 0,
     ) -> None:
         self.block_manager = block_manager
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.enable_chunked_prefill = enable_chunked_prefill
+        # without chunking a prompt runs whole, so a cap below its length would starve it
+        self.long_prefill_token_threshold = long_prefill_token_threshold if enable_chunked_prefill else 0
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
@@ -126,18 +132,29 @@ class Scheduler:
 
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
-        budget = self._schedule_running(out, self.max_num_batched_tokens)
+        budget = self.max_num_batched_tokens
+        prefill_budget = budget
+        if self.long_prefill_token_threshold > 0:
+            for seq in self.running:  # a loop, not any(generator): this runs every step
+                if seq.num_tokens - seq.num_computed_tokens == 1:  # someone decodes: one bounded chunk
+                    prefill_budget = min(budget, self.long_prefill_token_threshold)
+                    break
+        budget, prefill_budget = self._schedule_running(out, budget, prefill_budget)
         if not out.preempted:  # memory is tight: admit nobody new this step
-            self._schedule_waiting(out, budget)
+            self._schedule_waiting(out, budget, prefill_budget)
         out.num_batched_tokens = sum(n for _, n in out.scheduled)
         return out
 
-    def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
+    def _schedule_running(self, out: SchedulerOutput, budget: int, prefill_budget: int) -> tuple[int, int]:
         bm = self.block_manager
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
-            num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            remaining = seq.num_tokens - seq.num_computed_tokens
+            num_new = min(remaining, budget) if remaining == 1 else min(remaining, budget, prefill_budget)
+            if num_new == 0:  # a prefill whose chunk must wait for a step with room; decodes behind it still run
+                i += 1
+                continue
             end = seq.num_computed_tokens + num_new
             if bm.needs_allocation(seq, end):
                 while not bm.can_allocate(seq, end):
@@ -151,12 +168,15 @@ class Scheduler:
                 bm.allocate(seq, end)
             out.scheduled.append((seq, num_new))
             budget -= num_new
+            if remaining > 1:
+                prefill_budget -= num_new
             i += 1
-        return budget
+        return budget, prefill_budget
 
-    def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
+    def _schedule_waiting(self, out: SchedulerOutput, budget: int, prefill_budget: int) -> None:
         bm = self.block_manager
         seats = self.max_num_seqs - self.num_running_seats
+        budget = min(budget, prefill_budget)  # everything admitted here is a prefill
         while self.waiting and budget > 0:
             seq = self.waiting[0]
             if 1 + seq.num_pending_forks > seats:

@@ -452,7 +452,27 @@ def startup_summary(state: ServerState, engine: Any) -> str:
             f"{str(param.dtype).removeprefix('torch.')}, device {param.device}; KV cache "
             f"{num_blocks * cfg.block_size} tokens in {num_blocks} blocks of {cfg.block_size}; max_model_len "
             f"{state.max_model_len}; max_num_seqs {cfg.max_num_seqs}; prefix caching "
-            f"{onoff[cfg.enable_prefix_caching]}, chunked prefill {onoff[cfg.enable_chunked_prefill]}")
+            f"{onoff[cfg.enable_prefix_caching]}, chunked prefill {onoff[cfg.enable_chunked_prefill]}"
+            + scheduling_summary(engine.describe()))
+
+
+def scheduling_summary(info: dict[str, Any]) -> str:
+    """The step budgets and what the load-time probes chose (`LLMEngine.describe()`), for the startup line."""
+    cap = info["long_prefill_token_threshold"]
+    text = (f"; step budget {info['max_num_batched_tokens']} tokens, prefill while decoding "
+            f"{'uncapped' if not cap else f'at most {cap} tokens'}; torch threads {info['torch_threads']}")
+    probes = info.get("probes") or {}
+    chosen = []
+    if "step_cost" in probes:
+        chosen.append(f"chunk {probes['step_cost']['chunk']} from the measured step cost")
+    if probes.get("threads", {}).get("probed"):
+        chosen.append(f"{probes['threads']['threads']} thread(s)")
+    if probes.get("linear_layout", {}).get("probed"):
+        chosen.append(f"linear weights {probes['linear_layout']['linear_layout']}")
+    if "compile" in probes:
+        c = probes["compile"]
+        chosen.append(f"compiled decode, {len(c['buckets'])} buckets warmed in {c['warmup_seconds']} s")
+    return text + (f"; probed: {', '.join(chosen)}" if chosen else "")
 
 
 access_logger = logging.getLogger("astrai.serve.access")

@@ -82,9 +82,11 @@ class RolloutRunner:
         self.cfg, self.rewards, self.random_seed, self.tokenizer = cfg, rewards, random_seed, tokenizer
         max_len = cfg.max_prompt_len + cfg.rollout_max_tokens
         num_seqs = max(1, num_prompts * cfg.group_size)
-        # room for every sample of one rollout at full length: no preemption inside a rollout
+        # room for every sample of one rollout at full length: no preemption inside a rollout;
+        # throughput first (nobody streams a rollout): no per-step prefill cap
         self.engine = LLMEngine(model, tokenizer, max_num_seqs=num_seqs, max_model_len=max_len,
-                                kv_cache_tokens=num_seqs * (max_len + 16), max_num_batched_tokens=max(2048, max_len))
+                                kv_cache_tokens=num_seqs * (max_len + 16), max_num_batched_tokens=max(2048, max_len),
+                                long_prefill_token_threshold=0)
         self.num_skipped_total = 0
 
     def set_policy_version(self, version: int) -> None:
