@@ -79,3 +79,19 @@ def test_from_pretrained_probes_threads_and_layout_and_reports_them(tmp_path):
             LLMEngine.from_pretrained(tmp_path, kv_cache_tokens=1024, device="cpu", linear_layout="rows")
     finally:
         torch.set_num_threads(threads)
+
+
+def test_probes_stay_within_a_sliding_window(tmp_path):
+    """A model that refuses rows longer than its window is probed on rows that fit (not 16-2048)."""
+    windowed = tiny_model(seed=2, sliding_window=8)
+    cost = measure_step_cost(windowed, max_tokens=64)
+    assert max(cost.forward_ms) <= 8 and cost.chunk == CHUNK_MIN  # no row past the window was run
+    save_model(windowed, tmp_path)
+    threads = torch.get_num_threads()
+    try:
+        engine = LLMEngine.from_pretrained(tmp_path, kv_cache_tokens=256, device="cpu")
+        assert engine.max_model_len == 8 and "linear_layout" in engine.probes
+        out = engine.run_batch(random_prompts([5]), SamplingParams(temperature=0, max_tokens=3, ignore_eos=True))
+        assert len(out[0].outputs[0].token_ids) == 3
+    finally:
+        torch.set_num_threads(threads)

@@ -172,7 +172,7 @@ class LLMEngine:
             raise ValueError(f"max_num_batched_tokens must be >= 1, got {cfg.max_num_batched_tokens}")
         if threshold is None and cfg.enable_chunked_prefill:
             with self._inference_mode():
-                cost = measure_step_cost(model)
+                cost = measure_step_cost(model, self.max_model_len)
             self.probes["step_cost"] = cost.as_dict()
             threshold = cost.chunk
         threshold = threshold or 0

@@ -39,7 +39,7 @@ CHUNK_MIN, CHUNK_MAX = 16, 2048  # the chunk sizes probed (powers of two)
 PROBE_TOKENS = 32  # tokens of the forward pass that compares threads and layouts (a decode batch)
 MIN_GAIN = 0.05  # a non-default setting is kept only when at least this much faster
 
-_step_costs: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> {threads: StepCost}
+_step_costs: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> {(threads, limit): StepCost}
 
 
 @dataclass
@@ -51,6 +51,14 @@ class StepCost:
     def as_dict(self) -> dict:
         return {"forward_ms": {n: round(ms, 2) for n, ms in self.forward_ms.items()}, "chunk": self.chunk,
                 "chunk_cost_ratio": CHUNK_COST_RATIO, "seconds": round(self.seconds, 2)}
+
+
+def max_probe_tokens(model: nn.Module) -> int:
+    """The longest row a probe may run: the model's positions, or its sliding window when shorter
+    (astrai refuses longer sequences for a windowed model)."""
+    cfg = model.config
+    window = getattr(cfg, "sliding_window", None)
+    return min(cfg.max_position_embeddings, window or cfg.max_position_embeddings)
 
 
 def _forward_seconds(model: nn.Module, num_tokens: int, repeats: int = 2) -> float:
@@ -70,19 +78,21 @@ def _forward_seconds(model: nn.Module, num_tokens: int, repeats: int = 2) -> flo
     return best
 
 
-def measure_step_cost(model: nn.Module) -> StepCost:
-    """Forward costs at 1, 16, 32, ... tokens, stopping past CHUNK_COST_RATIO single-token passes;
-    cached per model and thread count (callers hold inference mode or no_grad)."""
-    threads = torch.get_num_threads()
-    cached = _step_costs.get(model, {}).get(threads)
+def measure_step_cost(model: nn.Module, max_tokens: int | None = None) -> StepCost:
+    """Forward costs at 1, 16, 32, ... tokens (at most `max_tokens`, the engine's max_model_len),
+    stopping past CHUNK_COST_RATIO single-token passes; cached per model, thread count and limit
+    (callers hold inference mode or no_grad)."""
+    limit = min(CHUNK_MAX, max_tokens or CHUNK_MAX, max_probe_tokens(model))
+    key = (torch.get_num_threads(), limit)
+    cached = _step_costs.get(model, {}).get(key)
     if cached is not None:
         return cached
     start = time.perf_counter()
-    _forward_seconds(model, CHUNK_MIN, repeats=1)  # warm-up: first-call allocations are not timed
+    _forward_seconds(model, min(CHUNK_MIN, limit), repeats=1)  # warm-up: first-call allocations are not timed
     floor = _forward_seconds(model, 1, repeats=3)
-    cost = StepCost({1: floor * 1e3}, chunk=CHUNK_MIN)
+    cost = StepCost({1: floor * 1e3}, chunk=CHUNK_MIN)  # a prompt never exceeds the limit anyway
     n = CHUNK_MIN
-    while n <= CHUNK_MAX:
+    while n <= limit:
         seconds = _forward_seconds(model, n)
         cost.forward_ms[n] = seconds * 1e3
         if seconds > CHUNK_COST_RATIO * floor:
@@ -90,23 +100,23 @@ def measure_step_cost(model: nn.Module) -> StepCost:
         cost.chunk = n
         n *= 2
     cost.seconds = time.perf_counter() - start
-    _step_costs.setdefault(model, {})[threads] = cost
+    _step_costs.setdefault(model, {})[key] = cost
     return cost
 
 
 def choose_threads(model: nn.Module, repeats: int = 3) -> dict:
     """Keep torch's thread count or switch to one thread, whichever runs a forward pass faster."""
-    default = torch.get_num_threads()
+    default, tokens = torch.get_num_threads(), min(PROBE_TOKENS, max_probe_tokens(model))
     if default <= 1:
         return {"threads": default, "probed": False}
     times: dict[int, float] = {default: float("inf"), 1: float("inf")}
     for threads in (default, 1):  # warm-up
         torch.set_num_threads(threads)
-        _forward_seconds(model, PROBE_TOKENS, repeats=1)
+        _forward_seconds(model, tokens, repeats=1)
     for _ in range(repeats):  # interleaved, so a burst of load hits both
         for threads in times:
             torch.set_num_threads(threads)
-            times[threads] = min(times[threads], _forward_seconds(model, PROBE_TOKENS, repeats=1))
+            times[threads] = min(times[threads], _forward_seconds(model, tokens, repeats=1))
     chosen = 1 if times[1] < (1 - MIN_GAIN) * times[default] else default
     torch.set_num_threads(chosen)
     return {"threads": chosen, "probed": True, "forward_ms": {t: round(s * 1e3, 2) for t, s in times.items()}}
@@ -128,13 +138,14 @@ def choose_linear_layout(model: nn.Module, repeats: int = 3) -> dict:
     if not linears:
         return {"linear_layout": "out_in", "probed": False}
     times = {"out_in": float("inf"), "in_out": float("inf")}
+    tokens = min(PROBE_TOKENS, max_probe_tokens(model))
     for layout in times:  # warm-up
         set_linear_layout(linears, layout == "in_out")
-        _forward_seconds(model, PROBE_TOKENS, repeats=1)
+        _forward_seconds(model, tokens, repeats=1)
     for _ in range(repeats):
         for layout in times:
             set_linear_layout(linears, layout == "in_out")
-            times[layout] = min(times[layout], _forward_seconds(model, PROBE_TOKENS, repeats=1))
+            times[layout] = min(times[layout], _forward_seconds(model, tokens, repeats=1))
     chosen = "in_out" if times["in_out"] < (1 - MIN_GAIN) * times["out_in"] else "out_in"
     set_linear_layout(linears, chosen == "in_out")
     return {"linear_layout": chosen, "probed": True, "forward_ms": {k: round(s * 1e3, 2) for k, s in times.items()}}
