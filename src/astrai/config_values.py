@@ -10,6 +10,8 @@ from typing import Any
 
 import yaml
 
+from astrai.flags import FALSE_WORDS, TRUE_WORDS
+
 
 class ConfigError(ValueError):
     """A bad config file, key, flag or value; the message names the field and the fix."""
@@ -81,9 +83,9 @@ def parse_flag_value(name: str, section: str, text: str, tp: Any) -> Any:
         return None
     for base in base_types(tp):
         if base is bool:
-            if text.lower() in ("true", "1", "yes", "on"):
+            if text.lower() in TRUE_WORDS:
                 return True
-            if text.lower() in ("false", "0", "no", "off"):
+            if text.lower() in FALSE_WORDS:
                 return False
         elif base is int:
             try:

@@ -83,11 +83,10 @@ def main(argv: list[str] | None = None) -> int:
     from astrai.infer.llm import LLM
 
     try:
-        from astrai.model.hub import resolve_model_path
         from astrai.model.manifest import model_argument
 
         # a Hub id -> its cached snapshot directory; a run's ckpt_dir -> its newest checkpoint
-        args.model = model_argument(resolve_model_path(args.model), "astrai eval")
+        args.model = model_argument(args.model, "astrai eval")
         records = read_prompt_records(args.data, args.limit)
     except (OSError, ValueError) as err:
         print(f"astrai eval: {err}", file=sys.stderr)

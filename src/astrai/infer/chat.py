@@ -23,7 +23,6 @@ from astrai.infer.defaults import GENERATION_CONFIG_HELP, describe, generation_d
 from astrai.infer.engine import EngineConfig, LLMEngine
 from astrai.infer.generate import add_engine_arguments
 from astrai.infer.sampling import SamplingParams
-from astrai.model.hub import resolve_model_path
 
 HELP = "/reset forgets the conversation, /exit leaves (or end of input), Ctrl-C stops a reply"
 SAMPLING = {"temperature": float, "top_p": float, "top_k": int, "min_p": float, "repetition_penalty": float,
@@ -141,9 +140,9 @@ def main(argv: list[str] | None = None, stdin: TextIO | None = None, stdout: Tex
         from astrai.model.hf import check_device
         from astrai.model.manifest import check_model_dir, model_argument
 
-        args.model = model_argument(args.model, "astrai chat")  # a run's ckpt_dir: its newest checkpoint
+        # a Hub id -> its cached snapshot; a run's ckpt_dir -> its newest checkpoint
+        args.model = model_argument(args.model, "astrai chat")
         check_device(args.device)
-        args.model = resolve_model_path(args.model)  # a Hub id -> its cached snapshot directory
         check_model_dir(args.model)
         defaults = generation_defaults(args.model, args.generation_config)
         if defaults:

@@ -28,7 +28,6 @@ from astrai.infer.engine import EngineConfig
 from astrai.infer.llm import LLM
 from astrai.infer.sampling import SamplingParams
 from astrai.model.hf import check_device
-from astrai.model.hub import resolve_model_path
 from astrai.model.manifest import check_model_dir, model_argument
 
 SAMPLING_FLAGS = {  # flag -> type; names and defaults are SamplingParams'
@@ -84,7 +83,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         # a Hub id -> its cached snapshot directory; a run's ckpt_dir -> its newest checkpoint
-        args.model = model_argument(resolve_model_path(args.model), "astrai generate")
+        args.model = model_argument(args.model, "astrai generate")
         if not (Path(args.model) / "config.json").is_file():
             raise FileNotFoundError(f"--model '{args.model}' is not a model directory (no config.json)")
         defaults = generation_defaults(args.model, args.generation_config)

@@ -124,12 +124,16 @@ def resolve_model_dir(path: str | os.PathLike) -> Path:
 
 
 def model_argument(value: str, prog: str) -> str:
-    """A command's `--model` value resolved by `resolve_model_dir`; says on stderr which checkpoint
-    a run's ckpt_dir stood for (`astrai generate`, `chat`, `serve`, `eval`)."""
+    """A command's `--model` value as a local directory (`astrai generate`, `chat`, `serve`, `eval`):
+    a Hugging Face Hub id -> its cached snapshot (`hub.resolve_model_path`), a run's ckpt_dir -> its
+    newest complete checkpoint (`resolve_model_dir`, said on stderr), anything else as it is."""
     import sys
 
-    resolved = resolve_model_dir(value)
-    if resolved != Path(value):
+    from astrai.model.hub import resolve_model_path
+
+    local = resolve_model_path(value)
+    resolved = resolve_model_dir(local)
+    if resolved != Path(local):
         print(f"{prog}: --model {value} is a run's checkpoint folder; using its newest complete checkpoint "
               f"{resolved}", file=sys.stderr)
     return str(resolved)

@@ -443,25 +443,19 @@ async def _submit(engine: AsyncEngine, renderer: Renderer, params: Any, want_log
 
 
 def startup_summary(state: ServerState, engine: Any) -> str:
-    """The line the server logs once the model is loaded: what is served, where, and how much fits."""
-    cfg = engine.config
-    param = next(engine.model.parameters())
-    num_blocks = engine.block_manager.num_blocks
+    """The line the server logs once the model is loaded: what is served, where, how much fits, the
+    step budgets and what the load-time probes chose -- all from `LLMEngine.describe()`."""
+    info, cfg = engine.describe(), engine.config
     onoff = {True: "on", False: "off"}
-    return (f"serving '{state.model_name}' from {state.config.model_dir}: dtype "
-            f"{str(param.dtype).removeprefix('torch.')}, device {param.device}; KV cache "
-            f"{num_blocks * cfg.block_size} tokens in {num_blocks} blocks of {cfg.block_size}; max_model_len "
-            f"{state.max_model_len}; max_num_seqs {cfg.max_num_seqs}; prefix caching "
-            f"{onoff[cfg.enable_prefix_caching]}, chunked prefill {onoff[cfg.enable_chunked_prefill]}"
-            + scheduling_summary(engine.describe()))
-
-
-def scheduling_summary(info: dict[str, Any]) -> str:
-    """The step budgets and what the load-time probes chose (`LLMEngine.describe()`), for the startup line."""
     cap = info["long_prefill_token_threshold"]
-    text = (f"; step budget {info['max_num_batched_tokens']} tokens, prefill while decoding "
+    text = (f"serving '{state.model_name}' from {state.config.model_dir}: dtype {info['dtype']}, device "
+            f"{info['device']}; KV cache {info['kv_cache_tokens']} tokens in "
+            f"{info['kv_cache_tokens'] // info['block_size']} blocks of {info['block_size']}; max_model_len "
+            f"{info['max_model_len']}; max_num_seqs {info['max_num_seqs']}; prefix caching "
+            f"{onoff[cfg.enable_prefix_caching]}, chunked prefill {onoff[cfg.enable_chunked_prefill]}; "
+            f"step budget {info['max_num_batched_tokens']} tokens, prefill while decoding "
             f"{'uncapped' if not cap else f'at most {cap} tokens'}; torch threads {info['torch_threads']}")
-    probes = info.get("probes") or {}
+    probes = info["probes"]
     chosen = []
     if "step_cost" in probes:
         chosen.append(f"chunk {probes['step_cost']['chunk']} from the measured step cost")

@@ -108,22 +108,18 @@ def _graceful_server_class(state: ServerState) -> type:
 def _check_args(args: argparse.Namespace) -> str | None:
     """What makes this command line unusable, as one line for stderr; None when it is fine."""
     from astrai.model.hf import check_device
-    from astrai.model.hub import is_hub_id, resolve_model_path
+    from astrai.model.hub import is_hub_id
     from astrai.model.manifest import check_model_dir, model_argument
 
-    try:
-        args.model = model_argument(args.model, "astrai serve")  # a run's ckpt_dir: its newest checkpoint
-    except ValueError as exc:
+    if is_hub_id(args.model):  # clients name the model as the user did, not by its snapshot hash
+        args.served_model_name = args.served_model_name or args.model
+    try:  # a Hub id -> its cached snapshot; a run's ckpt_dir -> its newest checkpoint
+        args.model = model_argument(args.model, "astrai serve")
+    except (ValueError, OSError) as exc:
         return str(exc)
     if args.api_key is not None and not args.api_key.strip():
         return ("the API key is empty (--api_key or $ASTRAI_API_KEY set to ''); give a key, or unset "
                 "ASTRAI_API_KEY to serve without authentication")
-    if is_hub_id(args.model):  # clients name the model as the user did, not by its snapshot hash
-        args.served_model_name = args.served_model_name or args.model
-    try:
-        args.model = resolve_model_path(args.model)  # a Hub id -> its cached snapshot directory
-    except FileNotFoundError as exc:
-        return str(exc)
     model_dir = Path(args.model)
     if not (model_dir / "config.json").is_file():
         return (f"--model '{args.model}' is not a model directory (no config.json); point it at a "

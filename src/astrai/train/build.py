@@ -48,7 +48,6 @@ def resolve_param_path(path: str, what: str = "param_path") -> str:
     from astrai.model.manifest import resolve_model_dir  # the rule `astrai generate --model` follows too
 
     path = resolve_model_path(path, what)
-
     resolved = resolve_model_dir(path)
     return path if resolved == Path(path) else str(resolved)
 
