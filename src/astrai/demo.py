@@ -87,9 +87,9 @@ def run_stage(name: str, stage_dir: Path, fn, log) -> dict[str, Any]:
 
 def publish_final(ckpt_dir: Path, final_dir: Path) -> Path:
     """Copy the newest complete checkpoint's model files to a plain model directory."""
-    from astrai.train.checkpoint import latest_checkpoint
+    from astrai.model.manifest import newest_checkpoint
 
-    latest = latest_checkpoint(ckpt_dir)
+    latest = newest_checkpoint(ckpt_dir, "sizes").path
     if latest is None:
         raise RuntimeError(f"training finished without a complete checkpoint in {ckpt_dir}")
     tmp = final_dir.with_name(final_dir.name + ".tmp")

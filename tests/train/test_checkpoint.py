@@ -88,17 +88,17 @@ def test_latest_checkpoint_skips_incomplete_and_hidden(tmp_path):
     assert [s for s, _ in C.list_checkpoints(tmp_path)] == [2, 4]
 
 
-def test_find_resume_checkpoint_names_damage(tmp_path, capsys):
+def test_checkpoint_to_resume_names_damage(tmp_path, capsys):
     with pytest.raises(C.CheckpointError, match="no checkpoint"):
-        C.find_resume_checkpoint(tmp_path)
+        CK.checkpoint_to_resume(tmp_path)
     path = C.publish(tmp_path, 1, _writer(b"0123"))
     (path / "model.safetensors").write_bytes(b"01")
     with pytest.raises(C.CheckpointError, match="no complete checkpoint.*model.safetensors has 2 bytes"):
-        C.find_resume_checkpoint(tmp_path)
+        CK.checkpoint_to_resume(tmp_path)
     C.publish(tmp_path, 1, _writer())
     damaged = C.publish(tmp_path, 2, _writer())
     (damaged / "trainer_state.json").unlink()
-    assert C.find_resume_checkpoint(tmp_path) == tmp_path / "step_00000001"
+    assert CK.checkpoint_to_resume(tmp_path) == tmp_path / "step_00000001"
     assert "skipping a damaged checkpoint newer than step_00000001" in capsys.readouterr().err
 
 
@@ -232,3 +232,38 @@ def test_cli_latest_prints_the_newest_complete_checkpoint_or_fails(tmp_path, cap
     captured = capsys.readouterr()
     assert captured.out.strip() == str(tmp_path / "step_00000001")
     assert "manifest.json" in captured.err
+
+
+def test_each_caller_asks_the_one_finder_at_its_level(tmp_path, capsys):
+    """latest_checkpoint, `ckpt list` and `--model CKPT_DIR` check sizes; `--resume` and `ckpt latest`
+    also checksums and the files the train type needs (the PPO critic)."""
+    from astrai.model.manifest import resolve_model_dir
+
+    def ppo(critic: bool):
+        def write(d: Path) -> None:
+            _writer()(d)
+            (d / "trainer_state.json").write_text(json.dumps({"config": {"data": {"train_type": "online_ppo"}}}))
+            for name in ("value_model.pt", "value_optimizer.pt")[: 2 if critic else 1]:
+                (d / name).write_bytes(b"critic")
+        return write
+
+    C.publish(tmp_path, 1, ppo(critic=True))
+    C.publish(tmp_path, 2, ppo(critic=False))  # complete, but cannot resume a PPO run
+    bad = C.publish(tmp_path, 3, ppo(critic=True))
+    data = bytearray((bad / "model.safetensors").read_bytes())
+    data[0] ^= 0x01  # same size: only a checksum sees it
+    (bad / "model.safetensors").write_bytes(bytes(data))
+    assert C.latest_checkpoint(tmp_path) == resolve_model_dir(tmp_path) == bad
+    assert CK.main(["list", str(tmp_path)]) == 0
+    assert "latest complete: step_00000003" in capsys.readouterr().out
+    assert CK.checkpoint_to_resume(tmp_path) == tmp_path / "step_00000001"
+    err = capsys.readouterr().err.splitlines()
+    assert err == [
+        f"warning: skipping a damaged checkpoint newer than step_00000001: {tmp_path / 'step_00000002'} lacks "
+        "value_optimizer.pt, which its train type needs to resume",
+        f"warning: skipping a damaged checkpoint newer than step_00000001: {bad / 'model.safetensors'} fails its "
+        f"sha256 check (manifest.json {C.read_manifest(bad)['files']['model.safetensors']['sha256'][:12]}..., file "
+        f"{hashlib.sha256(bytes(data)).hexdigest()[:12]}...); the file is damaged, use another checkpoint",
+    ]
+    assert CK.main(["latest", str(tmp_path)]) == 0
+    assert capsys.readouterr().out.strip() == str(tmp_path / "step_00000001")

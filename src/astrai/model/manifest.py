@@ -1,11 +1,15 @@
-"""Checkpoint manifests read from the model side: is a model directory whole before it loads?
+"""Checkpoint manifests read from the model side: is a model directory whole, and which of a run's
+checkpoints is the newest complete one?
 
 A training checkpoint is also a model directory, with a `manifest.json` listing every file's
 size and sha256 (DESIGN.md 3.2). Serving and generation (`astrai serve`, `astrai generate`,
 `astrai.load_model`) call `check_model_dir` before reading weights: sizes always (cheap), sha256
-when asked (`--verify`). A plain model directory without a manifest loads unchecked. This lives in
-the model layer so the inference side can use it without importing `astrai.train`; the training
-checkpoint code reads the same format.
+when asked (`--verify`). A plain model directory without a manifest loads unchecked. The one
+finder of "the newest complete checkpoint", `newest_checkpoint(ckpt_dir, level, required)`, lives
+here too, with its level of checking explicit: `--model CKPT_DIR` asks it at "sizes", the
+training side (`--resume`, `astrai ckpt latest`, the container entrypoint, retention) through
+`train/publish.py` and `train/checkpoint.py`. This is the model layer, so the inference side uses
+it without importing `astrai.train`.
 """
 
 from __future__ import annotations
@@ -14,14 +18,22 @@ import hashlib
 import json
 import os
 import re
+from collections.abc import Callable, Collection
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal, NamedTuple
 
 MANIFEST = "manifest.json"
 STEP_DIR = re.compile(r"^step_(\d{8,})$")  # <ckpt_dir>/step_<N:08d>, DESIGN.md 3.2
 FORMAT = "astrai-checkpoint"
 VERSION = 1
 _CHUNK = 8 << 20
+
+# How far a checkpoint is checked; each level checks what the one before it does, and more.
+LEVELS = ("manifest", "sizes", "checksums")
+Level = Literal["manifest", "sizes", "checksums"]
+# files a checkpoint's manifest must list: fixed names, or a function of the checkpoint directory
+# (the training side reads the checkpoint's train type: an online_ppo run needs its critic)
+Required = Collection[str] | Callable[[Path], Collection[str]]
 
 
 class ManifestError(ValueError):
@@ -66,8 +78,12 @@ def sha256_file(path: str | os.PathLike) -> str:
 def check_manifest_files(path: str | os.PathLike, checksums: bool = False) -> dict[str, Any]:
     """Raise ManifestError naming the first file that is missing, has another size than its
     manifest entry, or (with checksums) another sha256; return the manifest."""
-    path = Path(path)
     manifest = read_manifest(path)
+    _check_files(Path(path), manifest, checksums)
+    return manifest
+
+
+def _check_files(path: Path, manifest: dict[str, Any], checksums: bool) -> None:
     for name, entry in manifest["files"].items():
         fpath = path / name
         if not fpath.is_file():
@@ -81,7 +97,6 @@ def check_manifest_files(path: str | os.PathLike, checksums: bool = False) -> di
             if digest != entry["sha256"]:
                 raise ManifestError(f"{fpath} fails its sha256 check ({MANIFEST} {entry['sha256'][:12]}..., "
                                     f"file {digest[:12]}...); the file is damaged, use another checkpoint")
-    return manifest
 
 
 def check_model_dir(path: str | os.PathLike, verify: bool = False) -> bool:
@@ -93,20 +108,63 @@ def check_model_dir(path: str | os.PathLike, verify: bool = False) -> bool:
     return True
 
 
-def latest_complete_checkpoint(ckpt_dir: str | os.PathLike) -> tuple[Path | None, str | None]:
-    """(the newest `step_N` directory of a run's ckpt_dir whose manifest records step N and whose
-    listed files are all there at their sizes, the problem of the newest damaged one skipped)."""
-    steps = sorted((p for p in Path(ckpt_dir).iterdir() if p.is_dir() and STEP_DIR.match(p.name)), reverse=True)
-    problem = None
-    for path in steps:
+def _check_level(level: str) -> None:
+    if level not in LEVELS:
+        raise ValueError(f"checkpoint level must be one of {', '.join(LEVELS)}, got {level!r}")
+
+
+def check_checkpoint(path: str | os.PathLike, level: Level, required: Required = ()) -> dict[str, Any]:
+    """Raise ManifestError naming what keeps `path` from being a complete checkpoint at `level`;
+    return its manifest. "manifest": a valid manifest.json whose step is the `step_N` directory's
+    own; "sizes": also every listed file there at its size; "checksums": also at its sha256. At
+    every level the manifest must list each of `required` (the files its train type needs)."""
+    _check_level(level)
+    path = Path(path)
+    try:
+        manifest = read_manifest(path)
+    except ManifestError as e:
+        raise ManifestError(f"{e}; it is not a complete checkpoint") from None
+    named = STEP_DIR.match(path.name)
+    if named and int(named.group(1)) != manifest["step"]:
+        raise ManifestError(f"{path / MANIFEST} records step {manifest['step']} but the directory is {path.name}; "
+                            "a checkpoint directory must not be renamed")
+    if level != "manifest":
+        _check_files(path, manifest, checksums=level == "checksums")
+    names = required(path) if callable(required) else required
+    missing = [name for name in names if name not in manifest["files"]]
+    if missing:
+        raise ManifestError(f"{path} lacks {', '.join(missing)}, which its train type needs to resume")
+    return manifest
+
+
+def step_dirs(ckpt_dir: str | os.PathLike) -> list[tuple[int, Path]]:
+    """The public `step_N` directories of a run's ckpt_dir, complete or not, oldest first (none
+    when it does not exist). Hidden `.step_*` staging and retired siblings never count."""
+    ckpt_dir = Path(ckpt_dir)
+    if not ckpt_dir.is_dir():
+        return []
+    return sorted((int(m.group(1)), p) for p in ckpt_dir.iterdir() if (m := STEP_DIR.match(p.name)) and p.is_dir())
+
+
+class Newest(NamedTuple):
+    path: Path | None  # the newest step_N directory that passes, None when none does
+    skipped: list[str]  # what is wrong with each newer one, newest first
+
+
+def newest_checkpoint(ckpt_dir: str | os.PathLike, level: Level, required: Required = ()) -> Newest:
+    """The newest checkpoint of a run's ckpt_dir that passes `check_checkpoint(path, level,
+    required)`, and the problems of the newer ones it skipped. The one finder of "the newest
+    complete checkpoint": `--model CKPT_DIR` and `publish.latest_checkpoint` ask at "sizes",
+    `--resume` and `astrai ckpt latest` at "checksums" with the train type's required files."""
+    _check_level(level)
+    skipped = []
+    for _, path in reversed(step_dirs(ckpt_dir)):
         try:
-            manifest = check_manifest_files(path)
-            if manifest["step"] != int(STEP_DIR.match(path.name).group(1)):
-                raise ManifestError(f"{path / MANIFEST} records step {manifest['step']}; the directory was renamed")
-            return path, problem
+            check_checkpoint(path, level, required)
+            return Newest(path, skipped)
         except ManifestError as e:
-            problem = problem or str(e)
-    return None, problem
+            skipped.append(str(e))
+    return Newest(None, skipped)
 
 
 def resolve_model_dir(path: str | os.PathLike) -> Path:
@@ -114,11 +172,11 @@ def resolve_model_dir(path: str | os.PathLike) -> Path:
     ckpt_dir (step_N directories, no config.json), which stands for its newest complete checkpoint.
     A ckpt_dir whose checkpoints are all incomplete is a ManifestError naming the damage."""
     p = Path(path)
-    if not p.is_dir() or (p / "config.json").exists() or not any(STEP_DIR.match(c.name) for c in p.iterdir()):
+    if (p / "config.json").exists() or not step_dirs(p):
         return p
-    latest, problem = latest_complete_checkpoint(p)
+    latest, skipped = newest_checkpoint(p, "sizes")
     if latest is None:
-        raise ManifestError(f"{p} holds checkpoints but none is complete ({problem}); point at a model "
+        raise ManifestError(f"{p} holds checkpoints but none is complete ({skipped[0]}); point at a model "
                             "directory or another checkpoint")
     return latest
 

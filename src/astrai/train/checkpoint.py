@@ -2,10 +2,12 @@
 
 Sits at the end of the training data flow: the checkpoint callback calls
 `save_training_checkpoint` after an optimizer step, and `--resume` calls
-`load_training_checkpoint` before the first one. The files are published by the atomic
-protocol of `train/publish.py` (staging, manifest, fsync, rename, retention), whose names are
-re-exported here for callers that think in checkpoints. A checkpoint holding a non-finite
-weight or optimizer value is never published.
+`load_training_checkpoint` before the first one; `checkpoint_to_resume` picks which (the one
+finder, `astrai.model.manifest.newest_checkpoint`, at the "checksums" level with the files the
+train type needs). The files are published by the atomic protocol of `train/publish.py`
+(staging, manifest, fsync, rename, retention), whose names are re-exported here for callers
+that think in checkpoints. A checkpoint holding a non-finite weight or optimizer value is never
+published.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from typing import Any
 import torch
 
 from astrai.flags import ArgumentParser
+from astrai.model.manifest import newest_checkpoint
 from astrai.train import dist
 from astrai.train.publish import (  # noqa: F401 - re-exported: the checkpoint vocabulary in one place
     FORMAT,
@@ -30,7 +33,6 @@ from astrai.train.publish import (  # noqa: F401 - re-exported: the checkpoint v
     VERSION,
     CheckpointError,
     cleanup_leftovers,
-    find_resume_checkpoint,
     is_complete,
     latest_checkpoint,
     list_checkpoints,
@@ -53,36 +55,32 @@ METRICS = "metrics.jsonl"
 REQUIRED_EXTRAS = {"online_ppo": ("value_model.pt", "value_optimizer.pt")}
 
 
-def missing_required_files(path: str | os.PathLike) -> list[str]:
-    """Files the checkpoint's train type needs (e.g. the PPO critic) that its manifest lacks."""
-    path = Path(path)
+def required_files(path: Path) -> tuple[str, ...]:
+    """Files the checkpoint's train type needs to resume (e.g. the PPO critic), read from its
+    trainer state; none when that is unreadable (loading then reports the file by name)."""
     try:
         train_type = json.loads((path / TRAINER_STATE).read_text())["config"]["data"]["train_type"]
     except (OSError, ValueError, KeyError, TypeError):
-        return []  # no readable trainer state: loading reports the file by name
-    listed = read_manifest(path)["files"] if (path / MANIFEST).exists() else {}
-    return [name for name in REQUIRED_EXTRAS.get(train_type, ()) if name not in listed]
+        return ()
+    return REQUIRED_EXTRAS.get(train_type, ())
 
 
-def find_resumable_checkpoint(ckpt_dir: str | os.PathLike) -> Path:
-    """The newest checkpoint that is complete, passes its checksums and lists every file its
-    train type needs. Every kind of damage (missing or truncated file, checksum mismatch, bad
-    manifest, missing critic files) is treated the same: skipped with a warning naming the file."""
-    newest = find_resume_checkpoint(ckpt_dir)  # warns about newer ones whose manifest or sizes fail
-    problems = []
-    for _, path in reversed(list_checkpoints(ckpt_dir)):
-        if path.name > newest.name:
-            continue
-        try:
-            verify_checkpoint(path, checksums=True)
-            missing = missing_required_files(path)
-            if missing:
-                raise CheckpointError(f"{path} lacks {', '.join(missing)}, which its train type needs to resume")
-            return path
-        except CheckpointError as e:
-            problems.append(str(e))
-            print(f"warning: skipping a damaged checkpoint: {e}", file=sys.stderr)
-    raise CheckpointError(f"no checkpoint in {ckpt_dir} can resume its run: {problems[-1]}; start without --resume")
+def checkpoint_to_resume(ckpt_dir: str | os.PathLike) -> Path:
+    """The checkpoint `--resume`, `astrai ckpt latest` and the container entrypoint continue from:
+    `newest_checkpoint` at the "checksums" level, with the files its train type needs. Every kind
+    of damage in a newer one (missing or truncated file, checksum mismatch, bad manifest, missing
+    critic files) is skipped the same way, with a warning naming the file; checkpoints that exist
+    but are all damaged are a CheckpointError naming the newest damage, never a silent fresh start."""
+    found = newest_checkpoint(ckpt_dir, "checksums", required=required_files)
+    if found.path is None and found.skipped:
+        raise CheckpointError(f"no complete checkpoint to resume in {ckpt_dir}: {found.skipped[0]}")
+    if found.path is None:
+        raise CheckpointError(
+            f"--resume found no checkpoint in {ckpt_dir}; start without --resume, or point --param_path at one"
+        )
+    for problem in reversed(found.skipped):  # oldest first: the last line names the one just above the pick
+        print(f"warning: skipping a damaged checkpoint newer than {found.path.name}: {problem}", file=sys.stderr)
+    return found.path
 
 
 def save_training_checkpoint(
@@ -315,7 +313,7 @@ def _cmd_list(ckpt_dir: Path, verify: bool = False) -> int:
                 status = "legacy (no manifest)"
             rows.append(f"{p.name:<40} {_dir_bytes(p) / 1e6:>10.1f} MB  {status}")
     print("\n".join(rows) if rows else f"no checkpoints in {ckpt_dir}")
-    latest = latest_checkpoint(ckpt_dir)
+    latest = newest_checkpoint(ckpt_dir, "sizes").path
     print(f"latest complete: {latest.name if latest else 'none'}")
     return 0
 
@@ -342,7 +340,7 @@ def _cmd_verify(target: Path) -> int:
 def _cmd_latest(ckpt_dir: Path) -> int:
     """The checkpoint `--resume` (and the container entrypoint) would continue from."""
     try:
-        print(find_resumable_checkpoint(ckpt_dir))
+        print(checkpoint_to_resume(ckpt_dir))
     except CheckpointError as e:
         print(f"astrai ckpt latest: {e}", file=sys.stderr)
         return 1

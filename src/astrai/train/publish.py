@@ -4,8 +4,11 @@ Knows nothing of models or training: ``publish`` runs a writer into a hidden sta
 fsyncs every file, writes ``manifest.json`` (size and sha256 of each file) last, renames the
 directory into place and fsyncs the parent, so ``<ckpt_dir>/step_<N:08d>/`` either is complete or
 does not exist, whenever the process dies. Hidden ``.step_*`` siblings (staging, retired,
-deleting) never count and are cleaned up at the next start. ``train/checkpoint.py`` builds the
-training state on top of it. Layout and manifest are fixed by DESIGN.md 3.2.
+deleting) never count and are cleaned up at the next start. What "complete" means, and the one
+finder of the newest complete checkpoint, live in ``astrai.model.manifest`` (``check_checkpoint``,
+``newest_checkpoint``); ``verify_checkpoint``, ``list_checkpoints`` and ``latest_checkpoint`` apply
+them here, with this module's error type. ``train/checkpoint.py`` builds the training state on
+top of it. Layout and manifest are fixed by DESIGN.md 3.2.
 """
 
 from __future__ import annotations
@@ -16,7 +19,6 @@ import os
 import re
 import shutil
 import socket
-import sys
 import threading
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -202,16 +204,8 @@ def read_manifest(path: str | os.PathLike) -> dict[str, Any]:
 
 def verify_checkpoint(path: str | os.PathLike, checksums: bool = True) -> None:
     """Raise CheckpointError naming the first missing, resized or (with checksums) altered file."""
-    path = Path(path)
-    manifest = read_manifest(path)
-    named = STEP_DIR.match(path.name)
-    if named and int(named.group(1)) != manifest["step"]:
-        raise CheckpointError(
-            f"{path / MANIFEST} records step {manifest['step']} but the directory is {path.name}; "
-            "a checkpoint directory must not be renamed"
-        )
     try:
-        manifest_io.check_manifest_files(path, checksums=checksums)
+        manifest_io.check_checkpoint(path, "checksums" if checksums else "sizes")
     except manifest_io.ManifestError as e:
         raise CheckpointError(str(e)) from None
 
@@ -230,48 +224,12 @@ def is_complete(path: str | os.PathLike, checksums: bool = False) -> bool:
 
 def list_checkpoints(ckpt_dir: str | os.PathLike) -> list[tuple[int, Path]]:
     """Complete checkpoints (manifest present, every file there with its size), oldest first."""
-    ckpt_dir = Path(ckpt_dir)
-    if not ckpt_dir.is_dir():
-        return []
-    found = []
-    for p in ckpt_dir.iterdir():
-        m = STEP_DIR.match(p.name)
-        if m and p.is_dir() and is_complete(p):
-            found.append((int(m.group(1)), p))
-    return sorted(found)
+    return [(step, p) for step, p in manifest_io.step_dirs(ckpt_dir) if is_complete(p)]
 
 
 def latest_checkpoint(ckpt_dir: str | os.PathLike) -> Path | None:
-    """The newest complete checkpoint in `ckpt_dir`, or None. Hidden directories never count."""
-    found = list_checkpoints(ckpt_dir)
-    return found[-1][1] if found else None
-
-
-def find_resume_checkpoint(ckpt_dir: str | os.PathLike) -> Path:
-    """The checkpoint `--resume` should continue from: the newest complete one in `ckpt_dir`.
-
-    Raises CheckpointError naming the damaged file when checkpoints exist but none is complete
-    (never a silent fresh start), and warns on stderr when newer damaged ones are skipped.
-    """
-    ckpt_dir = Path(ckpt_dir)
-    public = sorted(p for p in ckpt_dir.iterdir() if p.is_dir() and STEP_DIR.match(p.name)) if ckpt_dir.is_dir() else []
-    latest = latest_checkpoint(ckpt_dir)
-    damaged = []
-    for p in public:
-        if latest is None or p.name > latest.name:
-            try:
-                verify_checkpoint(p, checksums=False)
-            except CheckpointError as e:
-                damaged.append(str(e))
-    if latest is None:
-        if damaged:
-            raise CheckpointError(f"no complete checkpoint to resume in {ckpt_dir}: {damaged[-1]}")
-        raise CheckpointError(
-            f"--resume found no checkpoint in {ckpt_dir}; start without --resume, or point --param_path at one"
-        )
-    for problem in damaged:
-        print(f"warning: skipping a damaged checkpoint newer than {latest.name}: {problem}", file=sys.stderr)
-    return latest
+    """Alias of the one finder at the "sizes" level, kept for its callers (summary, tests, benchmarks)."""
+    return manifest_io.newest_checkpoint(ckpt_dir, "sizes").path
 
 
 def cleanup_leftovers(ckpt_dir: str | os.PathLike) -> list[Path]:

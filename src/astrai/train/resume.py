@@ -2,11 +2,12 @@
 
 One function per question, called by any loop's entry (``train/cli.py``): ``find`` picks the
 checkpoint (``--param_path`` when it names a training checkpoint, else the newest complete one
-in ``ckpt_dir``; rank 0 decides, every rank gets the same answer); ``initial_config`` rebuilds the
-model as the original run built it (so a frozen reference is the original initial policy);
-``restore`` loads weights, optimizer, schedule, the loop's extra state (e.g. the PPO critic),
-its counters, sampler and RNG, and continues metrics.jsonl at the restored step. The RNG
-helpers and the resume-mismatch report live here too, so every loop saves and checks the same.
+in ``ckpt_dir`` as ``checkpoint.checkpoint_to_resume`` finds it; rank 0 decides, every rank gets
+the same answer); ``initial_config`` rebuilds the model as the original run built it (so a
+frozen reference is the original initial policy); ``restore`` loads weights, optimizer,
+schedule, the loop's extra state (e.g. the PPO critic), its counters, sampler and RNG, and
+continues metrics.jsonl at the restored step. The RNG helpers and the resume-mismatch report
+live here too, so every loop saves and checks the same.
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ def resume_path(cfg: Config) -> Path:
     checkpoint, else the latest in ckpt_dir. A param_path that is a model directory or another
     run's ckpt_dir is this run's initial weights (a chained stage), not a state to resume."""
     from astrai.model.hub import is_hub_id
-    from astrai.train.checkpoint import find_resumable_checkpoint
+    from astrai.train.checkpoint import checkpoint_to_resume
 
     if cfg.train.param_path is not None and not is_hub_id(cfg.train.param_path):  # a Hub model is no checkpoint
         path = Path(cfg.train.param_path)
@@ -42,7 +43,7 @@ def resume_path(cfg: Config) -> Path:
         if any((path / name).exists() for name in TRAINING_STATE_FILES):
             return path
     # the newest complete one; raises naming the damaged file when checkpoints exist but none is complete
-    return find_resumable_checkpoint(cfg.ckpt.ckpt_dir)
+    return checkpoint_to_resume(cfg.ckpt.ckpt_dir)
 
 
 def find(cfg: Config) -> Path | None:
