@@ -10,7 +10,7 @@ from __future__ import annotations
 import sys
 from importlib import import_module
 
-from astrai.model.config import did_you_mean
+from astrai.config_values import did_you_mean
 
 COMMANDS = {
     "train": ("astrai.train.cli", "train a model from a YAML config and --flag overrides"),

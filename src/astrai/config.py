@@ -20,13 +20,23 @@ from typing import Any
 
 import yaml
 
-from astrai.config_values import ConfigError, base_types, check_value, parse_flag_value, type_name
-from astrai.model.config import did_you_mean
+from astrai.config_values import (
+    CHOICES,
+    REPORTERS,
+    TRAIN_TYPES,
+    ConfigError,
+    base_types,
+    check_value,
+    did_you_mean,
+    missing_package,
+    parse_flag_value,
+    type_name,
+)
 
 
 @dataclass
 class DataConfig:
-    train_type: str = "sft"  # a key of astrai.train.objectives.OBJECTIVES (seq | sft | dpo | ...)
+    train_type: str = "sft"  # a key of config_values.TRAIN_TYPES (seq | sft | dpo | ...)
     data_path: str | None = None  # JSONL file, preprocessed shard dir, or a dataset: hf:NAME[@SPLIT] or a save_to_disk dir
     data_columns: dict[str, str] | None = None  # record field -> column of the rows (datasets and JSONL)
     tokenizer_path: str | None = None  # defaults to param_path
@@ -161,24 +171,6 @@ SECTIONS: dict[str, type] = {
     "log": LogConfig,
     "dist": DistConfig,
 }
-
-def choices() -> dict[str, tuple[str, ...]]:
-    """Allowed values of the fields that name a choice, each read from the module that owns it."""
-    from astrai.train.dist import PARALLEL_MODES
-    from astrai.train.losses import DPO_LOSS_TYPES, RL_LOSS_AGGREGATIONS
-    from astrai.train.optim import OPTIMIZERS, SCHEDULES
-    from astrai.train.types import OBJECTIVES
-
-    return {
-        "train_type": tuple(OBJECTIVES),
-        "optimizer": OPTIMIZERS,
-        "schedule": SCHEDULES,
-        "loss_type": DPO_LOSS_TYPES,
-        "early_stopping_mode": ("min", "max"),
-        "parallel_mode": PARALLEL_MODES,
-        "scale_rewards": ("group", "none"),
-        "rl_loss_agg": RL_LOSS_AGGREGATIONS,
-    }
 
 
 @dataclass
@@ -333,7 +325,7 @@ def _assemble(values: dict[str, Any], table: dict[str, tuple[str, Any]]) -> Conf
 def validate(cfg: Config) -> None:
     """Choices and ranges that a type alone does not capture."""
     flat = cfg.flat()
-    for name, allowed in choices().items():
+    for name, allowed in CHOICES.items():
         if flat[name] not in allowed:
             raise ConfigError(f"{name}={flat[name]!r} is not one of {', '.join(allowed)}")
     for name, value in flat.items():
@@ -392,12 +384,11 @@ def validate(cfg: Config) -> None:
 def _validate_data_columns(cfg: Config) -> None:
     """data_columns maps record fields of the train type's record kind onto column names."""
     from astrai.data.records import RECORD_FIELDS
-    from astrai.train.types import record_kind
 
     columns = cfg.data.data_columns
     if not columns:
         return
-    kind = record_kind(cfg.data.train_type)
+    kind = TRAIN_TYPES[cfg.data.train_type]
     fields = RECORD_FIELDS[kind]
     for name, column in columns.items():
         if name not in fields:
@@ -411,8 +402,6 @@ def _validate_data_columns(cfg: Config) -> None:
 
 
 def _validate_report_to(cfg: Config) -> None:
-    from astrai.train.reporters import REPORTERS, missing_package
-
     for name in cfg.log.report_to:
         if name not in REPORTERS:
             raise ConfigError(f"report_to has {name!r}{did_you_mean(name, list(REPORTERS))}; choose from "

@@ -1,9 +1,17 @@
 """Typed values of the run configuration: a YAML value or a command-line string checked against
 a config field's annotation (``float | None``, ``list[str]``, ...) and coerced, or a ``ConfigError``
-naming the field, the value and the expected type. ``astrai.config`` applies these to every key."""
+naming the field, the value and the expected type. ``astrai.config`` applies these to every key.
+
+The closed choices of the config live here as data (``CHOICES``, ``TRAIN_TYPES``, ``REPORTERS``),
+so the config module imports nothing of ``astrai.train``; the modules that implement each choice
+(``train/objectives``, ``train/optim.py``, ``train/losses.py``, ``train/dist.py``,
+``train/reporters.py``) are checked against these tables by ``tests/train/test_config.py``. This
+module imports nothing of astrai but ``flags.py``, so every layer may use ``did_you_mean``."""
 
 from __future__ import annotations
 
+import difflib
+import importlib.util
 import types
 import typing
 from typing import Any
@@ -15,6 +23,58 @@ from astrai.flags import FALSE_WORDS, TRUE_WORDS
 
 class ConfigError(ValueError):
     """A bad config file, key, flag or value; the message names the field and the fix."""
+
+
+def did_you_mean(name: str, choices: list[str] | tuple[str, ...]) -> str:
+    """'; did you mean 'x'?' when a close match exists, else ''."""
+    close = difflib.get_close_matches(name, list(choices), n=1, cutoff=0.6)
+    return f"; did you mean '{close[0]}'?" if close else ""
+
+
+# train_type -> the record kind (astrai.data.records) its dataset reads; "prompt" kinds train on
+# rollouts of the live policy (the online loop). train/objectives' OBJECTIVES has the same keys.
+TRAIN_TYPES: dict[str, str] = {
+    "seq": "seq",
+    "sft": "sft",
+    "dpo": "dpo",
+    "grpo": "rollout",
+    "online_grpo": "prompt",
+    "online_dpo": "prompt",
+    "online_ppo": "prompt",
+}
+
+# report_to's names -> (the module a run imports, the package that provides it)
+REPORTERS: dict[str, tuple[str, str]] = {
+    "tensorboard": ("torch.utils.tensorboard", "tensorboard"),
+    "wandb": ("wandb", "wandb"),
+    "mlflow": ("mlflow", "mlflow-skinny (or mlflow)"),
+}
+
+# fields that name a choice -> the allowed values
+CHOICES: dict[str, tuple[str, ...]] = {
+    "train_type": tuple(TRAIN_TYPES),
+    "optimizer": ("adamw", "muon"),
+    "schedule": ("constant", "cosine", "wsd"),
+    "loss_type": ("sigmoid", "ipo", "hinge"),  # DPO
+    "early_stopping_mode": ("min", "max"),
+    "parallel_mode": ("none", "ddp", "fsdp"),
+    "scale_rewards": ("group", "none"),
+    "rl_loss_agg": ("token_mean", "seq_mean", "seq_mean_token_sum_norm"),
+}
+
+
+def is_online(train_type: str) -> bool:
+    """Whether `train_type` trains on rollouts of the live policy (the online RL loop)."""
+    return TRAIN_TYPES.get(train_type) == "prompt"
+
+
+def missing_package(name: str) -> str | None:
+    """The fix when report_to's backend `name` cannot be imported (checked without importing it)."""
+    top = "tensorboard" if name == "tensorboard" else REPORTERS[name][0]  # torch.utils.tensorboard needs it
+    if importlib.util.find_spec(top) is None:
+        return f"report_to has {name!r} but its package is not installed; pip install {REPORTERS[name][1]}, " \
+               f"or remove {name} from report_to"
+    return None
 
 
 def type_name(tp: Any) -> str:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from astrai.config import Config, ConfigError, load_config
-from astrai.train.types import OBJECTIVES
+from astrai.train.objectives import OBJECTIVES
 
 
 def write(tmp_path, text: str):

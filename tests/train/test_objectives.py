@@ -8,9 +8,8 @@ import math
 import pytest
 import torch
 
-from astrai.train.objectives import DPOObjective, SeqObjective, SFTObjective, labelled_positions
+from astrai.train.objectives import OBJECTIVES, DPOObjective, SeqObjective, SFTObjective, labelled_positions
 from astrai.train.trainer import Trainer
-from astrai.train.types import OBJECTIVES
 from tests.train.toydata import ToyPairDataset, ToySeqDataset
 from tests.train.trainer_utils import tiny_config, tiny_model, without_checkpoints
 

@@ -65,7 +65,7 @@ def test_critic_warm_start_equals_the_policy_trunk_with_a_zero_head(tok_dir):
     from astrai.config import load_config
     from astrai.model.config import ModelConfig
     from astrai.model.transformer import CausalLM
-    from astrai.train.rl.objectives import OnlinePPOObjective
+    from astrai.train.objectives import OnlinePPOObjective
     from tests.train.resume_data import MODEL
 
     policy = CausalLM(ModelConfig(**MODEL), seed=0).eval()
@@ -178,7 +178,7 @@ def test_ppo_batches_with_bad_logp_old_are_errors_naming_the_field():
     from astrai.config import load_config
     from astrai.model.config import ModelConfig
     from astrai.model.transformer import CausalLM
-    from astrai.train.rl.objectives import OnlinePPOObjective
+    from astrai.train.objectives import OnlinePPOObjective
     from tests.train.resume_data import MODEL
 
     policy = CausalLM(ModelConfig(**MODEL), seed=0)

@@ -91,7 +91,7 @@ def test_a_stopped_run_says_so_and_its_resume_command_continues_it(tmp_path, tok
             if trainer.ctx.step == 1:
                 os.kill(os.getpid(), signal.SIGTERM)  # the handler main() installed requests the stop
 
-    monkeypatch.setattr("astrai.train.trainer.default_callbacks", lambda t: [*real(t), SigtermAfterFirstStep()])
+    monkeypatch.setattr("astrai.train.build.default_callbacks", lambda t: [*real(t), SigtermAfterFirstStep()])
     assert main(["--config", str(path), "--max-steps", "3"]) == 0
     lines = summary_of(capsys.readouterr().err)
     ckpt = tmp_path / "ckpt" / "step_00000001"
@@ -100,7 +100,7 @@ def test_a_stopped_run_says_so_and_its_resume_command_continues_it(tmp_path, tok
     resume = lines[5].removeprefix("  resume:    ")
     assert resume == shlex.join(["astrai", "train", "--config", str(path), "--max-steps", "3", "--resume"])
 
-    monkeypatch.setattr("astrai.train.trainer.default_callbacks", real)
+    monkeypatch.setattr("astrai.train.build.default_callbacks", real)
     signals.uninstall_signal_handlers()
     assert main(shlex.split(resume)[2:]) == 0
     lines = summary_of(capsys.readouterr().err)

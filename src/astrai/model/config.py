@@ -8,19 +8,14 @@ config never silently builds a different model.
 
 from __future__ import annotations
 
-import difflib
 import json
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
+from astrai.config_values import did_you_mean
+
 ROPE_SCALING_TYPES = ("linear", "llama3")
-
-
-def did_you_mean(name: str, choices: list[str] | tuple[str, ...]) -> str:
-    """'; did you mean 'x'?' when a close match exists, else ''."""
-    close = difflib.get_close_matches(name, list(choices), n=1, cutoff=0.6)
-    return f"; did you mean '{close[0]}'?" if close else ""
 
 
 @dataclass

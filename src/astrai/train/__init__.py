@@ -13,7 +13,7 @@ _EXPORTS = {
     "OnlineLoop": "astrai.train.rl.loop",
     "TrainContext": "astrai.train.context",
     "LossOutput": "astrai.train.objectives",
-    "OBJECTIVES": "astrai.train.types",
+    "OBJECTIVES": "astrai.train.objectives",
 }
 
 __all__ = list(_EXPORTS)

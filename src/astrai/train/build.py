@@ -1,23 +1,39 @@
-"""Builders: a resolved ``Config`` -> tokenizer, model and datasets, for any training loop.
+"""Builders: a resolved ``Config`` -> a ``Run`` (ranks, tokenizer, model, objective, optimizer,
+gradient step, callbacks), built once for every training loop, and what both loops share.
 
-Sits before the loops in the training data flow: the offline trainer and the online RL loop both
-call these when the caller does not hand in its own objects. ``param_path`` may name a model
-directory, a checkpoint directory, or another run's ``ckpt_dir`` (its newest complete
-checkpoint), so configs can chain stages. Which record kind a dataset reads is declared by the
-train type's objective (``objectives.record_kind``); the data layer knows only record kinds.
+Sits before the loops in the training data flow: the offline ``Trainer`` and the online RL loop
+both call ``build_run`` (objects the caller hands in are used as given), then ``Run.optimization``
+once they know their length, then ``build_callbacks``; ``callback_frame`` is the begin / error /
+end frame of both ``train()`` methods, and ``common_state`` / ``load_common_state`` the
+trainer_state.json keys they share. ``check_config`` refuses, before anything is built, settings
+that the config alone cannot judge. ``param_path`` may name a model directory, a checkpoint
+directory, a Hub id, or another run's ``ckpt_dir`` (its newest complete checkpoint), so configs can
+chain stages. A train type's record kind is stated in ``astrai.config_values.TRAIN_TYPES``; the
+data layer knows only record kinds.
 """
 
 from __future__ import annotations
 
 import random
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
+from torch import nn
 
-from astrai.config import Config
+from astrai.config import Config, OptimConfig
+from astrai.config_values import TRAIN_TYPES, is_online
+from astrai.train import dist, resume
+from astrai.train.callbacks import CallbackList, arrange_callbacks, default_callbacks, requested_metrics
+from astrai.train.context import Loop
+from astrai.train.objectives import build_objective, objective_class
+from astrai.train.optim import LRSchedule, build_optimizer
+from astrai.train.step import GradientStep
 
 
 def seed_everything(seed: int) -> None:
@@ -120,8 +136,6 @@ def build_datasets(cfg: Config, tokenizer: Any) -> tuple[Any, Any]:
     """(train, val) datasets; val from val_data_path, else a seeded val_split of data_path, else None."""
     from astrai.data.datasets import build_dataset
     from astrai.data.hf_datasets import parse_dataset_path
-    from astrai.train.types import record_kind
-
     d = cfg.data
     for name in ("data_path", "val_data_path"):
         path = getattr(d, name)
@@ -136,7 +150,7 @@ def build_datasets(cfg: Config, tokenizer: Any) -> tuple[Any, Any]:
         raise ValueError("no tokenizer: set tokenizer_path (or param_path, whose directory holds one)")
 
     def build(path: str) -> Any:
-        kind = record_kind(d.train_type)
+        kind = TRAIN_TYPES[d.train_type]
         # prompts are checked against max_prompt_len at rollout time: skipped and counted there
         max_len = 1 << 30 if kind == "prompt" else d.max_seq_len
         return build_dataset(kind, path, tokenizer, max_len, pack=d.pack, stride=d.seq_stride, columns=d.data_columns)
@@ -161,3 +175,139 @@ def check_vocab(model: torch.nn.Module, tokenizer: Any, cfg: Config) -> None:
         source = cfg.data.tokenizer_path or cfg.train.param_path
         raise ValueError(f"model vocab_size is {model_vocab} but the tokenizer at {source} has {size} tokens; "
                          f"set vocab_size to at least {size} (or use the model's own tokenizer)")
+
+
+# ------------------------------------------------------------------------------- the run
+
+
+@dataclass
+class Run:
+    """What every loop is built from: ranks, tokenizer, the policy (``raw_model`` unwrapped, its
+    weights are the checkpoints'; ``model`` wrapped for DDP/FSDP, the one the objective trains
+    through, compiled when ``train.compile``), and the objective."""
+
+    config: Config
+    dist: dist.DistInfo
+    tokenizer: Any
+    raw_model: nn.Module
+    model: nn.Module
+    objective: Any
+
+    @property
+    def device(self) -> torch.device:
+        return self.dist.device
+
+    @property
+    def is_main(self) -> bool:
+        return self.dist.rank == 0
+
+    def wrap(self, module: nn.Module) -> nn.Module:
+        """`module` wrapped for the run's data parallelism, as the policy is (a critic, say)."""
+        return dist.wrap_model(module, self.config.dist.parallel_mode, self.dist)
+
+    def optimization(self, module: nn.Module, optim: OptimConfig, total_steps: int,
+                     name: str = "policy") -> tuple[Any, LRSchedule, GradientStep]:
+        """(optimizer, schedule, gradient step) over `module`'s trainable parameters (LoRA: the
+        adapters only), for a run of `total_steps` optimizer steps."""
+        t = self.config.train
+        optimizer = build_optimizer(module, optim)
+        scheduler = LRSchedule(optimizer, optim, total_steps)
+        params = [p for p in module.parameters() if p.requires_grad]
+        step = GradientStep(params, optimizer, scheduler, max_grad_norm=t.max_grad_norm,
+                            world_size=self.dist.world_size, device=self.device,
+                            max_nonfinite_steps=t.max_nonfinite_steps, name=name)
+        return optimizer, scheduler, step
+
+
+def check_config(cfg: Config) -> None:
+    """What the train side refuses before anything is built, beyond ``astrai.config``'s checks
+    (which see only the config's own tables): the train type must have an objective here."""
+    objective_class(cfg.data.train_type)
+
+
+def build_run(cfg: Config, model: nn.Module | None = None, tokenizer: Any = None, objective: Any = None) -> Run:
+    """Ranks, seed, tokenizer, model, objective and the wrapped model, in that order (the order
+    fixes the RNG stream, so runs and resumed runs draw the same numbers)."""
+    check_config(cfg)
+    info = dist.init_distributed(cfg.train.device)
+    seed_everything(cfg.train.random_seed)
+    tokenizer = tokenizer if tokenizer is not None else build_tokenizer(cfg)
+    if tokenizer is None and is_online(cfg.data.train_type):
+        raise ValueError("online RL needs a tokenizer with a chat template: set tokenizer_path or param_path")
+    raw = (model if model is not None else build_model(cfg)).to(info.device)
+    log_trainable(raw, info.rank == 0)
+    check_vocab(raw, tokenizer, cfg)
+    raw.gradient_checkpointing = cfg.train.gradient_checkpointing
+    # objective first: a frozen reference (DPO, a KL term) is a copy of the unwrapped initial policy
+    objective = objective if objective is not None else build_objective(cfg, raw)
+    online = is_online(cfg.data.train_type)
+    if cfg.train.compile and not online:
+        raw.compile()  # in place: parameter names (and checkpoints) stay unprefixed
+    wrapped = dist.wrap_model(raw, cfg.dist.parallel_mode, info)
+    if cfg.train.compile and online:
+        # the engine runs the raw module eagerly (paged-KV shapes vary every step); only the
+        # trainer's forward and backward go through the compiled graph
+        wrapped = torch.compile(wrapped)
+    return Run(cfg, info, tokenizer, raw, wrapped, objective)
+
+
+def setup_objective(run: Run, total_steps: int) -> None:
+    """Let the objective build what it trains beside the policy (PPO: its critic's optimizer and
+    gradient step). A user's own objective needs only ``__call__`` and ``num_units``."""
+    setup = getattr(run.objective, "setup", None)
+    if setup is not None:
+        setup(run, total_steps)
+
+
+def companions(objective: Any) -> tuple[Any, ...]:
+    """The modules trained beside the policy on the same micro-batches (``objectives.base.Companion``)."""
+    return tuple(getattr(objective, "companions", ()))
+
+
+def build_callbacks(loop: Loop, run: Run, user: list[Any] | None) -> CallbackList:
+    """The default callbacks and the user's (user callbacks see a step before the checkpoint of
+    that step is published). Metrics no callback reads are never computed: objective metrics
+    and MoE router statistics are switched off unless asked for."""
+    callbacks = arrange_callbacks(default_callbacks(loop), list(user or []))
+    wanted = requested_metrics(callbacks.callbacks)
+    run.objective.requested_metrics = wanted
+    router = wanted is None or any(name.startswith("router/") for name in wanted)
+    for module in run.raw_model.modules():
+        if hasattr(module, "collect_stats"):
+            module.collect_stats = router
+    return callbacks
+
+
+@contextmanager
+def callback_frame(loop: Any) -> Iterator[None]:
+    """The frame of every loop's ``train()``: callbacks begin, see an error, and always end."""
+    cbs = loop.callbacks
+    cbs.on_train_begin(loop)
+    try:
+        yield
+    except BaseException as e:
+        cbs.on_error(loop, e)
+        raise
+    finally:
+        cbs.on_train_end(loop)
+
+
+def common_state(loop: Any, rng: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The trainer_state.json keys of every loop: counters, gradient-step counters (the policy's
+    and each companion's), RNG, callbacks, world size, length and config."""
+    steps = {"grad_step": loop.grad_step.state_dict()}
+    steps.update({f"{c.name}_step": c.state_dict() for c in companions(loop.objective)})
+    return {**loop.ctx.state_dict(), **steps, "rng": rng or resume.rng_state(),
+            "callbacks": loop.callbacks.state_dict(), "world_size": loop.dist.world_size,
+            "total_steps": loop.total_steps, "config": loop.config.to_dict()}
+
+
+def load_common_state(loop: Any, state: dict[str, Any]) -> None:
+    """Restore what ``common_state`` saved, after checking it against this run's config and ranks."""
+    resume.report_mismatches(state, loop.config, loop.dist.world_size, loop.total_steps)
+    loop.ctx.load_state_dict(state)
+    loop.grad_step.load_state_dict(state.get("grad_step", {}))
+    for c in companions(loop.objective):
+        c.load_state_dict(state.get(f"{c.name}_step", {}))
+    loop.callbacks.load_state_dict(state.get("callbacks", {}))
+    resume.set_rng_state(state["rng"])

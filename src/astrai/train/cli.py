@@ -53,11 +53,11 @@ def optimizer_summary(cfg: Config, total_steps: int) -> str:
 
 
 def run(cfg: Config, ctx: TrainContext) -> int:
+    from astrai.config_values import is_online
     from astrai.train import dist, resume
     from astrai.train.publish import cleanup_leftovers, run_lock
     from astrai.train.rl.loop import OnlineLoop
     from astrai.train.trainer import Trainer
-    from astrai.train.types import is_online
 
     info = dist.init_distributed(cfg.train.device)
     with run_lock(cfg.ckpt.ckpt_dir) if info.rank == 0 else nullcontext():  # one run per ckpt_dir

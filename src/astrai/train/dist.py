@@ -31,7 +31,9 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
-PARALLEL_MODES = ("none", "ddp", "fsdp")
+from astrai.config_values import CHOICES
+
+PARALLEL_MODES = CHOICES["parallel_mode"]  # the config's closed choice; each is implemented here
 # a collective that waits longer than this is a hang (a rank died or took another branch)
 DEFAULT_TIMEOUT_S = 1800
 

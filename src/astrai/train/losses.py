@@ -1,6 +1,6 @@
 """Pure tensor functions for every loss, advantage and estimator that training uses.
 
-Objectives (`train/objectives.py`) turn a batch into model outputs and then call these
+Objectives (`train/objectives/`) turn a batch into model outputs and then call these
 functions; nothing else in astrai re-derives this arithmetic. Each function takes tensors and
 plain numbers, returns tensors, and has a test against numbers worked out by hand. Per-token
 functions return per-token values; reducing them over tokens (sum, then divide by the number
@@ -14,10 +14,11 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from astrai.config_values import CHOICES
 from astrai.model.logprobs import selective_log_softmax
 
 IGNORE_INDEX = -100
-DPO_LOSS_TYPES = ("sigmoid", "ipo", "hinge")
+DPO_LOSS_TYPES = CHOICES["loss_type"]  # the config's closed choices; each is implemented here
 KL_ESTIMATORS = ("k1", "k2", "k3")
 
 
@@ -179,7 +180,7 @@ def grpo_advantages(rewards: Tensor, group_size: int, scale: bool = True, eps: f
     return advantages.reshape(-1)  # (N,)
 
 
-RL_LOSS_AGGREGATIONS = ("token_mean", "seq_mean", "seq_mean_token_sum_norm")
+RL_LOSS_AGGREGATIONS = CHOICES["rl_loss_agg"]
 
 
 def aggregate_token_loss(per_token: Tensor, mask: Tensor, mode: str = "token_mean",

@@ -16,9 +16,10 @@ import torch
 from torch import nn
 
 from astrai.config import OptimConfig
+from astrai.config_values import CHOICES
 
-OPTIMIZERS = ("adamw", "muon")
-SCHEDULES = ("constant", "cosine", "wsd")
+OPTIMIZERS = CHOICES["optimizer"]  # the config's closed choices; each is implemented here
+SCHEDULES = CHOICES["schedule"]
 
 
 class OptimizerList:

@@ -22,15 +22,11 @@ import os
 from pathlib import Path
 from typing import Any, Protocol
 
+from astrai.config_values import REPORTERS as PACKAGES
+from astrai.config_values import missing_package
 from astrai.train.context import Loop
 
-# report_to's names -> (the module a run imports, the package that provides it)
-PACKAGES = {
-    "tensorboard": ("torch.utils.tensorboard", "tensorboard"),
-    "wandb": ("wandb", "wandb"),
-    "mlflow": ("mlflow", "mlflow-skinny (or mlflow)"),
-}
-REPORTERS = tuple(PACKAGES)
+REPORTERS = tuple(PACKAGES)  # report_to's names (the config's closed choice; each is built here)
 
 
 class Reporter(Protocol):
@@ -46,17 +42,6 @@ def scalar_metrics(step_metrics: dict[str, Any]) -> dict[str, float]:
     """The numbers of one metrics.jsonl step (train and ``val/`` keys), without the step itself."""
     return {k: float(v) for k, v in step_metrics.items()
             if k != "step" and isinstance(v, int | float) and not isinstance(v, bool)}
-
-
-def missing_package(name: str) -> str | None:
-    """The fix when report_to's backend `name` cannot be imported (checked without importing it)."""
-    import importlib.util
-
-    top = "tensorboard" if name == "tensorboard" else PACKAGES[name][0]  # torch.utils.tensorboard needs it
-    if importlib.util.find_spec(top) is None:
-        return f"report_to has {name!r} but its package is not installed; pip install {PACKAGES[name][1]}, " \
-               f"or remove {name} from report_to"
-    return None
 
 
 def _require(name: str) -> Any:

@@ -1,11 +1,12 @@
 """The offline training loop: epochs -> micro-batches -> objective -> backward -> step -> hooks.
 
 Sits in the middle of the training data flow: a dataset and ``ResumableSampler`` from
-``astrai.data`` feed micro-batches; an objective (``train/objectives.py``) turns each into a
+``astrai.data`` feed micro-batches; an objective (``train/objectives/``) turns each into a
 loss summed over its loss units; after ``grad_accum_steps`` micro-batches the gradient-step window
 (``train/step.py``, shared with every loop) normalises by the loss units of the whole window (all
 ranks), clips and steps, and callbacks log and publish checkpoints (``train/callbacks.py``).
-Builders live in ``train/build.py``, resume in ``train/resume.py``. Windows may span epochs. The stop event
+The run (ranks, model, objective, optimizer, callbacks) is built by ``train/build.py``, as
+for the online loop; resume is ``train/resume.py``. Windows may span epochs. The stop event
 of ``TrainContext`` is checked at every batch boundary; a stop inside a window drops the partial
 window, so a resumed run restarts at that window's first micro-batch and matches an
 uninterrupted run bit for bit.
@@ -25,20 +26,17 @@ from astrai.config import Config
 from astrai.data.sampler import ResumableSampler
 from astrai.train import dist, resume
 from astrai.train.build import (
+    build_callbacks,
     build_datasets,
-    build_model,
-    build_tokenizer,
-    check_vocab,
-    log_trainable,
-    seed_everything,
+    build_run,
+    callback_frame,
+    common_state,
+    load_common_state,
+    setup_objective,
 )
-from astrai.train.callbacks import arrange_callbacks, default_callbacks, requested_metrics
 from astrai.train.context import TrainContext
 from astrai.train.objectives import num_tokens
-from astrai.train.optim import LRSchedule, build_optimizer
 from astrai.train.signals import pause_point
-from astrai.train.step import GradientStep
-from astrai.train.types import build_objective
 
 Batch = dict[str, Any]
 
@@ -52,22 +50,9 @@ class Trainer:
                  ctx: TrainContext | None = None, objective: Any = None):
         cfg = self.config = config
         self.ctx = ctx or TrainContext()
-        self.dist = dist.init_distributed(cfg.train.device)
-        self.is_main = self.dist.rank == 0
-        self.device = self.dist.device
-        seed_everything(cfg.train.random_seed)
-
-        self.tokenizer = tokenizer if tokenizer is not None else build_tokenizer(cfg)
-        raw = model if model is not None else build_model(cfg)
-        self.raw_model = raw.to(self.device)
-        log_trainable(self.raw_model, self.is_main)
-        check_vocab(self.raw_model, self.tokenizer, cfg)
-        self.raw_model.gradient_checkpointing = cfg.train.gradient_checkpointing
-        # objective first: DPO's frozen reference is a copy of the unwrapped initial policy
-        self.objective = objective if objective is not None else build_objective(cfg, self.raw_model)
-        if cfg.train.compile:
-            self.raw_model.compile()  # in place: parameter names (and checkpoints) stay unprefixed
-        self.model = dist.wrap_model(self.raw_model, cfg.dist.parallel_mode, self.dist)
+        run = build_run(cfg, model, tokenizer, objective)  # ranks, seed, tokenizer, model, objective, wrapping
+        self.dist, self.device, self.is_main = run.dist, run.device, run.is_main
+        self.tokenizer, self.raw_model, self.model, self.objective = run.tokenizer, run.raw_model, run.model, run.objective
         if train_dataset is None:
             train_dataset, built_val = build_datasets(cfg, self.tokenizer)
             val_dataset = val_dataset if val_dataset is not None else built_val
@@ -78,26 +63,11 @@ class Trainer:
                                         group_size=cfg.train.batch_per_device * self.dist.world_size)
 
         self.total_steps = self._count_total_steps()
-        self.params = [p for p in self.raw_model.parameters() if p.requires_grad]
-        self.optimizer = build_optimizer(self.raw_model, cfg.optim)
-        self.scheduler = LRSchedule(self.optimizer, cfg.optim, self.total_steps)
-        self.grad_step = GradientStep(self.params, self.optimizer, self.scheduler,
-                                      max_grad_norm=cfg.train.max_grad_norm, world_size=self.dist.world_size,
-                                      device=self.device, max_nonfinite_steps=cfg.train.max_nonfinite_steps)
-        # user callbacks see a step before the checkpoint of that step is published
-        self.callbacks = arrange_callbacks(default_callbacks(self), list(callbacks or []))
-        self._request_metrics(requested_metrics(self.callbacks.callbacks))
+        self.optimizer, self.scheduler, self.grad_step = run.optimization(self.raw_model, cfg.optim, self.total_steps)
+        setup_objective(run, self.total_steps)
+        self.callbacks = build_callbacks(self, run, callbacks)
         self.step_metrics: dict[str, Any] = {}
         self._data_epoch, self._data_consumed = self.ctx.epoch, self.ctx.consumed_samples
-
-    def _request_metrics(self, wanted: frozenset[str] | None) -> None:
-        """Metrics no callback reads are never computed: objective metrics and router statistics."""
-        if hasattr(self.objective, "requested_metrics"):
-            self.objective.requested_metrics = wanted
-        router = wanted is None or any(name.startswith("router/") for name in wanted)
-        for module in self.raw_model.modules():
-            if hasattr(module, "collect_stats"):
-                module.collect_stats = router
 
     # ---------------------------------------------------------------------------- the loop
 
@@ -105,8 +75,7 @@ class Trainer:
         ctx, cbs, accum = self.ctx, self.callbacks, self.config.train.grad_accum_steps
         self._t_last = time.perf_counter()
         self._window_rng = resume.rng_state()
-        cbs.on_train_begin(self)
-        try:
+        with callback_frame(self):
             stopping = False
             t = self.config.train
             # max_steps, when set, decides alone (as many epochs as it takes); else n_epoch does
@@ -136,11 +105,6 @@ class Trainer:
                     break
             # a stop inside a window drops it: the resumed run starts again at its first micro-batch
             self.grad_step.drop()
-        except BaseException as e:
-            cbs.on_error(self, e)
-            raise
-        finally:
-            cbs.on_train_end(self)
         return ctx
 
     def _optimizer_step(self) -> None:
@@ -260,27 +224,15 @@ class Trainer:
     # ------------------------------------------------------------------------- state
 
     def state_dict(self) -> dict[str, Any]:
-        """JSON-able trainer state (trainer_state.json): counters, sampler, RNG, callbacks, config."""
-        return {
-            **self.ctx.state_dict(),
-            "sampler": self.sampler.state_dict(),
-            "grad_step": self.grad_step.state_dict(),
-            "rng": getattr(self, "_window_rng", None) or resume.rng_state(),  # at the last window boundary
-            "callbacks": self.callbacks.state_dict(),
-            "world_size": self.dist.world_size,
-            "total_steps": self.total_steps,
-            "config": self.config.to_dict(),
-        }
+        """JSON-able trainer state (trainer_state.json): the loops' common keys and the sampler;
+        the RNG as it was at the last window boundary."""
+        return {**common_state(self, getattr(self, "_window_rng", None)), "sampler": self.sampler.state_dict()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        resume.report_mismatches(state, self.config, self.dist.world_size, self.total_steps)
-        self.ctx.load_state_dict(state)
+        load_common_state(self, state)
         self._data_epoch, self._data_consumed = self.ctx.epoch, self.ctx.consumed_samples
         self.sampler.set_epoch(self.ctx.epoch)
         self.sampler.set_consumed(self.ctx.consumed_samples)
-        self.grad_step.load_state_dict(state.get("grad_step", {}))
-        self.callbacks.load_state_dict(state.get("callbacks", {}))
-        resume.set_rng_state(state["rng"])
 
     def extra_state(self) -> dict[str, dict[str, Any]]:
         """Checkpoint files beyond model, optimizer and schedule: none for the offline loop."""

@@ -1,18 +1,19 @@
-"""The online RL loop: rollout -> micro-batches -> gradient step -> publish the new policy version -> critic step.
+"""The online RL loop: rollout -> micro-batches -> gradient step -> publish the new policy version.
 
 Reads top to bottom in ``train``: every ``rollout_interval`` steps a batch of prompt records is
 drawn (the same seeded, resumable sampler as offline training) and the live policy generates and
 scores a rollout (``rl/rollout.py``); the objective pins its targets once; each optimizer step
 backpropagates the rollout's micro-batches and ends the window in the shared gradient step
 (``train/step.py``); then the policy version goes up by one and is published to the engine, so
-no KV of older weights is reused; PPO's critic steps last, with its own optimizer. A rollout more than ``max_policy_lag`` versions old, or from a
-future version, is an error. Checkpoints carry the policy version and, as extra state, the
-rollout being reused, so a stopped run resumes bit for bit.
+no KV of older weights is reused; the objective's companions (PPO's critic, with its own
+optimizer) step last. The run itself is built by ``train/build.py``, as for the offline loop. A
+rollout more than ``max_policy_lag`` versions old, or from a future version, is an error.
+Checkpoints carry the policy version and, as extra state, the rollout being reused, so a stopped
+run resumes bit for bit.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import math
 import time
 from contextlib import ExitStack
@@ -22,25 +23,22 @@ import torch
 
 from astrai.config import Config
 from astrai.data.sampler import ResumableSampler
-from astrai.model.lora import has_lora
-from astrai.train import dist, resume
+from astrai.train import dist
 from astrai.train.build import (
+    build_callbacks,
     build_datasets,
-    build_model,
-    build_tokenizer,
-    check_vocab,
-    log_trainable,
-    seed_everything,
+    build_run,
+    callback_frame,
+    common_state,
+    companions,
+    load_common_state,
+    setup_objective,
 )
-from astrai.train.callbacks import arrange_callbacks, default_callbacks, requested_metrics
 from astrai.train.context import TrainContext
-from astrai.train.objectives import num_tokens
-from astrai.train.optim import LRSchedule, build_optimizer
+from astrai.train.objectives import LossOutput, num_tokens
 from astrai.train.rl.rewards import RewardSet
 from astrai.train.rl.rollout import Rollout, RolloutRunner
 from astrai.train.signals import pause_point
-from astrai.train.step import GradientStep
-from astrai.train.types import build_objective
 
 
 def check_policy_lag(rollout_version: int, current: int, max_lag: int) -> None:
@@ -61,66 +59,31 @@ class OnlineLoop:
                  prompts: Any = None, callbacks: list[Any] | None = None, ctx: TrainContext | None = None):
         cfg = self.config = config
         self.ctx = ctx or TrainContext()
-        self.dist = dist.init_distributed(cfg.train.device)
-        self.is_main = self.dist.rank == 0
-        self.device = self.dist.device
-        seed_everything(cfg.train.random_seed)
-        self.tokenizer = tokenizer if tokenizer is not None else build_tokenizer(cfg)
-        if self.tokenizer is None:
-            raise ValueError("online RL needs a tokenizer with a chat template: set tokenizer_path or param_path")
-        self.raw_model = (model if model is not None else build_model(cfg)).to(self.device)
-        log_trainable(self.raw_model, self.is_main)
-        self.raw_model.gradient_checkpointing = cfg.train.gradient_checkpointing
-        check_vocab(self.raw_model, self.tokenizer, cfg)
-        self.objective = build_objective(cfg, self.raw_model)  # a KL reference copies the initial policy
-        self.model = dist.wrap_model(self.raw_model, cfg.dist.parallel_mode, self.dist)
+        run = build_run(cfg, model, tokenizer)  # ranks, seed, tokenizer, model, objective, wrapping
+        self.dist, self.device, self.is_main = run.dist, run.device, run.is_main
+        self.tokenizer, self.raw_model, self.model, self.objective = run.tokenizer, run.raw_model, run.model, run.objective
         self.prompts = prompts if prompts is not None else build_datasets(cfg, self.tokenizer)[0]
         self.sampler = ResumableSampler(len(self.prompts), seed=cfg.train.random_seed, rank=self.dist.rank,
                                         world_size=self.dist.world_size, shuffle=True)
         self.num_prompts = cfg.train.batch_per_device  # prompts per rollout on this rank
         rollouts_per_epoch = math.ceil(len(self.sampler) / self.num_prompts)
         self.total_steps = cfg.train.max_steps or cfg.train.n_epoch * rollouts_per_epoch * cfg.rl.rollout_interval
-        self.optimizer = build_optimizer(self.raw_model, cfg.optim)
-        self.scheduler = LRSchedule(self.optimizer, cfg.optim, self.total_steps)
-        params = [p for p in self.raw_model.parameters() if p.requires_grad]  # LoRA: the adapters only
-        self.grad_step = GradientStep(params, self.optimizer, self.scheduler,
-                                      max_grad_norm=cfg.train.max_grad_norm, world_size=self.dist.world_size,
-                                      device=self.device, max_nonfinite_steps=cfg.train.max_nonfinite_steps)
-        self._build_critic()
+        self.optimizer, self.scheduler, self.grad_step = run.optimization(self.raw_model, cfg.optim, self.total_steps)
+        setup_objective(run, self.total_steps)  # PPO: the critic's wrapping, optimizer and gradient step
+        self.companions = companions(self.objective)
         rewards = RewardSet(cfg.rl, self.device)
         self.runner = RolloutRunner(self.raw_model, self.tokenizer, cfg.rl, self.num_prompts, rewards,
                                     cfg.train.random_seed)
-        # user callbacks see a step before the checkpoint of that step is published
-        self.callbacks = arrange_callbacks(default_callbacks(self), list(callbacks or []))
-        self.objective.requested_metrics = requested_metrics(self.callbacks.callbacks)
+        self.callbacks = build_callbacks(self, run, callbacks)
         self.rollout: Rollout | None = None
         self.step_metrics: dict[str, Any] = {}
-
-    def _build_critic(self) -> None:
-        """PPO: the objective's critic gets its own optimizer, schedule and gradient step, and is
-        wrapped for DDP/FSDP like the policy."""
-        cfg = self.config
-        self.critic = getattr(self.objective, "critic", None)
-        if self.critic is None:
-            return
-        self.critic_model = dist.wrap_model(self.critic, cfg.dist.parallel_mode, self.dist)
-        self.objective.critic_module = self.critic_model
-        optim = dataclasses.replace(cfg.optim, max_lr=cfg.rl.critic_lr or cfg.optim.max_lr)
-        self.critic_optimizer = build_optimizer(self.critic, optim)
-        self.critic_scheduler = LRSchedule(self.critic_optimizer, optim, self.total_steps)
-        trainable = [p for p in self.critic.parameters() if p.requires_grad]  # LoRA: adapters and head
-        self.critic_step = GradientStep(trainable, self.critic_optimizer, self.critic_scheduler,
-                                        max_grad_norm=cfg.train.max_grad_norm, world_size=self.dist.world_size,
-                                        device=self.device, max_nonfinite_steps=cfg.train.max_nonfinite_steps,
-                                        name="critic")
 
     # ---------------------------------------------------------------------------- the loop
 
     def train(self) -> TrainContext:
         ctx, cbs, cfg = self.ctx, self.callbacks, self.config
         self.runner.set_policy_version(ctx.policy_version)
-        cbs.on_train_begin(self)
-        try:
+        with callback_frame(self):
             while ctx.step < self.total_steps and not self._should_stop():
                 t0 = time.perf_counter()
                 fresh = self.rollout is None or self.rollout.num_uses >= cfg.rl.rollout_interval
@@ -139,25 +102,19 @@ class OnlineLoop:
                     with self._no_sync(i < num - 1), self._autocast():
                         out = self.objective(self.model, batch)
                     if filler:  # zero loss, zero units; its metric names keep the window's sums aligned
-                        (out.loss * 0).backward()
-                        self.grad_step.add(out.loss * 0, 0, 0, {k: torch.zeros_like(v) for k, v in out.metrics.items()})
-                        if self.critic is not None:
-                            self.critic_step.add(out.loss * 0, 0, 0)
-                        continue
+                        out = LossOutput(out.loss * 0, {k: torch.zeros_like(v) for k, v in out.metrics.items()})
                     out.loss.backward()  # a sum over loss units; the window normalises it
-                    units = self.objective.num_units(batch)
-                    self.grad_step.add(out.loss, units, num_tokens(batch), out.metrics)
-                    if self.critic is not None:
-                        self.critic_step.add(out.metrics.get("value_loss", out.loss), units, 0)
+                    units = 0 if filler else self.objective.num_units(batch)
+                    self.grad_step.add(out.loss, units, 0 if filler else num_tokens(batch), out.metrics)
+                    for companion in self.companions:  # PPO's critic: the same backward fed its gradients
+                        companion.add(out, units)
                 result = self.grad_step.step(ctx.step + 1, before_update=lambda: cbs.before_optimizer_step(self))
                 rollout.num_uses += 1
                 ctx.step += 1
                 ctx.policy_version += 1
                 self.runner.set_policy_version(ctx.policy_version)  # new weights: older KV is never served
-                if self.critic is not None:  # after the policy step, outside the version publication
-                    critic = self.critic_step.step(ctx.step)
-                    result.update({"critic_lr": critic["lr"], "critic_grad_norm": critic["grad_norm"],
-                                   "critic_skipped": critic["skipped"]})
+                for companion in self.companions:  # after the policy step, outside the version publication
+                    result.update(companion.step(ctx.step))
                 tokens = result.pop("num_tokens")
                 ctx.tokens_seen += tokens
                 seconds = time.perf_counter() - t0
@@ -165,11 +122,6 @@ class OnlineLoop:
                 self.step_metrics = self._metrics(result, rollout, fresh, seconds)
                 pause_point(f"step:{ctx.step}")  # test hook: a kill or a stop lands exactly here
                 cbs.after_optimizer_step(self)
-        except BaseException as e:
-            cbs.on_error(self, e)
-            raise
-        finally:
-            cbs.on_train_end(self)
         return ctx
 
     def _next_rollout(self) -> Rollout:
@@ -223,8 +175,8 @@ class OnlineLoop:
         """DDP: gradients are all-reduced only in the window's last backward (policy and critic)."""
         stack = ExitStack()
         stack.enter_context(dist.no_sync(self.model, enabled))
-        if self.critic is not None:
-            stack.enter_context(dist.no_sync(self.critic_model, enabled))
+        for companion in self.companions:
+            stack.enter_context(dist.no_sync(companion.module, enabled))
         return stack
 
     def _autocast(self):
@@ -233,49 +185,21 @@ class OnlineLoop:
     # ---------------------------------------------------------------------------- state
 
     def state_dict(self) -> dict[str, Any]:
-        steps = {"grad_step": self.grad_step.state_dict()}
-        if self.critic is not None:
-            steps["critic_step"] = self.critic_step.state_dict()
-        return {**self.ctx.state_dict(), **steps, "rng": resume.rng_state(),
-                "callbacks": self.callbacks.state_dict(), "world_size": self.dist.world_size,
-                "total_steps": self.total_steps, "config": self.config.to_dict()}
+        return common_state(self)
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        resume.report_mismatches(state, self.config, self.dist.world_size, self.total_steps)
-        self.ctx.load_state_dict(state)
-        self.grad_step.load_state_dict(state.get("grad_step", {}))
-        if self.critic is not None:
-            self.critic_step.load_state_dict(state.get("critic_step", {}))
-        self.callbacks.load_state_dict(state.get("callbacks", {}))
-        resume.set_rng_state(state["rng"])
+        load_common_state(self, state)
 
     def extra_state(self) -> dict[str, dict[str, Any]]:
-        """The rollout being reused (empty when the next step draws a fresh one) and, for PPO, the
-        critic and its optimizer and schedule (value_model.pt, value_optimizer.pt)."""
+        """The rollout being reused (empty when the next step draws a fresh one) and each
+        companion's files (PPO: the critic, its optimizer and schedule)."""
         states = {"rollout": self.rollout.state_dict() if self.rollout is not None else {}}
-        if self.critic is not None:
-            full = dist.is_fsdp(self.critic_model)
-            value_model = dist.full_model_state_dict(self.critic_model) if full else self.critic.state_dict()
-            trained = {n for n, p in self.critic.named_parameters() if p.requires_grad}
-            if has_lora(self.critic):  # the frozen base is the policy's, already on disk: not saved again
-                value_model = {k: v for k, v in value_model.items() if k in trained}
-            states["value_model"] = value_model
-            states["value_optimizer"] = {
-                "optimizer": dist.full_optimizer_state_dict(self.critic_model, self.critic_optimizer),
-                "scheduler": self.critic_scheduler.state_dict()}
+        for companion in self.companions:
+            states.update(companion.extra_state())
         return states
 
     def load_extra_state(self, states: dict[str, dict[str, Any]]) -> None:
         state = states.get("rollout") or {}
         self.rollout = Rollout.from_state_dict(state) if state else None
-        if self.critic is not None:
-            saved = states["value_model"]
-            if has_lora(self.critic):  # adapters and head only; the base is the policy's
-                saved = {**self.critic.state_dict(), **saved}
-            dist.load_full_model_state_dict(self.critic_model, saved)
-            configured = [{k: v for k, v in g.items() if k != "params"} for g in self.critic_optimizer.param_groups]
-            dist.load_full_optimizer_state_dict(self.critic_model, self.critic_optimizer,
-                                                states["value_optimizer"]["optimizer"])
-            for group, values in zip(self.critic_optimizer.param_groups, configured, strict=True):
-                group.update(values)  # the config's critic_lr and betas win, as for the policy
-            self.critic_scheduler.load_state_dict(states["value_optimizer"]["scheduler"])
+        for companion in self.companions:
+            companion.load_extra_state(states)

@@ -1,0 +1,170 @@
+"""What every objective shares: ``LossOutput``, metric requests, the MoE terms, the frozen reference,
+and, for objectives that train on rollouts, token log-probs, loss units and micro-batches.
+
+Sits between a loop and ``train/losses.py``: an objective runs the model forward on a batch and
+hands the outputs to the pure loss functions, which hold all the arithmetic. Loops normalise by
+the whole accumulation window, so every objective reports *sums* over its loss units (loss tokens
+for seq/sft, preference pairs for dpo, tokens or sequences for RL): ``loss`` and each metric are
+divided by the window's unit count (all ranks) in ``train/step.py``. Metrics are computed only
+when requested: the loop sets ``requested_metrics`` to the names its callbacks read (None = all).
+
+What a loop may ask of an objective beyond ``__call__`` and ``num_units`` is stated here once:
+``setup(run, total_steps)`` after the policy is wrapped (PPO builds its critic's training there),
+``companions`` (modules trained beside the policy on the same micro-batches, each with its own
+optimizer and gradient step), and for online objectives ``prepare`` / ``batches``.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Protocol
+
+import torch
+from torch import Tensor, nn
+
+from astrai.config import Config, RLConfig
+from astrai.model.logprobs import selective_log_softmax
+from astrai.train.losses import IGNORE_INDEX, aggregate_token_loss
+
+if TYPE_CHECKING:
+    from astrai.train.build import Run
+
+Batch = dict[str, Any]
+
+
+@dataclass
+class LossOutput:
+    loss: Tensor  # scalar, summed over this micro-batch's loss units (graph attached)
+    # detached scalars, each summed over the same units (the trainer turns them into window means)
+    metrics: dict[str, Tensor] = field(default_factory=dict)
+
+
+class Companion(Protocol):
+    """A module trained beside the policy on the same micro-batches (PPO's critic): wrapped like
+    the policy, with its own optimizer, schedule and gradient step. The loop joins ``module`` to
+    its DDP no-sync window, calls ``add`` after each backward and ``step`` after the policy's."""
+
+    name: str  # its gradient-step counters are saved as "<name>_step" in trainer_state.json
+    module: nn.Module
+
+    def add(self, out: LossOutput, units: Tensor | int) -> None: ...
+    def step(self, number: int) -> dict[str, Any]: ...
+    def state_dict(self) -> dict[str, int]: ...
+    def load_state_dict(self, state: dict[str, int]) -> None: ...
+    def extra_state(self) -> dict[str, dict[str, Any]]: ...
+    def load_extra_state(self, states: dict[str, dict[str, Any]]) -> None: ...
+
+
+def num_tokens(batch: Batch) -> Tensor | int:
+    """Non-padding input tokens of a batch (every ``*attention_mask``), for throughput metrics."""
+    masks = [v for k, v in batch.items() if k.endswith("attention_mask")]
+    if masks:
+        return sum(m.sum() for m in masks)
+    return sum(t.numel() for k, t in batch.items() if k.endswith("input_ids"))
+
+
+def labelled_positions(labels: Tensor) -> Tensor | None:
+    """Positions (K,) where at least one row has a label, or None when that is every position.
+
+    Logits are only needed there: SFT prompts (and DPO prompts) carry no loss, so skipping their
+    LM-head projection and softmax over the vocabulary saves work without changing the loss or
+    its gradient.
+    """
+    keep = (labels != IGNORE_INDEX).any(dim=0)  # (T,)
+    if bool(keep.all()):
+        return None
+    return keep.nonzero().squeeze(1)
+
+
+def aux_coef(cfg: Config, model: nn.Module) -> float:
+    """The MoE load-balancing weight: the model section overrides the loaded model's config.json."""
+    default = getattr(getattr(model, "config", None), "router_aux_loss_coef", 0.0)
+    return float(cfg.model.get("router_aux_loss_coef", default))
+
+
+def frozen_reference(ref_model_path: str | None, model: nn.Module) -> Any:
+    """The reference of DPO and of the RL KL term: ref_model_path, else the initial policy: under
+    LoRA the policy's own module with its adapters disabled (no copy of the weights), otherwise a
+    frozen copy. Built before the policy is compiled or wrapped."""
+    from astrai.model.lora import AdapterDisabled, has_lora
+
+    if ref_model_path is None and has_lora(model):
+        return AdapterDisabled(model)
+    if ref_model_path is None:
+        ref = copy.deepcopy(model)
+    else:
+        from astrai.model.hf import load_model
+
+        ref = load_model(ref_model_path, device=next(model.parameters()).device)
+    return ref.eval().requires_grad_(False)
+
+
+class Objective:
+    """What every objective shares: which of its metrics anyone asked for, the MoE terms, and the
+    loop hooks that most objectives leave empty."""
+
+    requested_metrics: frozenset[str] | None = None  # None: compute every metric
+    companions: tuple[Companion, ...] = ()
+
+    def wants(self, name: str) -> bool:
+        return self.requested_metrics is None or name in self.requested_metrics
+
+    def setup(self, run: Run, total_steps: int) -> None:
+        """Called once the policy is wrapped and the run's length is known; nothing by default."""
+
+    def _add_moe_terms(self, out: Any, loss: Tensor, units: Tensor, coef: float, metrics: dict[str, Tensor]) -> Tensor:
+        """loss + coef * aux_loss (aux is a per-micro-batch mean, so it is weighted by the units)."""
+        if out.aux_loss is None:
+            return loss
+        aux = out.aux_loss.float() * units
+        candidates = {
+            "task_loss": lambda: loss.detach(),
+            "aux_loss": lambda: aux.detach(),
+            "aux_loss_weighted": lambda: coef * aux.detach(),
+        }
+        for name, value in out.router_stats.items():
+            value = value.detach().float()
+            if value.ndim:  # per-expert loads: the busiest expert's share says how balanced routing is
+                candidates[f"router/{name}_max"] = lambda v=value: v.max() * units
+                candidates[f"router/{name}_min"] = lambda v=value: v.min() * units
+            else:
+                candidates[f"router/{name}"] = lambda v=value: v * units
+        metrics.update({name: compute() for name, compute in candidates.items() if self.wants(name)})
+        return loss + coef * aux
+
+
+def token_logps(model: nn.Module, batch: Batch, temperature: float) -> tuple[Tensor, Tensor, Any]:
+    """(log-probs (B, K), loss mask (B, K), (model output, positions)) of the labelled tokens,
+    under `temperature` (the rollout's: the sampler drew from logits / temperature)."""
+    labels = batch["labels"]
+    idx = labelled_positions(labels)
+    out = model(batch["input_ids"], attention_mask=batch["attention_mask"], logits_indices=idx)  # (B, K, V)
+    if idx is not None:
+        labels = labels[:, idx]  # (B, K)
+    mask = labels != IGNORE_INDEX
+    logits = out.logits.float() / temperature if temperature > 0 else out.logits.float()
+    logps = selective_log_softmax(logits, torch.where(mask, labels, torch.zeros_like(labels)))  # (B, K)
+    return logps, mask, (out, idx)
+
+
+class RolloutObjective(Objective):
+    """Objectives that train on scored samples (GRPO, PPO): loss units follow ``rl_loss_agg``
+    (tokens, or sequences), and a rollout splits into micro-batches of whole samples."""
+
+    def __init__(self, rl: RLConfig):
+        self.agg = rl.rl_loss_agg
+
+    def num_units(self, batch: Batch) -> Tensor:
+        if self.agg == "token_mean":
+            return (batch["labels"] != IGNORE_INDEX).sum()
+        return torch.tensor(batch["labels"].size(0), device=batch["labels"].device)
+
+    def batches(self, rollout: Any, num_micro: int) -> list[Batch]:
+        chunks = torch.arange(rollout.num_samples).tensor_split(min(num_micro, rollout.num_samples))
+        return [rollout.rows(idx) for idx in chunks if len(idx)]
+
+    def per_unit(self, per_token: Tensor, mask: Tensor) -> Tensor:
+        """A per-token metric summed over this objective's loss units (a token or a sequence mean
+        once the window divides by its units)."""
+        return aggregate_token_loss(per_token, mask, "token_mean" if self.agg == "token_mean" else "seq_mean")[0]

@@ -1,0 +1,69 @@
+"""Online DPO (``online_dpo``): per prompt, the best and the worst rollout sample by reward become
+a chosen / rejected pair for the DPO objective (``dpo.py``); groups whose rewards are all equal give
+no pair and are counted (``skipped_groups``). ``group_size >= 2`` is checked where the config is
+validated (``astrai.config``), before any model is built."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from astrai.config import Config
+from astrai.train.objectives.base import Batch, LossOutput, Objective
+from astrai.train.objectives.dpo import DPOObjective
+
+
+class OnlineDPOObjective(Objective):
+    """Online DPO: per prompt, the best and the worst sample by reward become chosen / rejected."""
+
+    def __init__(self, cfg: Config, model: nn.Module):
+        self.dpo = DPOObjective(cfg, model)
+
+    @property
+    def requested_metrics(self) -> frozenset[str] | None:  # type: ignore[override]
+        return self.dpo.requested_metrics
+
+    @requested_metrics.setter
+    def requested_metrics(self, value: frozenset[str] | None) -> None:
+        self.dpo.requested_metrics = value
+
+    def prepare(self, rollout: Any) -> None:
+        """Pin (chosen, rejected) sample indices; groups whose rewards are all equal are skipped."""
+        best, worst = rollout.rewards.argmax(dim=1), rollout.rewards.argmin(dim=1)  # (B,)
+        distinct = rollout.rewards.max(dim=1).values > rollout.rewards.min(dim=1).values
+        base = torch.arange(rollout.rewards.size(0)) * rollout.group_size
+        rollout.pairs = torch.stack([base + best, base + worst], dim=1)[distinct]  # (P, 2)
+        rollout.stats["skipped_groups"] = float((~distinct).sum())
+
+    def batches(self, rollout: Any, num_micro: int) -> list[Batch]:
+        pairs = rollout.pairs
+        out = []
+        for chunk in pairs.tensor_split(min(num_micro, max(len(pairs), 1))):
+            if len(chunk) == 0:
+                continue
+            batch: Batch = {}
+            for side, col in (("chosen", 0), ("rejected", 1)):
+                rows = rollout.rows(chunk[:, col])
+                T = rows["input_ids"].size(1)
+                batch[f"{side}_input_ids"] = rows["input_ids"]
+                batch[f"{side}_labels"] = rows["labels"]  # the prompt carries no label: masked out
+                batch[f"{side}_attention_mask"] = rows["attention_mask"]
+                batch[f"{side}_position_ids"] = torch.arange(T).expand(len(chunk), T)
+            out.append(batch)
+        return out
+
+    def filler_batch(self, rollout: Any) -> Batch:
+        """A batch for a rank without pairs under DDP: its loss is multiplied by 0 by the loop."""
+        pairs, rollout.pairs = rollout.pairs, torch.zeros(1, 2, dtype=torch.long)
+        try:
+            return self.batches(rollout, 1)[0]
+        finally:
+            rollout.pairs = pairs
+
+    def num_units(self, batch: Batch) -> Tensor:
+        return self.dpo.num_units(batch)
+
+    def __call__(self, model: nn.Module, batch: Batch) -> LossOutput:
+        return self.dpo(model, batch)
