@@ -1,6 +1,7 @@
 """The inference engine: requests in, tokens, text and log-probs out.
 
-`LLMEngine` ties the parts together. `add_request` validates a request and queues one
+`LLMEngine` ties the parts together. It sizes its limits at start (sizing.py: longest
+sequence, KV pool, step budgets); `add_request` checks a request against them and queues one
 sequence for it; each `step()` is schedule (scheduler.py) -> run the model (runner.py) ->
 sample (sampling.py) -> postprocess here: append the tokens, detokenise incrementally, apply
 stop tokens, stop strings and length limits, fork the n samples of a request after its shared
@@ -8,8 +9,8 @@ prefill, free finished sequences, and report the requests that changed. `run_bat
 same loop synchronously for RL rollouts, and `generate_all` (text or token-id prompts) is what
 the offline `LLM` of llm.py calls. The engine runs the model it is given in place (a live
 training module is switched to eval mode and no_grad for each step, then restored; a model
-already in eval mode runs under inference_mode), and `set_policy_version` keys the prefix cache by weights version so KV
-computed with older weights is never reused.
+already in eval mode runs under inference_mode), and `set_policy_version` keys the prefix
+cache by weights version so KV computed with older weights is never reused.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from astrai.infer.block_manager import BlockManager, kv_bytes_per_token
+from astrai.infer.block_manager import BlockManager
 from astrai.infer.compiled import CompiledDecode
 from astrai.infer.detokenize import detokenize, find_stop_string, flush_text, visible_text
 from astrai.infer.outputs import (
@@ -40,11 +41,15 @@ from astrai.infer.probe import check_tuning, measure_step_cost, tune_owned_model
 from astrai.infer.runner import ModelRunner, StepLogits
 from astrai.infer.sampling import Sampler, SamplerOutput, SamplingParams, make_generator, top_alternatives
 from astrai.infer.scheduler import Scheduler, Sequence
+from astrai.infer.sizing import (
+    check_request,
+    decode_view_bytes,
+    num_kv_blocks,
+    resolve_max_model_len,
+    token_budgets,
+)
 
-DEFAULT_KV_CACHE_BYTES_CPU = 1 << 30  # without a size, a CPU engine caps its KV pool here
-DEFAULT_GPU_MEMORY_FRACTION = 0.5  # ... and a CUDA engine takes this share of free memory
 DETOKENIZE_CONTEXT = 5  # tokens of left context when decoding a new token's text
-DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048  # budget's chunk part when long_prefill_token_threshold is 0
 
 
 @dataclass
@@ -98,32 +103,27 @@ class LLMEngine:
         self.tokenizer = tokenizer
         model_cfg = model.config
         self.vocab_size = model_cfg.vocab_size
-        self.max_model_len = config.max_model_len or model_cfg.max_position_embeddings
-        window = getattr(model_cfg, "sliding_window", None)
-        if window is not None:  # full attention equals the window only up to its length
-            if config.max_model_len is not None and config.max_model_len > window:
-                raise ValueError(f"max_model_len is {config.max_model_len} but the model's sliding_window is "
-                                 f"{window}; set max_model_len to at most {window}")
-            self.max_model_len = min(self.max_model_len, window)
+        self.max_model_len = resolve_max_model_len(model_cfg, config.max_model_len)
         device = next(model.parameters()).device  # the engine runs the model where it is, never copies it
         if config.device and torch.device(config.device).type != device.type:
             raise ValueError(f"EngineConfig.device is {config.device!r} but the model is on {device}; "
                              f"move the model first or leave device unset")
         dtype = next(model.parameters()).dtype
-        num_blocks = self._num_blocks(model_cfg, dtype, device)
+        num_blocks = num_kv_blocks(
+            model_cfg, dtype, device, block_size=config.block_size, max_num_seqs=config.max_num_seqs,
+            max_model_len=self.max_model_len, kv_cache_tokens=config.kv_cache_tokens,
+            kv_cache_memory_gb=config.kv_cache_memory_gb)
         self.probes: dict[str, Any] = {}  # what load-time probes measured and chose (describe())
         self._in_inference_mode = False
-        threshold, batched = self._token_budgets(model)
-        if not config.enable_chunked_prefill:  # whole prompts (and recomputes) must fit one step
-            batched = max(batched, self.max_model_len)
+        threshold, batched = token_budgets(
+            config.long_prefill_token_threshold, config.max_num_batched_tokens,
+            max_num_seqs=config.max_num_seqs, max_model_len=self.max_model_len,
+            enable_chunked_prefill=config.enable_chunked_prefill, measure_chunk=self._measure_chunk)
         self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, batched, config.enable_chunked_prefill,
                                    threshold)
-        if not config.decode_view_memory_gb >= 0:
-            raise ValueError(f"decode_view_memory_gb must be >= 0 (0 disables the decode copy), "
-                             f"got {config.decode_view_memory_gb!r}")
         self.runner = ModelRunner(model, num_blocks, config.block_size, dtype=dtype, device=device,
-                                  decode_view_bytes=int(config.decode_view_memory_gb * (1 << 30)))
+                                  decode_view_bytes=decode_view_bytes(config.decode_view_memory_gb))
         if config.compile:
             self.runner.compiled = CompiledDecode(model, config.max_num_seqs)
             self.runner.compiled.warm_up()
@@ -135,7 +135,6 @@ class LLMEngine:
         self._seq_ids = itertools.count()
         self._batch_ids = itertools.count()
         self._lazy_text = False  # run_batch: decode text once at the end unless stop strings need it
-        self._in_inference_mode = False
         eos = model_cfg.eos_token_id
         eos_ids = [eos] if isinstance(eos, int) else list(eos or [])
         if tokenizer is not None:
@@ -160,28 +159,12 @@ class LLMEngine:
         engine.probes = {**probes, **engine.probes}
         return engine
 
-    def _token_budgets(self, model: nn.Module) -> tuple[int, int]:
-        """(long_prefill_token_threshold, max_num_batched_tokens), the unset ones from the model's
-        measured step cost: one prefill chunk per decoding step, and a budget of that chunk plus
-        a decode for every seat."""
-        cfg = self.config
-        threshold = cfg.long_prefill_token_threshold
-        if threshold is not None and threshold < 0:
-            raise ValueError(f"long_prefill_token_threshold must be >= 0 (0: no cap), got {threshold}")
-        if cfg.max_num_batched_tokens is not None and cfg.max_num_batched_tokens < 1:
-            raise ValueError(f"max_num_batched_tokens must be >= 1, got {cfg.max_num_batched_tokens}")
-        if threshold is None and cfg.enable_chunked_prefill:
-            with self._inference_mode():
-                cost = measure_step_cost(model, self.max_model_len)
-            self.probes["step_cost"] = cost.as_dict()
-            threshold = cost.chunk
-        threshold = threshold or 0
-        batched = cfg.max_num_batched_tokens
-        if batched is None:
-            batched = (threshold or DEFAULT_MAX_NUM_BATCHED_TOKENS) + cfg.max_num_seqs
-        if threshold > batched:
-            threshold = batched
-        return threshold, batched
+    def _measure_chunk(self) -> int:
+        """The prefill chunk from the model's timed forward passes (probe.py), recorded for describe()."""
+        with self._inference_mode():
+            cost = measure_step_cost(self.model, self.max_model_len)
+        self.probes["step_cost"] = cost.as_dict()
+        return cost.chunk
 
     def describe(self) -> dict[str, Any]:
         """The settings this engine runs with, including what load-time probes measured and chose
@@ -200,29 +183,6 @@ class LLMEngine:
             "probes": self.probes,
         }
 
-    def _num_blocks(self, model_cfg: Any, dtype: torch.dtype, device: torch.device) -> int:
-        cfg = self.config
-        per_token = kv_bytes_per_token(model_cfg.num_hidden_layers, model_cfg.num_key_value_heads,
-                                       model_cfg.head_dim, dtype)
-        if cfg.kv_cache_tokens is not None:
-            tokens = cfg.kv_cache_tokens
-        else:
-            if cfg.kv_cache_memory_gb is not None:
-                budget = int(cfg.kv_cache_memory_gb * (1 << 30))
-            elif device.type == "cuda":
-                budget = int(torch.cuda.mem_get_info(device)[0] * DEFAULT_GPU_MEMORY_FRACTION)
-            else:
-                budget = DEFAULT_KV_CACHE_BYTES_CPU
-            # more than every sequence at full length could ever use is wasted memory
-            tokens = min(budget // per_token, cfg.max_num_seqs * self.max_model_len + cfg.block_size)
-        num_blocks = tokens // cfg.block_size
-        if num_blocks < 1:
-            raise ValueError(
-                f"the KV cache holds {tokens} tokens, less than one block of {cfg.block_size}; "
-                f"raise kv_cache_tokens or kv_cache_memory_gb"
-            )
-        return num_blocks
-
     # -- requests -----------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None,
                     arrival_time: float | None = None, with_logprobs: bool = True) -> None:
@@ -232,7 +192,8 @@ class LLMEngine:
         if request_id in self._requests:
             raise ValueError(f"request_id {request_id!r} is already in use; pick a unique id")
         prompt_text, prompt_ids = self._tokenize(prompt)
-        self._validate(prompt_ids, params)
+        check_request(prompt_ids, params, vocab_size=self.vocab_size, max_model_len=self.max_model_len,
+                      max_num_seqs=self.config.max_num_seqs, block_manager=self.block_manager)
         stop_ids = set(params.stop_token_ids)
         eos_ids = frozenset() if params.ignore_eos else self.eos_token_ids
         req = _Request(
@@ -253,32 +214,6 @@ class LLMEngine:
             return prompt, self.tokenizer.encode(prompt, add_special_tokens=True)
         ids = [int(t) for t in prompt]
         return None, ids
-
-    def _validate(self, prompt_ids: list[int], params: SamplingParams) -> None:
-        n = len(prompt_ids)
-        if n == 0:
-            raise ValueError("prompt is empty; give at least one token")
-        bad = [t for t in prompt_ids if not 0 <= t < self.vocab_size]
-        if bad:
-            raise ValueError(f"prompt token id {bad[0]} is outside the vocabulary (0..{self.vocab_size - 1})")
-        if n >= self.max_model_len:
-            raise ValueError(
-                f"prompt has {n} tokens but max_model_len is {self.max_model_len}; shorten it to at most "
-                f"{self.max_model_len - 1} tokens or raise max_model_len"
-            )
-        params.check_vocab(self.vocab_size)
-        if params.n > self.config.max_num_seqs:
-            raise ValueError(
-                f"SamplingParams.n is {params.n} but max_num_seqs is {self.config.max_num_seqs}; "
-                f"lower n or raise max_num_seqs"
-            )
-        longest = min(n + (params.max_tokens or self.max_model_len), self.max_model_len)
-        need = self.block_manager.num_blocks_for(longest)
-        if need > self.block_manager.num_blocks:
-            raise ValueError(
-                f"request needs {need} KV blocks ({longest} tokens) but the pool has "
-                f"{self.block_manager.num_blocks}; lower max_tokens or raise kv_cache_tokens"
-            )
 
     def _new_sequence(self, req: _Request, index: int) -> Sequence:
         params = req.params

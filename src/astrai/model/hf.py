@@ -1,157 +1,54 @@
-"""Hugging Face model directories in and out: config.json + safetensors <-> CausalLM.
+"""`load_model` / `save_model`: Hugging Face model directories, with LoRA adapters composed in.
 
-This is the border of the model layer. `load_model` reads a directory written by transformers
-(or by astrai) for the families llama, mistral, qwen2, qwen3, qwen2_moe, qwen3_moe and mixtral:
-config.json becomes a `ModelConfig` (hf_config.py), the safetensors files become a state dict
-mapped onto `CausalLM`'s names and layouts (hf_weights.py), and generation_config.json's sampling
-defaults ride along on the model. `save_model` writes the same format back, choosing the family
-from the features the model uses, so that `AutoModelForCausalLM.from_pretrained` loads it.
-A feature astrai does not implement is an error naming the field and its value, and weights
-that do not match the model exactly are an error listing the keys: nothing loads half-random.
-This module owns the files (shards, index, JSON, generation_config.json) and the public API.
+The public face of the model layer's files (`astrai.load_model`, `astrai.save_model`), and the
+top of the file side of the model layer: it sits above the directory format (hf_dir.py, which
+knows nothing of adapters) and the adapters (lora.py), and is the one module that puts the two
+together. A PEFT adapter directory, or a base directory with `lora=ADAPTER_DIR`, loads as its
+base with the adapter merged; a model that still carries adapters saves as a plain directory
+with them folded in. Nothing below imports this module. The format helpers callers have always
+taken from here (`check_device`, `load_config`, `read_safetensors`, `HFFormatError`, ...) are
+re-exported under their old names.
 """
 
 from __future__ import annotations
 
-import json
-import os
 from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import safe_open
-from safetensors.torch import save_file
 from torch import Tensor
 
-from astrai.model.attention import rope_inv_freq
-from astrai.model.config import ModelConfig
-from astrai.model.hf_config import HFFormatError, config_from_hf, config_to_hf, pick_model_type
-from astrai.model.hf_weights import fuse_experts, state_dict_from_hf, state_dict_to_hf
-from astrai.model.manifest import check_model_dir
+from astrai.model.hf_config import HFFormatError
+from astrai.model.hf_dir import (
+    GENERATION_SAMPLING_KEYS,
+    build_model,
+    check_device,
+    load_config,
+    load_generation_defaults,
+    load_model_dir,
+    resolve_dtype,
+    save_model_dir,
+    write_generation_config,
+)
+from astrai.model.hf_weights import state_dict_from_hf, state_dict_to_hf
+from astrai.model.hub import resolve_model_path
+from astrai.model.lora import is_adapter_dir, load_adapter, merge_lora, merged_state_dict, resolve_base
+from astrai.model.safetensors_io import (
+    DEFAULT_MAX_SHARD_BYTES,
+    SAFE_INDEX,
+    SAFE_WEIGHTS,
+    current_umask,
+    read_safetensors,
+    save_safetensors,
+)
 from astrai.model.transformer import CausalLM
 
-SAFE_WEIGHTS = "model.safetensors"
-SAFE_INDEX = "model.safetensors.index.json"
-DEFAULT_MAX_SHARD_BYTES = 5 * 2**30
-# generation_config.json's sampling defaults (HF names), carried from a loaded model to its saves
-GENERATION_SAMPLING_KEYS = ("do_sample", "temperature", "top_p", "top_k", "min_p", "typical_p",
-                            "repetition_penalty", "max_new_tokens")
-
-
-# -- files -------------------------------------------------------------------------------------
-def read_safetensors(path: str | Path) -> dict[str, Tensor]:
-    """All tensors of a model directory: model.safetensors or the shards of its index."""
-    path = Path(path)
-    if (path / SAFE_INDEX).exists():
-        weight_map = _read_json(path / SAFE_INDEX)["weight_map"]
-        files = sorted(set(weight_map.values()))
-    elif (path / SAFE_WEIGHTS).exists():
-        files = [SAFE_WEIGHTS]
-    else:
-        found = sorted(p.name for p in path.iterdir()) if path.is_dir() else "no such directory"
-        raise FileNotFoundError(
-            f"{path} has neither {SAFE_WEIGHTS} nor {SAFE_INDEX} (found: {found}); "
-            "save the model with safetensors (transformers' save_pretrained does by default)"
-        )
-    tensors: dict[str, Tensor] = {}
-    for name in files:
-        try:
-            with safe_open(path / name, framework="pt") as f:
-                for key in f.keys():
-                    tensors[key] = f.get_tensor(key)
-        except FileNotFoundError:
-            raise
-        except Exception as exc:  # noqa: BLE001 - safetensors raises its own error types for bad bytes
-            reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-            raise HFFormatError(f"{path / name} is damaged and cannot be read ({reason}); "
-                                "restore the file or point to another model directory") from None
-    return tensors
-
-
-def _read_json(file: Path) -> Any:
-    """A JSON file of a model directory; a damaged one is an error naming it."""
-    try:
-        return json.loads(file.read_text(encoding="utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise HFFormatError(f"{file} is damaged: not valid JSON ({exc}); restore the file or point to "
-                            "another model directory") from None
-
-
-def check_device(device: torch.device | str | None) -> torch.device:
-    """`device` as a torch.device, or a one-line ValueError when it is unknown or not available here."""
-    if isinstance(device, torch.device):
-        parsed = device
-    else:
-        try:
-            parsed = torch.device(device or "cpu")
-        except (RuntimeError, TypeError):
-            raise ValueError(f"device {device!r} is unknown; use cpu, cuda, cuda:N or mps") from None
-    if parsed.type == "cuda":
-        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
-        if count == 0:
-            raise ValueError(f"device {str(device)!r} is not available: torch sees no CUDA GPU; use cpu")
-        if parsed.index is not None and parsed.index >= count:
-            raise ValueError(f"device {str(device)!r} is not available: torch sees {count} CUDA GPU(s), "
-                             f"cuda:0..cuda:{count - 1}")
-    elif parsed.type == "mps" and not torch.backends.mps.is_available():
-        raise ValueError(f"device {str(device)!r} is not available on this machine; use cpu")
-    elif parsed.type not in ("cpu", "cuda", "mps", "meta"):
-        raise ValueError(f"device {str(device)!r} is not supported; use cpu, cuda, cuda:N or mps")
-    return parsed
-
-
-def _check_keys(tensors: dict[str, Tensor], expected: dict[str, Tensor], where: str) -> None:
-    missing = sorted(set(expected) - set(tensors))
-    unexpected = sorted(set(tensors) - set(expected))
-    if missing or unexpected:
-        raise HFFormatError(
-            f"weights in {where} do not match the model built from its config.json: "
-            f"missing {len(missing)} {_abbrev(missing)}, unexpected {len(unexpected)} {_abbrev(unexpected)}"
-        )
-    wrong = [
-        f"{k} {tuple(tensors[k].shape)} (expected {tuple(expected[k].shape)})"
-        for k in expected if tensors[k].shape != expected[k].shape
-    ]
-    if wrong:
-        raise HFFormatError(f"weights in {where} have the wrong shape: {_abbrev(wrong)}")
-
-
-def _abbrev(items: list[str], limit: int = 12) -> str:
-    shown = ", ".join(items[:limit])
-    return f"[{shown}{', ...' if len(items) > limit else ''}]"
-
-
-# -- public API ---------------------------------------------------------------------------------
-def load_config(path: str | Path) -> ModelConfig:
-    """ModelConfig of a model directory (eos from generation_config.json when config lacks it)."""
-    path = Path(path)
-    config_file = path / "config.json"
-    if not config_file.exists():
-        raise FileNotFoundError(f"{config_file} not found; a model directory needs config.json")
-    raw = _read_json(config_file)
-    if not isinstance(raw, dict):
-        raise HFFormatError(f"{config_file} is damaged: expected a JSON object, got {type(raw).__name__}")
-    config = config_from_hf(raw)
-    generation_file = path / "generation_config.json"
-    if generation_file.exists():
-        generation = _read_json(generation_file)
-        for key in ("bos_token_id", "eos_token_id", "pad_token_id"):
-            if getattr(config, key) is None and generation.get(key) is not None:
-                setattr(config, key, generation[key])
-    return config
-
-
-def resolve_dtype(dtype: torch.dtype | str | None, config: ModelConfig) -> torch.dtype:
-    """None -> float32 (training precision); "auto" -> the dtype recorded in config.json."""
-    if dtype is None:
-        return torch.float32
-    if isinstance(dtype, torch.dtype):
-        return dtype
-    name = config.torch_dtype if dtype == "auto" else dtype
-    value = getattr(torch, str(name), None)
-    if not isinstance(value, torch.dtype):
-        raise ValueError(f"dtype {dtype!r} is not a torch dtype; use e.g. 'float32' or 'bfloat16'")
-    return value
+__all__ = [  # load_model and save_model, then what callers import from here under old names
+    "load_model", "save_model", "DEFAULT_MAX_SHARD_BYTES", "GENERATION_SAMPLING_KEYS", "HFFormatError",
+    "SAFE_INDEX", "SAFE_WEIGHTS", "build_model", "check_device", "current_umask", "load_config",
+    "load_generation_defaults", "read_safetensors", "resolve_dtype", "save_safetensors",
+    "state_dict_from_hf", "state_dict_to_hf", "write_generation_config",
+]
 
 
 def load_model(
@@ -163,63 +60,14 @@ def load_model(
     A PEFT adapter directory (a LoRA run's checkpoint) loads its base with the adapter merged,
     and so does a base directory with `lora=ADAPTER_DIR`. A Hugging Face Hub id (`org/name`) that
     is not a local path loads from the Hub cache (`model/hub.py`)."""
-    from astrai.model.hub import resolve_model_path
-
     path = Path(resolve_model_path(path, "model path"))
     check_device(device)
-    if (path / "adapter_config.json").is_file() and not (path / "config.json").is_file():
-        from astrai.model.lora import resolve_base
-
+    if is_adapter_dir(path) and not (path / "config.json").is_file():
         return load_model(resolve_base(path), dtype=dtype, device=device, verify=verify, lora=path)
-    check_model_dir(path, verify=verify)
-    config = load_config(path)
-    model = build_model(config, read_safetensors(path), dtype, device, where=str(path))
+    model = load_model_dir(path, dtype, device, verify=verify)
     if lora is not None:
-        from astrai.model.lora import load_adapter, merge_lora
-
         load_adapter(model, lora)
         merge_lora(model)
-    # the source's sampling defaults travel with the weights, so a fine-tune's checkpoints keep them
-    model.generation_defaults = load_generation_defaults(path)
-    return model
-
-
-def load_generation_defaults(path: str | Path) -> dict[str, Any]:
-    """The sampling defaults (temperature, top_p, ...) in a model directory's generation_config.json,
-    with HF's names; {} when the file is absent or sets none."""
-    file = Path(path) / "generation_config.json"
-    if not file.is_file():
-        return {}
-    raw = _read_json(file)
-    if not isinstance(raw, dict):
-        raise HFFormatError(f"{file} is damaged: expected a JSON object, got {type(raw).__name__}")
-    return {k: raw[k] for k in GENERATION_SAMPLING_KEYS if raw.get(k) is not None}
-
-
-def build_model(
-    config: ModelConfig,
-    tensors: dict[str, Tensor],
-    dtype: torch.dtype | str | None = None,
-    device: torch.device | str | None = None,
-    where: str = "the state dict",
-) -> CausalLM:
-    """CausalLM(config) holding exactly `tensors` (HF names/layouts); any key mismatch raises."""
-    dtype = resolve_dtype(dtype, config)
-    device = torch.device(device or "cpu")
-    model = CausalLM(config, seed=None, device="meta")
-    expected = {k: v for k, v in model.state_dict().items()
-                if not (k == "lm_head.weight" and config.tie_word_embeddings)}
-    tensors = fuse_experts(state_dict_from_hf(tensors, config), expected)
-    _check_keys(tensors, expected, where)
-    # assign=True adopts the loaded tensors: no second copy, no random init to overwrite
-    tensors = {k: t.to(device=device, dtype=dtype if t.is_floating_point() else t.dtype)
-               for k, t in tensors.items()}
-    model.load_state_dict(tensors, strict=False, assign=True)
-    model.tie_weights()
-    model.model.inv_freq = rope_inv_freq(config).to(device)
-    left = [n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]
-    if left:
-        raise HFFormatError(f"tensors left uninitialised after loading {where}: {_abbrev(left)}")
     return model
 
 
@@ -232,111 +80,12 @@ def save_model(
 ) -> Path:
     """Write `model` as a HF model directory (config.json, safetensors, generation_config.json,
     and the tokenizer files when a tokenizer is given). `state_dict` overrides the model's own
-    (e.g. a full state dict gathered from FSDP ranks). generation_config.json's eos_token_id lists
-    every id the tokenizer stops at (so transformers' `generate` ends a chat turn where astrai
-    does), and the sampling defaults `load_model` found in the source directory
-    (`model.generation_defaults`) are written back."""
-    path = Path(path)
-    path.mkdir(parents=True, exist_ok=True)
+    (e.g. a full state dict gathered from FSDP ranks); a model with LoRA adapters is written
+    merged. generation_config.json's eos_token_id lists every id the tokenizer stops at (so
+    transformers' `generate` ends a chat turn where astrai does), and the sampling defaults
+    `load_model` found in the source directory (`model.generation_defaults`) are written back."""
     model = getattr(model, "module", model)  # DDP wrapper
-    config = model.config
-    model_type = pick_model_type(config)
-    hf_config = config_to_hf(config, model_type)
-    ids = _special_ids(config, tokenizer)
-    hf_config.update(ids)
     state = state_dict if state_dict is not None else model.state_dict()
     if any(k.endswith(".lora_A") for k in state):
-        from astrai.model.lora import merged_state_dict  # a LoRA run's checkpoint: fold adapters
-
-        state = merged_state_dict(model)
-    tensors = state_dict_to_hf(state, config, model_type)
-    floats = [t.dtype for t in tensors.values() if t.is_floating_point()]
-    if floats:
-        hf_config["dtype"] = str(floats[0]).removeprefix("torch.")
-    _write_shards(tensors, path, max_shard_bytes)
-    (path / "config.json").write_text(json.dumps(hf_config, indent=2) + "\n")
-    write_generation_config(model, path, tokenizer)
-    if tokenizer is not None:
-        tokenizer.save(path)
-    return path
-
-
-def write_generation_config(model: CausalLM, path: str | Path, tokenizer: Any | None = None) -> None:
-    """generation_config.json: bos/pad ids, an eos_token_id list naming every id the tokenizer stops
-    at (transformers' `generate` then ends a chat turn at <|im_end|> as astrai does), and the
-    sampling defaults in `model.generation_defaults`."""
-    ids = _special_ids(model.config, tokenizer)
-    generation = {k: v for k, v in ids.items() if v is not None}
-    eos = _end_of_turn_ids(model.config, tokenizer)
-    if len(eos) > 1:
-        generation["eos_token_id"] = eos
-    generation.update(getattr(model, "generation_defaults", None) or {})
-    (Path(path) / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
-
-
-def _special_ids(config: ModelConfig, tokenizer: Any | None) -> dict[str, Any]:
-    """bos/eos/pad ids from the config, falling back to the tokenizer's."""
-    out = {}
-    for key in ("bos_token_id", "eos_token_id", "pad_token_id"):
-        value = getattr(config, key)
-        if value is None and tokenizer is not None:
-            value = getattr(tokenizer, key, None)
-        out[key] = value
-    return out
-
-
-def _end_of_turn_ids(config: ModelConfig, tokenizer: Any | None) -> list[int]:
-    """The config's eos ids, then every id the tokenizer stops at (eos, the chat template's
-    end-of-turn token, ...): what generation_config.json's eos_token_id lists."""
-    ids = list(config.eos_token_ids)
-    ids += list(getattr(tokenizer, "stop_token_ids", None) or [])
-    if not ids and tokenizer is not None and getattr(tokenizer, "eos_token_id", None) is not None:
-        ids.append(tokenizer.eos_token_id)
-    return [i for i in dict.fromkeys(ids) if isinstance(i, int) and 0 <= i < config.vocab_size]
-
-
-def current_umask() -> int:
-    """The process umask, read without changing it where Linux shows it (/proc/self/status)."""
-    try:
-        for line in Path("/proc/self/status").read_text().splitlines():
-            if line.startswith("Umask:"):
-                return int(line.split()[1], 8)
-    except (OSError, ValueError):
-        pass
-    mask = os.umask(0o022)  # elsewhere: set and restore (the only portable way to read it)
-    os.umask(mask)
-    return mask
-
-
-def save_safetensors(tensors: dict[str, Tensor], file: str | Path) -> None:
-    """safetensors' save_file, with the file's mode as any other file the process writes
-    (0o666 & ~umask): save_file writes through a private temporary file (mode 0600)."""
-    save_file(tensors, str(file), metadata={"format": "pt"})
-    os.chmod(file, 0o666 & ~current_umask())
-
-
-def _write_shards(tensors: dict[str, Tensor], path: Path, max_shard_bytes: int) -> None:
-    """One model.safetensors, or numbered shards plus model.safetensors.index.json."""
-    shards: list[dict[str, Tensor]] = [{}]
-    size = 0
-    for key, t in tensors.items():
-        nbytes = t.numel() * t.element_size()
-        if shards[-1] and size + nbytes > max_shard_bytes:
-            shards.append({})
-            size = 0
-        shards[-1][key] = t
-        size += nbytes
-    # files of an earlier save in another layout would shadow or confuse the new one
-    for old in [*path.glob("model-*-of-*.safetensors"), path / SAFE_WEIGHTS, path / SAFE_INDEX]:
-        old.unlink(missing_ok=True)
-    if len(shards) == 1:
-        save_safetensors(shards[0], path / SAFE_WEIGHTS)
-        return
-    weight_map = {}
-    for i, shard in enumerate(shards):
-        name = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
-        save_safetensors(shard, path / name)
-        weight_map.update(dict.fromkeys(shard, name))
-    total = sum(t.numel() * t.element_size() for t in tensors.values())
-    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
-    (path / SAFE_INDEX).write_text(json.dumps(index, indent=2) + "\n")
+        state = merged_state_dict(model)  # a LoRA run's checkpoint: fold adapters
+    return save_model_dir(model, path, tokenizer, max_shard_bytes, state_dict=state)

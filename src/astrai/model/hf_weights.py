@@ -5,8 +5,8 @@ tensors that CausalLM (like transformers 5) keeps in memory are split into the p
 checkpoint files and fused back (`split_experts` / `fuse_experts`), Mixtral's file names
 (block_sparse_moe.*.w1/w2/w3) are renamed to astrai's, and what a family's architecture has but
 astrai's lacks (a zero o_proj bias, an empty qwen2_moe shared expert) is dropped on the way in
-and written as zeros on the way out. hf.py calls `state_dict_from_hf` after reading safetensors
-and `state_dict_to_hf` before writing them; the family table comes from hf_config.py.
+and written as zeros on the way out. hf_dir.py calls `state_dict_from_hf` after reading
+safetensors and `state_dict_to_hf` before writing them; the family table comes from hf_config.py.
 """
 
 from __future__ import annotations

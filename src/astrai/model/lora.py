@@ -2,20 +2,21 @@
 
 `apply_lora(model, r, alpha, dropout, targets)` swaps the chosen `nn.Linear` projections (short
 names q, k, v, o, gate, up, down, i.e. `*_proj`) for `LoraLinear`, which keeps the base
-`weight`/`bias` under their original names (so state dicts and hf.py keep working) and adds
-`lora_A` (r, in) and `lora_B` (out, r). Only adapter weights stay trainable. `merge_lora` folds
-W + (alpha / r) * B @ A back into plain `nn.Linear`s. `merged_state_dict` gives the merged
-weights without touching the model: `hf.save_model` writes a model that still carries adapters
-through it, as a normal Hugging Face model directory.
+`weight`/`bias` under their original names (so state dicts and the model directory format keep
+working) and adds `lora_A` (r, in) and `lora_B` (out, r). Only adapter weights stay trainable.
+`merge_lora` folds W + (alpha / r) * B @ A back into plain `nn.Linear`s. `merged_state_dict`
+gives the merged weights without touching the model (what `hf.save_model` writes for a model
+that still carries adapters: a normal Hugging Face model directory).
 
 Adapters travel in PEFT's format: `save_adapter` writes `adapter_config.json` +
 `adapter_model.safetensors` (keys `base_model.model.<name>.lora_A.weight`), `load_adapter` reads
-one (written here or by PEFT) onto a loaded base, and `load_merged` gives base + adapter as one
-plain model (what `astrai.load_model(adapter_dir)`, `--lora` and `astrai lora merge` use).
+one (written here or by PEFT) onto a loaded base, and `resolve_base` finds an adapter's base
+directory. The tensor files go through safetensors_io.py; this module imports no model
+directory code: hf.py, above it, composes "adapter directory = base + adapter" for
+`astrai.load_model(adapter_dir)`, `--lora` and `astrai lora merge`.
 `adapters_disabled` / `AdapterDisabled` run the same module as its frozen base: the reference
 model of DPO, GRPO and PPO under LoRA costs no second copy of the weights.
 """
-
 from __future__ import annotations
 
 import json
@@ -28,6 +29,9 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+
+from astrai.model.hub import is_hub_id, resolve_model_path
+from astrai.model.safetensors_io import read_safetensors_file, save_safetensors
 
 PROJECTIONS = {"q": "q_proj", "k": "k_proj", "v": "v_proj", "o": "o_proj",
                "gate": "gate_proj", "up": "up_proj", "down": "down_proj"}
@@ -216,8 +220,6 @@ def save_adapter(model: nn.Module, path: str | Path, base_model_name_or_path: st
                  state_dict: dict[str, Tensor] | None = None, tokenizer: Any | None = None) -> Path:
     """Write `model`'s adapters as a PEFT adapter directory (the base weights are not written).
     `state_dict` overrides the model's own (e.g. gathered from FSDP ranks)."""
-    from astrai.model.hf import save_safetensors  # at call time: hf imports this module
-
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     config = peft_config(model, base_model_name_or_path)
@@ -269,8 +271,6 @@ def resolve_base(adapter: str | Path, base: str | Path | None = None) -> Path:
     for candidate in ([Path(named), Path(adapter) / named] if named else []):
         if (candidate / "config.json").is_file():
             return candidate
-    from astrai.model.hub import is_hub_id, resolve_model_path
-
     if named and is_hub_id(named):
         return Path(resolve_model_path(named, f"the base model of adapter {adapter}"))
     raise FileNotFoundError(f"the base model of adapter {adapter} ({named!r}) is not a model directory "
@@ -280,14 +280,12 @@ def resolve_base(adapter: str | Path, base: str | Path | None = None) -> Path:
 def load_adapter(model: nn.Module, path: str | Path) -> list[str]:
     """Wrap `model`'s target projections and load the adapter at `path` onto them (the model's
     device and dtype); returns the wrapped names. The model is left unmerged (trainable adapters)."""
-    from safetensors.torch import load_file
-
     path = Path(path)
     config = read_adapter_config(path)
     weights = path / ADAPTER_WEIGHTS
     if not weights.is_file():
         raise FileNotFoundError(f"{weights} not found; the adapter directory is incomplete")
-    tensors = {from_peft_key(k): v for k, v in load_file(str(weights)).items()}
+    tensors = {from_peft_key(k): v for k, v in read_safetensors_file(weights).items()}
     r = int(config["r"])
     wrapped = apply_lora(model, r=r, alpha=float(config.get("lora_alpha", r)), dropout=0.0,
                          targets=config["target_modules"])
