@@ -361,6 +361,10 @@ def validate(cfg: Config) -> None:
     for name in ("critic_lr", "value_clip"):
         if getattr(rl, name) is not None and getattr(rl, name) <= 0:
             raise ConfigError(f"{name}={getattr(rl, name)} must be > 0 (or null)")
+    if rl.rollout_interval - 1 > rl.max_policy_lag:
+        raise ConfigError(f"rollout_interval={rl.rollout_interval} reuses a rollout until it is "
+                          f"{rl.rollout_interval - 1} policy versions old, more than max_policy_lag={rl.max_policy_lag}; "
+                          f"raise --max_policy_lag to {rl.rollout_interval - 1} or lower --rollout_interval")
     if not 0.0 < rl.rollout_top_p <= 1.0:
         raise ConfigError(f"rollout_top_p={rl.rollout_top_p} must be within (0, 1]")
     if cfg.data.train_type == "online_dpo" and rl.group_size < 2:

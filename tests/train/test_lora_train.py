@@ -215,3 +215,18 @@ def test_lora_sigterm_resume_is_exact(tmp_path, tok_dir, base_dir, monkeypatch):
     a = load_file(str(latest_checkpoint(tmp_path / "straight" / "ckpt") / ADAPTER_WEIGHTS))
     b = load_file(str(latest_checkpoint(tmp_path / "stopped" / "ckpt") / ADAPTER_WEIGHTS))
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_online_rl_runs_lora_without_dropout_so_a_fresh_rollout_has_ratio_one(tmp_path, tok_dir, base_dir):
+    """The engine samples in eval mode (no dropout); the trainer's forward drops nothing either
+    (TRL's disable_dropout), so with lora_dropout 0.5 the fresh rollout's log-probs still match
+    and the adapter config keeps the configured dropout."""
+    import json
+
+    config = lora_run(write_rl_run(tmp_path, tok_dir, rewards=["tests.train.test_lora_train:varied_reward"]),
+                      base_dir, lora_dropout=0.5)
+    assert astrai_main(["train", "--config", str(config), "--max_steps", "2"]) == 0
+    fresh = [m["sampler_logp_diff"] for m in read_metrics(tmp_path) if "sampler_logp_diff" in m]
+    assert len(fresh) == 2 and max(fresh) < 1e-5  # with dropout on in training: 5.6e-3 here
+    ckpt = latest_checkpoint(tmp_path / "ckpt")
+    assert json.loads((ckpt / "adapter_config.json").read_text())["lora_dropout"] == 0.5

@@ -238,6 +238,8 @@ def build_run(cfg: Config, model: nn.Module | None = None, tokenizer: Any = None
     log_trainable(raw, info.rank == 0)
     check_vocab(raw, tokenizer, cfg)
     raw.gradient_checkpointing = cfg.train.gradient_checkpointing
+    if is_online(cfg.data.train_type):
+        disable_dropout(raw)  # before the objective: its reference and critic copies inherit it
     # objective first: a frozen reference (DPO, a KL term) is a copy of the unwrapped initial policy
     objective = objective if objective is not None else build_objective(cfg, raw)
     online = is_online(cfg.data.train_type)
@@ -262,6 +264,24 @@ def setup_objective(run: Run, total_steps: int) -> None:
 def companions(objective: Any) -> tuple[Any, ...]:
     """The modules trained beside the policy on the same micro-batches (``objectives.base.Companion``)."""
     return tuple(getattr(objective, "companions", ()))
+
+
+def disable_dropout(model: nn.Module) -> int:
+    """Online RL trains without dropout (TRL's ``disable_dropout``): the engine samples with the
+    module in eval mode, so a trainer forward with dropout would move the ratio away from 1 for a
+    reason that is not the policy changing. Each ``nn.Dropout`` (e.g. ``lora_dropout``) becomes
+    the identity; its ``p`` is kept, so a saved adapter's config still says what was configured.
+    Returns how many modules were switched off."""
+    count = 0
+    for module in model.modules():
+        if isinstance(module, nn.Dropout) and module.p > 0:
+            module.forward = _identity  # an instance attribute: this module only, kept by deepcopy
+            count += 1
+    return count
+
+
+def _identity(x: torch.Tensor) -> torch.Tensor:
+    return x
 
 
 def build_callbacks(loop: Loop, run: Run, user: list[Any] | None) -> CallbackList:

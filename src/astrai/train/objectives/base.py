@@ -24,7 +24,7 @@ import torch
 from torch import Tensor, nn
 
 from astrai.config import Config, RLConfig
-from astrai.model.logprobs import selective_log_softmax
+from astrai.model.logprobs import selective_log_softmax, truncated_token_logps
 from astrai.train.losses import IGNORE_INDEX, aggregate_token_loss
 
 if TYPE_CHECKING:
@@ -134,17 +134,23 @@ class Objective:
         return loss + coef * aux
 
 
-def token_logps(model: nn.Module, batch: Batch, temperature: float) -> tuple[Tensor, Tensor, Any]:
-    """(log-probs (B, K), loss mask (B, K), (model output, positions)) of the labelled tokens,
-    under `temperature` (the rollout's: the sampler drew from logits / temperature)."""
+def token_logps(model: nn.Module, batch: Batch, rl: RLConfig) -> tuple[Tensor, Tensor, Any]:
+    """(log-probs (B, K), loss mask (B, K), (model output, positions)) of the labelled tokens
+    under the distribution the rollout sampler drew from: logits / rollout_temperature, truncated
+    to rollout_top_k and rollout_top_p and renormalised (docs/training.md, "The log-prob
+    contract"); temperature 0 (greedy) uses the plain logits, as the sampler does."""
     labels = batch["labels"]
     idx = labelled_positions(labels)
     out = model(batch["input_ids"], attention_mask=batch["attention_mask"], logits_indices=idx)  # (B, K, V)
     if idx is not None:
         labels = labels[:, idx]  # (B, K)
     mask = labels != IGNORE_INDEX
-    logits = out.logits.float() / temperature if temperature > 0 else out.logits.float()
-    logps = selective_log_softmax(logits, torch.where(mask, labels, torch.zeros_like(labels)))  # (B, K)
+    targets = torch.where(mask, labels, torch.zeros_like(labels))
+    if rl.rollout_temperature > 0:
+        logits = out.logits.float() / rl.rollout_temperature
+        logps = truncated_token_logps(logits, targets, rl.rollout_top_k, rl.rollout_top_p)  # (B, K)
+    else:
+        logps = selective_log_softmax(out.logits.float(), targets)  # (B, K)
     return logps, mask, (out, idx)
 
 

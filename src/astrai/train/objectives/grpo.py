@@ -25,7 +25,7 @@ class GRPOObjective(RolloutObjective):
     """GRPO: token-level PPO clipping on group-relative advantages, optional k3 KL to a reference."""
 
     def __init__(self, cfg: Config, model: nn.Module):
-        rl = cfg.rl
+        rl = self.rl = cfg.rl
         super().__init__(rl)
         self.clip_eps, self.clip_eps_high = rl.clip_eps, rl.clip_eps_high
         self.temperature, self.kl_coef = rl.rollout_temperature, rl.kl_coef
@@ -48,7 +48,7 @@ class GRPOObjective(RolloutObjective):
         return advantages
 
     def __call__(self, model: nn.Module, batch: Batch) -> LossOutput:
-        logps, mask, (_, idx) = token_logps(model, batch, self.temperature)
+        logps, mask, (_, idx) = token_logps(model, batch, self.rl)
         old = batch["old_logps"] if idx is None else batch["old_logps"][:, idx]  # (B, K)
         old = torch.where(torch.isnan(old), logps.detach(), old)  # no behaviour log-probs: the policy's own
         advantages = batch["advantages"] if "advantages" in batch else self._group_advantages(batch)
@@ -56,7 +56,7 @@ class GRPOObjective(RolloutObjective):
         metrics: dict[str, Tensor] = {}
         if self.reference is not None:
             with torch.no_grad():
-                ref_logps, _, _ = token_logps(self.reference, batch, self.temperature)
+                ref_logps, _, _ = token_logps(self.reference, batch, self.rl)
             kl = kl_estimate(logps, ref_logps, "k3")  # (B, K), >= 0
             loss = loss + self.kl_coef * kl
             if self.wants("kl"):

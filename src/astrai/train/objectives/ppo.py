@@ -125,7 +125,7 @@ class OnlinePPOObjective(RolloutObjective):
             values[rows] = self.critic(ids, attention_mask=att).float().cpu()
             if self.reference is not None:
                 batch = {"input_ids": ids, "attention_mask": att, "labels": rollout.labels[rows].to(device)}
-                lp, _, (_, idx) = token_logps(self.reference, batch, self.temperature)
+                lp, _, (_, idx) = token_logps(self.reference, batch, self.rl)
                 full = torch.zeros(len(rows), mask.size(1))
                 full[:, idx if idx is not None else slice(None)] = lp.cpu()
                 ref_logps[rows] = full
@@ -151,7 +151,7 @@ class OnlinePPOObjective(RolloutObjective):
 
     def __call__(self, model: nn.Module, batch: Batch) -> LossOutput:
         rl = self.rl
-        logps, mask, (_, idx) = token_logps(model, batch, self.temperature)
+        logps, mask, (_, idx) = token_logps(model, batch, self.rl)
 
         def at(key: str) -> Tensor:  # a pinned (B, T) tensor at the labelled positions (B, K)
             return batch[key] if idx is None else batch[key][:, idx]

@@ -1,0 +1,69 @@
+"""The sampler-trainer log-prob contract: for every sampling setting a rollout accepts, the
+trainer's log-prob of a token equals the one the sampler recorded when the weights are the ones
+that drew it (``sampler_logp_diff`` on a fresh rollout <= 1e-5 in fp32). Both sides truncate with
+the one ``apply_truncation`` (``astrai.model.logprobs``) and renormalise over the kept tokens."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from astrai.model.logprobs import truncated_token_logps
+from astrai.train.cli import main
+from tests.train.resume_data import read_metrics
+from tests.train.test_rl import tok_dir, write_rl_run  # noqa: F401 - the module-scoped tokenizer fixture
+
+PROBS = torch.tensor([0.4, 0.3, 0.15, 0.1, 0.05])  # a 5-token vocabulary, most likely first
+
+
+def logp(token: int, **truncation) -> float:
+    return truncated_token_logps(PROBS.log()[None], torch.tensor([token]), **truncation).exp().item()
+
+
+def test_truncated_log_probs_by_hand():
+    assert logp(0) == pytest.approx(0.4)  # no truncation: the plain softmax
+    # top_k 2 keeps {0.4, 0.3}: renormalised over 0.7
+    assert logp(0, top_k=2) == pytest.approx(0.4 / 0.7)
+    assert logp(1, top_k=2) == pytest.approx(0.3 / 0.7)
+    # top_p 0.6: 0.4 alone is short of 0.6, 0.4 + 0.3 reaches it: the same two tokens
+    assert logp(1, top_p=0.6) == pytest.approx(0.3 / 0.7)
+    # top_k 3 first (0.4, 0.3, 0.15 renormalised over 0.85: 0.47, 0.35, 0.18), then top_p 0.6 of
+    # that: 0.47 + 0.35 reaches it, so again {0, 1}
+    assert logp(0, top_k=3, top_p=0.6) == pytest.approx(0.4 / 0.7)
+    # top_p 0.9 keeps four tokens (0.95 >= 0.9 only with the fourth)
+    assert logp(3, top_p=0.9) == pytest.approx(0.1 / 0.95)
+    # top_p 0.35: the first token alone; a token outside the nucleus that was drawn anyway (a
+    # rounding difference at the boundary) keeps a finite log-prob over the kept set plus itself
+    assert logp(0, top_p=0.35) == pytest.approx(1.0)
+    assert logp(2, top_p=0.35) == pytest.approx(0.15 / 0.55)
+
+
+def test_truncated_log_probs_send_gradients_to_the_kept_logits_only():
+    logits = PROBS.log()[None].clone().requires_grad_(True)
+    truncated_token_logps(logits, torch.tensor([1]), top_k=2).sum().backward()
+    grad = logits.grad[0]
+    assert torch.all(grad[2:] == 0)
+    assert grad[1].item() == pytest.approx(1 - 0.3 / 0.7) and grad[0].item() == pytest.approx(-0.4 / 0.7)
+    assert math.isclose(grad.sum().item(), 0.0, abs_tol=1e-6)
+
+
+SETTINGS = {
+    "temperature 1": {},
+    "temperature 0.7": {"rollout_temperature": 0.7},
+    "top_p 0.9": {"rollout_top_p": 0.9},
+    "top_k 20": {"rollout_top_k": 20},
+    "top_k 5 + top_p 0.8, temperature 1.3": {"rollout_top_k": 5, "rollout_top_p": 0.8, "rollout_temperature": 1.3},
+}
+
+
+@pytest.mark.parametrize("train_type", ["online_grpo", "online_ppo"])
+@pytest.mark.parametrize("setting", list(SETTINGS))
+def test_fresh_rollout_log_probs_match_the_sampler_for_every_setting(tmp_path, tok_dir, setting, train_type):  # noqa: F811
+    config = write_rl_run(tmp_path, tok_dir, train_type=train_type, **SETTINGS[setting])
+    assert main(["--config", str(config), "--max_steps", "1"]) == 0
+    first = read_metrics(tmp_path)[0]
+    # the trainer that divided by the temperature only gave 0.104 (top_p 0.9), 2.56 (top_k 20)
+    # and 4.17 (top_k 5 + top_p 0.8) on this tiny model
+    assert first["sampler_logp_diff"] <= 1e-5, (setting, first["sampler_logp_diff"])
