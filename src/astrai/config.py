@@ -109,6 +109,8 @@ class RLConfig:
     rollout_top_k: int = 0  # 0 = off
     max_prompt_len: int = 256  # longer prompts are skipped and counted, never a crash
     max_policy_lag: int = 8  # a rollout more policy versions old than this is an error
+    rollout_is_level: str = "token"  # none | token | sequence: truncated importance weights for sampler-trainer mismatch
+    rollout_is_cap: float = 2.0  # the weight min(pi_trainer_old / pi_sampler, cap) is capped here
     clip_eps: float = 0.2  # PPO clip of the token ratio, below 1
     clip_eps_high: float | None = None  # above 1 (DAPO); None = clip_eps
     kl_coef: float = 0.0  # KL to the reference (k3); 0 loads no reference model
@@ -353,6 +355,8 @@ def validate(cfg: Config) -> None:
                           f"{rl.rewards}; give one weight per reward")
     if not rl.rewards:
         raise ConfigError("rewards is empty; name at least one reward (e.g. [exact_match])")
+    if rl.rollout_is_cap < 1:
+        raise ConfigError(f"rollout_is_cap={rl.rollout_is_cap} must be >= 1 (a weight of 1 is no correction)")
     for name in ["rollout_temperature", "clip_eps", "kl_coef", "max_policy_lag", "ppo_vf_coef"]:
         if flat[name] < 0:
             raise ConfigError(f"{name}={flat[name]} must be >= 0")

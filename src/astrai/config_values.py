@@ -60,6 +60,7 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "parallel_mode": ("none", "ddp", "fsdp"),
     "scale_rewards": ("group", "none"),
     "rl_loss_agg": ("token_mean", "seq_mean", "seq_mean_token_sum_norm"),
+    "rollout_is_level": ("none", "token", "sequence"),
 }
 
 

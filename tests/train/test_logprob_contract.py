@@ -67,3 +67,37 @@ def test_fresh_rollout_log_probs_match_the_sampler_for_every_setting(tmp_path, t
     # the trainer that divided by the temperature only gave 0.104 (top_p 0.9), 2.56 (top_k 20)
     # and 4.17 (top_k 5 + top_p 0.8) on this tiny model
     assert first["sampler_logp_diff"] <= 1e-5, (setting, first["sampler_logp_diff"])
+
+
+@pytest.mark.parametrize("level", ["token", "sequence", "none"])
+def test_a_sampler_mismatch_is_corrected_by_truncated_importance_weights(tmp_path, tok_dir, monkeypatch, level):  # noqa: F811
+    """A sampler that reports log-probs 1.0 lower than the trainer's on every other token (as a
+    bf16 engine might, exaggerated): the ratio still starts at 1 (its old log-probs are the
+    trainer's own), and the weights min(pi_trainer / pi_sampler, cap) = min(e, 2) = 2 cap half the
+    tokens (token level), every sample (sequence level), or nothing (none)."""
+    from astrai.train.rl import rollout as rollout_mod
+
+    real = rollout_mod._pack
+
+    def skewed(samples, group_size, policy_version):
+        out = real(samples, group_size, policy_version)
+        out.old_logps[:, ::2] -= 1.0
+        return out
+
+    monkeypatch.setattr(rollout_mod, "_pack", skewed)
+    config = write_rl_run(tmp_path, tok_dir, rollout_is_level=level, rollout_interval=2)
+    assert main(["--config", str(config), "--max_steps", "2"]) == 0
+    first, second = read_metrics(tmp_path)[:2]
+    assert first["sampler_logp_diff"] > 0.3  # the mismatch is seen...
+    assert first["clip_fraction"] == 0.0  # ...but the ratio's old log-probs are the trainer's: ratio 1
+    if level == "token":
+        assert 0.3 < first["is_weight_capped_fraction"] < 0.7
+        assert 1.3 < first["is_weight_mean"] < 1.7  # 2 on the skewed half, 1 on the rest
+    elif level == "sequence":
+        assert first["is_weight_capped_fraction"] == pytest.approx(1.0)
+        assert first["is_weight_mean"] == pytest.approx(2.0)
+    else:
+        assert first["is_weight_mean"] == pytest.approx(1.0) and first["is_weight_capped_fraction"] == 0.0
+    assert second["is_weight_mean"] == pytest.approx(first["is_weight_mean"])  # pinned for the reused rollout
+    for key in ("entropy", "clip_fraction_low", "clip_fraction_high", "truncated_fraction", "frac_reward_zero_std"):
+        assert key in first, key

@@ -341,3 +341,26 @@ def test_k3_kl_is_never_negative():
     logps = torch.randn(100)
     ref = torch.randn(100)
     assert (L.kl_estimate(logps, ref, "k3") >= 0).all()
+
+
+def test_importance_weights_hand_computed():
+    trainer = torch.tensor([[-1.0, -2.0, -0.5, 0.0]])
+    sampler = torch.tensor([[-1.5, -1.0, -0.5, 0.0]])  # log-ratios 0.5, -1.0, 0.0; the last is padding
+    mask = torch.tensor([[1, 1, 1, 0]])
+    w, capped = L.importance_weights(trainer, sampler, mask, "token", cap=1.5)
+    # exp(0.5) = 1.6487 is capped at 1.5; exp(-1) = 0.3679; exp(0) = 1; padding 0
+    assert w.tolist()[0] == pytest.approx([1.5, math.exp(-1.0), 1.0, 0.0])
+    assert capped.tolist() == [[True, False, False, False]]
+    w, capped = L.importance_weights(trainer, sampler, mask, "sequence", cap=2.0)
+    # one weight per sample: exp(0.5 - 1.0 + 0.0) = exp(-0.5) = 0.6065 on every token
+    assert w.tolist()[0] == pytest.approx([math.exp(-0.5)] * 3 + [0.0])
+    assert not capped.any()
+    w, capped = L.importance_weights(trainer, sampler, mask, "none")
+    assert w.tolist() == [[1.0, 1.0, 1.0, 0.0]] and not capped.any()
+    with pytest.raises(ValueError, match="rollout_is_level"):
+        L.importance_weights(trainer, sampler, mask, "tokens")
+
+
+def test_token_entropy_hand_computed():
+    logits = torch.log(torch.tensor([[0.5, 0.5, 0.0 + 1e-30], [1.0, 1e-30, 1e-30]]))
+    assert L.token_entropy(logits).tolist() == pytest.approx([math.log(2), 0.0], abs=1e-6)

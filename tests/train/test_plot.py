@@ -90,3 +90,14 @@ def test_plot_rejects_a_bad_smooth_factor(tmp_path, capsys):
     (tmp_path / "metrics.jsonl").write_text(json.dumps({"split": "train", "step": 1, "loss": 1.0}) + "\n")
     assert main([str(tmp_path), "--smooth", "1.5"]) == 1
     assert "smooth=1.5 must be within [0, 1)" in capsys.readouterr().err
+
+
+def test_online_rl_debugging_metrics_are_grouped():
+    from astrai.train.plot import group_of
+
+    assert {m: group_of(m) for m in ("clip_fraction", "clip_fraction_low", "clip_fraction_high", "entropy", "kl",
+                                     "sampler_logp_diff", "is_weight_mean", "is_weight_capped_fraction",
+                                     "truncated_fraction", "frac_reward_zero_std")} == {
+        "clip_fraction": "policy", "clip_fraction_low": "policy", "clip_fraction_high": "policy",
+        "entropy": "policy", "kl": "policy", "sampler_logp_diff": "sampler", "is_weight_mean": "sampler",
+        "is_weight_capped_fraction": "sampler", "truncated_fraction": "rollout", "frac_reward_zero_std": "rollout"}

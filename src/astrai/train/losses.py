@@ -318,3 +318,33 @@ def explained_variance(values: Tensor, returns: Tensor, mask: Tensor) -> Tensor:
     diff = returns - values
     var_d = masked_mean((diff - masked_mean(diff, mask)) ** 2, mask)
     return 1 - var_d / var_r.clamp(min=1e-8)
+
+
+def importance_weights(trainer_logps: Tensor, sampler_logps: Tensor, mask: Tensor, level: str = "token",
+                       cap: float = 2.0) -> tuple[Tensor, Tensor]:
+    """Truncated importance sampling for the sampler-trainer mismatch: (weights, capped), (B, T).
+
+    The samples were drawn by the engine (pi_sampler) but the ratio is taken against the trainer's
+    own log-probs at the same weights (pi_trainer_old); where the two differ (bf16, kernels), each
+    token's loss is weighted by w = min(pi_trainer_old / pi_sampler, cap) (level "token"), or every
+    token of a sample by w = min(exp(sum over its tokens of log(pi_trainer_old / pi_sampler)), cap)
+    (level "sequence"); level "none" gives ones. Weights are detached; 0 outside the mask.
+    """
+    mask = mask.bool()
+    if level == "none":
+        return mask.float(), torch.zeros_like(mask)
+    log_ratio = torch.where(mask, (trainer_logps - sampler_logps).detach().float(), 0.0)  # (B, T)
+    if level == "sequence":
+        log_ratio = log_ratio.sum(dim=-1, keepdim=True).expand_as(log_ratio)
+    elif level != "token":
+        raise ValueError(f"unknown rollout_is_level {level!r}; expected none, token or sequence")
+    raw = log_ratio.exp()
+    capped = (raw > cap) & mask
+    return torch.where(mask, raw.clamp(max=cap), 0.0), capped
+
+
+def token_entropy(logits: Tensor) -> Tensor:
+    """Entropy of each position's distribution, (..., V) -> (...), float32, no gradient."""
+    logits = logits.detach().float()
+    logp = torch.log_softmax(logits, dim=-1)
+    return -(logp.exp() * logp).sum(dim=-1)

@@ -3,7 +3,8 @@
 The end of the training data flow for humans: the metrics log written by the trainer's
 MetricsLogger becomes one PNG per metric (loss, lr, grad_norm, tokens_per_s and every objective
 metric), one PNG per metric group (``group_loss.png``, ``group_lr.png``, ``group_grad_norm.png``,
-``group_throughput.png``, ``group_reward.png``, ``group_length.png``, ``group_other.png``: the
+``group_throughput.png``, ``group_reward.png``, ``group_length.png``, and for online RL
+``group_policy.png``, ``group_sampler.png``, ``group_rollout.png``; ``group_other.png``: the
 group's metrics side by side) and ``curves.png`` with all of them on one page. Training curves
 are smoothed by an exponential moving average (``--smooth``, TensorBoard's debiased form) with
 the raw curve drawn faint behind; a validation metric is drawn raw over its training counterpart
@@ -31,6 +32,12 @@ GROUPS: dict[str, Callable[[str], bool]] = {
     "throughput": lambda m: m.endswith("_per_s"),
     "reward": lambda m: m.startswith("reward") or m.startswith("rewards/"),
     "length": lambda m: "length" in m,
+    # online RL: how much the update is clipped and how spread the policy is
+    "policy": lambda m: m.startswith("clip_fraction") or m in ("entropy", "kl"),
+    # online RL: the sampler-trainer agreement and the importance weights that correct it
+    "sampler": lambda m: m.startswith(("sampler_", "is_weight")),
+    # online RL: whether a rollout can teach anything (cut-off completions, groups without signal)
+    "rollout": lambda m: m in ("truncated_fraction", "frac_reward_zero_std", "skipped_prompts", "skipped_groups"),
     "other": lambda m: True,
 }
 LOG_SCALE_GROUPS = {"grad_norm"}

@@ -17,6 +17,7 @@ optimizer and gradient step), and for online objectives ``prepare`` / ``batches`
 from __future__ import annotations
 
 import copy
+import math
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -25,7 +26,7 @@ from torch import Tensor, nn
 
 from astrai.config import Config, RLConfig
 from astrai.model.logprobs import selective_log_softmax, truncated_token_logps
-from astrai.train.losses import IGNORE_INDEX, aggregate_token_loss
+from astrai.train.losses import IGNORE_INDEX, aggregate_token_loss, importance_weights, token_entropy
 
 if TYPE_CHECKING:
     from astrai.train.build import Run
@@ -38,6 +39,9 @@ class LossOutput:
     loss: Tensor  # scalar, summed over this micro-batch's loss units (graph attached)
     # detached scalars, each summed over the same units (the trainer turns them into window means)
     metrics: dict[str, Tensor] = field(default_factory=dict)
+    # (B, T) tensors the loop stores on the rollout at the batch's samples, for the steps that
+    # reuse it (online RL: the trainer's log-probs at the rollout's weights)
+    pins: dict[str, Tensor] = field(default_factory=dict)
 
 
 class Companion(Protocol):
@@ -154,23 +158,84 @@ def token_logps(model: nn.Module, batch: Batch, rl: RLConfig) -> tuple[Tensor, T
     return logps, mask, (out, idx)
 
 
+@dataclass
+class Behaviour:
+    """What a rollout objective compares its log-probs with, at the labelled positions (B, K):
+    ``old`` is the ratio's denominator (the trainer's own log-prob at the rollout's weights),
+    ``weights`` the truncated importance weights for the sampler-trainer mismatch, ``capped`` where
+    the cap bit, and ``pins`` what the loop stores on the rollout for the steps that reuse it."""
+
+    old: Tensor
+    weights: Tensor
+    capped: Tensor
+    pins: dict[str, Tensor]
+
+
 class RolloutObjective(Objective):
     """Objectives that train on scored samples (GRPO, PPO): loss units follow ``rl_loss_agg``
-    (tokens, or sequences), and a rollout splits into micro-batches of whole samples."""
+    (tokens, or sequences), a rollout splits into micro-batches of whole samples, and online ones
+    correct the sampler-trainer mismatch (``behaviour``)."""
+
+    online = False
 
     def __init__(self, rl: RLConfig):
         self.agg = rl.rl_loss_agg
+        self.is_level, self.is_cap = rl.rollout_is_level, rl.rollout_is_cap
 
     def num_units(self, batch: Batch) -> Tensor:
         if self.agg == "token_mean":
             return (batch["labels"] != IGNORE_INDEX).sum()
         return torch.tensor(batch["labels"].size(0), device=batch["labels"].device)
 
+    def prepare_behaviour(self, rollout: Any) -> None:
+        """A fresh rollout: the trainer's log-probs at its weights are not known yet (NaN); the
+        first step on it computes them (the weights have not moved since sampling) and pins them.
+        Positions without a label hold 0 (a checkpoint's rollout must be finite)."""
+        unknown = torch.full(rollout.old_logps.shape, math.nan)
+        rollout.trainer_logps = torch.where(rollout.labels != IGNORE_INDEX, unknown, 0.0)
+
     def batches(self, rollout: Any, num_micro: int) -> list[Batch]:
         chunks = torch.arange(rollout.num_samples).tensor_split(min(num_micro, rollout.num_samples))
         return [rollout.rows(idx) for idx in chunks if len(idx)]
+
+    def behaviour(self, batch: Batch, logps: Tensor, mask: Tensor, idx: Tensor | None) -> Behaviour:
+        """The ratio's denominator and the importance weights (docs/training.md, "The log-prob
+        contract"). Offline records, and rows without behaviour log-probs (NaN), use the policy's
+        own log-probs: weights 1."""
+        def at(key: str) -> Tensor:
+            return batch[key] if idx is None else batch[key][:, idx]
+
+        current = logps.detach()
+        sampler = torch.where(torch.isnan(at("old_logps")), current, at("old_logps"))
+        if not self.online or "trainer_logps" not in batch:
+            return Behaviour(sampler, mask.float(), torch.zeros_like(mask), {})
+        known = at("trainer_logps")
+        old = torch.where(torch.isnan(known), current, known)  # NaN: this is the rollout's first step
+        weights, capped = importance_weights(old, sampler, mask, self.is_level, self.is_cap)
+        full = batch["trainer_logps"].clone()
+        full[:, idx if idx is not None else slice(None)] = old
+        return Behaviour(old, weights, capped, {"trainer_logps": full})
 
     def per_unit(self, per_token: Tensor, mask: Tensor) -> Tensor:
         """A per-token metric summed over this objective's loss units (a token or a sequence mean
         once the window divides by its units)."""
         return aggregate_token_loss(per_token, mask, "token_mean" if self.agg == "token_mean" else "seq_mean")[0]
+
+    def common_metrics(self, logps: Tensor, out: Any, mask: Tensor, beh: Behaviour, clipped: Tensor,
+                       sampler: Tensor, temperature: float) -> dict[str, Tensor]:
+        """The metrics every rollout objective reports, computed only when asked for (TRL / verl
+        names where they exist): clip fractions (all, below 1 - eps, above 1 + eps_high), approx_kl
+        to the old policy, sampler_logp_diff, the policy's mean token entropy, importance weights."""
+        diff_old, diff_sampler = logps.detach() - beh.old, logps.detach() - sampler
+        logits = out.logits.float() / temperature if temperature > 0 else out.logits
+        candidates = {
+            "clip_fraction": lambda: clipped.float(),
+            "clip_fraction_low": lambda: (clipped & (diff_old < 0)).float(),  # ratio below 1 - clip_eps
+            "clip_fraction_high": lambda: (clipped & (diff_old > 0)).float(),  # ratio above 1 + clip_eps_high
+            "approx_kl": lambda: 0.5 * diff_old**2,  # between the current and the old policy
+            "sampler_logp_diff": lambda: diff_sampler.abs(),  # |trainer - sampler| log-prob; ~0 on a fresh rollout
+            "entropy": lambda: token_entropy(logits),
+            "is_weight_mean": lambda: beh.weights,
+            "is_weight_capped_fraction": lambda: beh.capped.float(),
+        }
+        return {k: self.per_unit(f(), mask) for k, f in candidates.items() if self.wants(k)}

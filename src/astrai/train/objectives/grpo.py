@@ -48,11 +48,11 @@ class GRPOObjective(RolloutObjective):
         return advantages
 
     def __call__(self, model: nn.Module, batch: Batch) -> LossOutput:
-        logps, mask, (_, idx) = token_logps(model, batch, self.rl)
-        old = batch["old_logps"] if idx is None else batch["old_logps"][:, idx]  # (B, K)
-        old = torch.where(torch.isnan(old), logps.detach(), old)  # no behaviour log-probs: the policy's own
+        logps, mask, (out, idx) = token_logps(model, batch, self.rl)
+        beh = self.behaviour(batch, logps, mask, idx)  # the ratio's old log-probs, importance weights
         advantages = batch["advantages"] if "advantages" in batch else self._group_advantages(batch)
-        loss, clipped = clipped_surrogate(logps, old, advantages, self.clip_eps, self.clip_eps_high)
+        loss, clipped = clipped_surrogate(logps, beh.old, advantages, self.clip_eps, self.clip_eps_high)
+        loss = loss * beh.weights  # the sampler-trainer mismatch correction (1 in fp32 on a fresh rollout)
         metrics: dict[str, Tensor] = {}
         if self.reference is not None:
             with torch.no_grad():
@@ -62,19 +62,20 @@ class GRPOObjective(RolloutObjective):
             if self.wants("kl"):
                 metrics["kl"] = self.per_unit(kl.detach(), mask)
         total, _ = aggregate_token_loss(loss, mask, self.agg, self.max_len)
-        diff = (logps.detach() - old)
-        candidates = {
-            "clip_fraction": lambda: clipped.float(),
-            "approx_kl": lambda: 0.5 * diff**2,  # between the current and the behaviour policy
-            "sampler_logp_diff": lambda: diff.abs(),  # |trainer - sampler| log-prob; ~0 on a fresh rollout
-        }
-        metrics.update({k: self.per_unit(f(), mask) for k, f in candidates.items() if self.wants(k)})
-        return LossOutput(total, metrics)
+        sampler = batch["old_logps"] if idx is None else batch["old_logps"][:, idx]
+        sampler = torch.where(torch.isnan(sampler), logps.detach(), sampler)
+        metrics.update(self.common_metrics(logps, out, mask, beh, clipped, sampler, self.temperature))
+        return LossOutput(total, metrics, beh.pins)
 
     def prepare(self, rollout: Any) -> None:
         """Online: pin the rollout's advantages (computed once, reused by every step on it)."""
         rollout.pinned["advantages"] = self.advantages(rollout.rewards)
+        self.prepare_behaviour(rollout)
 
 
 class OnlineGRPOObjective(GRPOObjective):
-    """GRPO on rollouts of the live policy: logp_old is the sampler's, no old model is kept."""
+    """GRPO on rollouts of the live policy: no old model is kept; the ratio's old log-probs are
+    the trainer's own on the rollout's first step, and the sampler's enter only through the
+    importance weights."""
+
+    online = True

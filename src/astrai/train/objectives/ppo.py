@@ -93,6 +93,8 @@ class OnlinePPOObjective(RolloutObjective):
     """PPO with a critic: per-token GAE advantages under the clipped surrogate, plus the critic's
     ``ppo_vf_coef * (V - R)^2``; the KL to the reference is folded into the per-token rewards."""
 
+    online = True
+
     def __init__(self, cfg: Config, model: nn.Module):
         from astrai.model.value import ValueModel
 
@@ -135,6 +137,7 @@ class OnlinePPOObjective(RolloutObjective):
         if rl.whiten_advantages:
             advantages = masked_whiten(advantages, mask) * mask
         rollout.pinned.update({"advantages": advantages, "returns": returns, "old_values": values})
+        self.prepare_behaviour(rollout)
         rollout.stats.update({
             "explained_variance": explained_variance(values, returns, mask).item(),
             "value_mean": masked_mean(values, mask).item(), "return_mean": masked_mean(returns, mask).item(),
@@ -151,27 +154,25 @@ class OnlinePPOObjective(RolloutObjective):
 
     def __call__(self, model: nn.Module, batch: Batch) -> LossOutput:
         rl = self.rl
-        logps, mask, (_, idx) = token_logps(model, batch, self.rl)
+        logps, mask, (out, idx) = token_logps(model, batch, self.rl)
 
         def at(key: str) -> Tensor:  # a pinned (B, T) tensor at the labelled positions (B, K)
             return batch[key] if idx is None else batch[key][:, idx]
 
         self._check(batch, at, mask)
-        old = at("old_logps")
-        policy, clipped = clipped_surrogate(logps, old, at("advantages"), rl.clip_eps, rl.clip_eps_high)
+        beh = self.behaviour(batch, logps, mask, idx)  # the ratio's old log-probs, importance weights
+        policy, clipped = clipped_surrogate(logps, beh.old, at("advantages"), rl.clip_eps, rl.clip_eps_high)
+        policy = policy * beh.weights
         values = self.critic_module(batch["input_ids"], attention_mask=batch["attention_mask"])  # (B, T)
         values = values if idx is None else values[:, idx]
         vloss, vclipped = value_loss(values, at("old_values"), at("returns"), rl.value_clip, coef=1.0)
         policy_sum, _ = aggregate_token_loss(policy, mask, rl.rl_loss_agg, rl.rollout_max_tokens)
         value_sum, _ = aggregate_token_loss(vloss, mask, rl.rl_loss_agg, rl.rollout_max_tokens)
-        diff = logps.detach() - old
         candidates = {
             "policy_loss": lambda: policy_sum.detach(),
             "value_loss": lambda: value_sum.detach(),
-            "clip_fraction": lambda: self.per_unit(clipped.float(), mask),
             "value_clip_fraction": lambda: self.per_unit(vclipped.float(), mask),
-            "approx_kl": lambda: self.per_unit(0.5 * diff**2, mask),
-            "sampler_logp_diff": lambda: self.per_unit(diff.abs(), mask),
         }
         metrics = {k: f() for k, f in candidates.items() if self.wants(k)}
-        return LossOutput(policy_sum + rl.ppo_vf_coef * value_sum, metrics)
+        metrics.update(self.common_metrics(logps, out, mask, beh, clipped, at("old_logps"), self.temperature))
+        return LossOutput(policy_sum + rl.ppo_vf_coef * value_sum, metrics, beh.pins)

@@ -103,6 +103,8 @@ class OnlineLoop:
                         out = self.objective(self.model, batch)
                     if filler:  # zero loss, zero units; its metric names keep the window's sums aligned
                         out = LossOutput(out.loss * 0, {k: torch.zeros_like(v) for k, v in out.metrics.items()})
+                    if out.pins and not filler:  # online RL: the trainer's log-probs at the rollout's weights
+                        rollout.pin(batch["sample_index"], out.pins)
                     out.loss.backward()  # a sum over loss units; the window normalises it
                     units = 0 if filler else self.objective.num_units(batch)
                     self.grad_step.add(out.loss, units, 0 if filler else num_tokens(batch), out.metrics)

@@ -46,6 +46,9 @@ class Rollout:
     stats: dict[str, float] = field(default_factory=dict)
     pinned: dict[str, Tensor] = field(default_factory=dict)  # per-sample targets fixed once (advantages)
     pairs: Tensor | None = None  # (P, 2) chosen / rejected sample indices (online DPO)
+    # (N, T) the trainer's log-probs at the rollout's weights (the ratio's old log-probs), known
+    # after the first step on it (NaN before); None for objectives that do not use them
+    trainer_logps: Tensor | None = None
     num_uses: int = 0  # optimizer steps taken on it so far
 
     @property
@@ -56,12 +59,23 @@ class Rollout:
         """A training batch of some samples, with their pinned targets."""
         batch = {k: getattr(self, k)[index] for k in _TENSORS if k != "rewards"}
         batch.update({k: v[index] for k, v in self.pinned.items()})
+        if self.trainer_logps is not None:
+            batch["trainer_logps"] = self.trainer_logps[index]
+        batch["sample_index"] = torch.arange(self.num_samples)[index]  # where the loop stores a batch's pins
         return batch
+
+    def pin(self, sample_index: Tensor, pins: dict[str, Tensor]) -> None:
+        """Store per-sample values (rows of `sample_index`) computed on a step, for the steps that
+        reuse this rollout."""
+        for key, value in pins.items():
+            stored = getattr(self, key)
+            stored[sample_index.cpu()] = value.detach().cpu().to(stored.dtype)
 
     def state_dict(self) -> dict[str, Any]:
         return {**{k: getattr(self, k) for k in _TENSORS}, "group_size": self.group_size,
                 "policy_version": self.policy_version, "num_uses": self.num_uses, "texts": list(self.texts),
                 "stats": dict(self.stats), "pinned": dict(self.pinned), "pairs": self.pairs,
+                "trainer_logps": self.trainer_logps,
                 "reward_terms": dict(self.reward_terms)}
 
     @classmethod
@@ -131,8 +145,18 @@ class RolloutRunner:
         rollout.texts = texts
         num_new = int(sum(len(c.token_ids) for _, c in samples))
         rollout.stats = {"rollout_seconds": seconds, "rollout_tokens": float(num_new),
-                         "rollout_tokens_per_s": num_new / max(seconds, 1e-9), "skipped_prompts": float(skipped)}
+                         "rollout_tokens_per_s": num_new / max(seconds, 1e-9), "skipped_prompts": float(skipped),
+                         **rollout_signal_stats(rollout.rewards, [c.finish_reason for _, c in samples])}
         return rollout
+
+
+def rollout_signal_stats(rewards: Tensor, finish_reasons: list[str | None]) -> dict[str, float]:
+    """What says whether a rollout can teach anything: the share of completions cut off at
+    ``rollout_max_tokens`` (finish reason "length"; TRL's completions/clipped_ratio) and the
+    share of groups whose rewards are all equal (no advantage; TRL's frac_reward_zero_std)."""
+    flat = torch.isclose(rewards, rewards[:, :1]).all(dim=1)  # (B,)
+    return {"truncated_fraction": sum(r == "length" for r in finish_reasons) / max(len(finish_reasons), 1),
+            "frac_reward_zero_std": flat.float().mean().item()}
 
 
 def _pack(samples: list[tuple[list[int], Any]], group_size: int, policy_version: int) -> Rollout:
