@@ -114,3 +114,22 @@ def test_compile_trains_online_rl_and_leaves_the_engine_eager(tmp_path, tok_dir,
     assert getattr(loop.raw_model, "_compiled_call_impl", None) is None
     first = _metrics(tmp_path)[0]
     assert first["sampler_logp_diff"] < 1e-4
+
+
+def test_rollouts_are_fitted_to_the_models_positions():
+    from astrai.train.build import fit_rollouts_to_model
+
+    cfg = load_config(None, ["--train_type", "online_grpo", "--max_prompt_len", "256", "--rollout_max_tokens", "8"])
+    fit_rollouts_to_model(cfg, 128)
+    assert cfg.rl.max_prompt_len == 120  # 120 + 8 rollout tokens = the model's 128 positions
+    cfg = load_config(None, ["--train_type", "online_grpo", "--rollout_max_tokens", "128"])
+    with pytest.raises(ValueError, match="rollout_max_tokens=128 leaves no room for a prompt"):
+        fit_rollouts_to_model(cfg, 128)
+
+
+def test_a_rollout_interval_beyond_the_policy_lag_is_refused_at_start():
+    from astrai.config import ConfigError
+
+    with pytest.raises(ConfigError, match="rollout_interval=3 .* more than max_policy_lag=1; raise --max_policy_lag to 2"):
+        load_config(None, ["--train_type", "online_grpo", "--rollout_interval", "3", "--max_policy_lag", "1"])
+    assert load_config(None, ["--rollout_interval", "3", "--max_policy_lag", "2"]).rl.rollout_interval == 3

@@ -239,6 +239,7 @@ def build_run(cfg: Config, model: nn.Module | None = None, tokenizer: Any = None
     check_vocab(raw, tokenizer, cfg)
     raw.gradient_checkpointing = cfg.train.gradient_checkpointing
     if is_online(cfg.data.train_type):
+        fit_rollouts_to_model(cfg, raw.config.max_position_embeddings, info.rank == 0)
         disable_dropout(raw)  # before the objective: its reference and critic copies inherit it
     # objective first: a frozen reference (DPO, a KL term) is a copy of the unwrapped initial policy
     objective = objective if objective is not None else build_objective(cfg, raw)
@@ -264,6 +265,23 @@ def setup_objective(run: Run, total_steps: int) -> None:
 def companions(objective: Any) -> tuple[Any, ...]:
     """The modules trained beside the policy on the same micro-batches (``objectives.base.Companion``)."""
     return tuple(getattr(objective, "companions", ()))
+
+
+def fit_rollouts_to_model(cfg: Config, max_positions: int, is_main: bool = True) -> None:
+    """A rollout row (prompt + completion) must fit the model's positions: ``rollout_max_tokens``
+    at or above them is an error; a ``max_prompt_len`` that leaves too little room is lowered to
+    what fits (longer prompts are then skipped and counted), and the run says so."""
+    rl = cfg.rl
+    if rl.rollout_max_tokens >= max_positions:
+        raise ValueError(f"rollout_max_tokens={rl.rollout_max_tokens} leaves no room for a prompt in the model's "
+                         f"max_position_embeddings={max_positions}; lower --rollout_max_tokens")
+    if rl.max_prompt_len + rl.rollout_max_tokens > max_positions:
+        fitted = max_positions - rl.rollout_max_tokens
+        if is_main:
+            print(f"note: max_prompt_len={rl.max_prompt_len} + rollout_max_tokens={rl.rollout_max_tokens} exceeds the "
+                  f"model's max_position_embeddings={max_positions}; max_prompt_len is {fitted} for this run "
+                  "(longer prompts are skipped and counted)", file=sys.stderr)
+        rl.max_prompt_len = fitted
 
 
 def disable_dropout(model: nn.Module) -> int:
