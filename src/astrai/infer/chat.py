@@ -5,8 +5,9 @@ and the reply streams to the terminal as the engine produces it (`LLMEngine.add_
 `step` until the request finishes, printing each new piece of text). The reply joins the history.
 `/reset` forgets the conversation (the `--system` prompt stays), `/exit` or end of input leaves,
 Ctrl-C stops a reply midway. When the history no longer fits in `max_model_len`, the oldest turns
-are dropped, with a note. Sampling fields left unset take the model's generation_config.json
-defaults (defaults.py), as in `astrai generate` and `astrai serve`.
+are dropped, with a note. The sampling flags are `astrai generate`'s, one per SamplingParams field
+(sampling_flags.py); those left unset take the model's generation_config.json defaults
+(defaults.py), as in `astrai generate` and `astrai serve`.
 """
 
 from __future__ import annotations
@@ -16,17 +17,17 @@ import sys
 from collections.abc import Iterable
 from dataclasses import fields
 from itertools import count
-from typing import Any, TextIO
+from typing import TextIO
 
 from astrai.flags import ArgumentParser
-from astrai.infer.defaults import GENERATION_CONFIG_HELP, describe, generation_defaults, with_defaults
+from astrai.infer.defaults import describe, generation_defaults
 from astrai.infer.engine import EngineConfig, LLMEngine
 from astrai.infer.generate import add_engine_arguments
 from astrai.infer.sampling import SamplingParams
+from astrai.infer.sampling_flags import add_sampling_arguments, sampling_params_from_args
 
 HELP = "/reset forgets the conversation, /exit leaves (or end of input), Ctrl-C stops a reply"
-SAMPLING = {"temperature": float, "top_p": float, "top_k": int, "min_p": float, "repetition_penalty": float,
-            "seed": int}
+CHAT_DEFAULTS = {"max_tokens": 512}  # a reply, not SamplingParams' 16 tokens
 
 
 class ChatSession:
@@ -124,11 +125,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", required=True, help="model or checkpoint directory with a tokenizer and chat template, or a "
                    "run's ckpt_dir (its newest complete checkpoint)")
     p.add_argument("--system", default=None, help="system prompt, kept across /reset")
-    p.add_argument("--max_tokens", type=int, default=512, help="longest reply in tokens")
-    sampling = p.add_argument_group("sampling (unset: the model's generation_config.json, else SamplingParams')")
-    for name, kind in SAMPLING.items():
-        sampling.add_argument(f"--{name}", type=kind, default=None)
-    sampling.add_argument("--generation_config", default="auto", help=GENERATION_CONFIG_HELP)
+    add_sampling_arguments(p, CHAT_DEFAULTS)
     add_engine_arguments(p)
     return p
 
@@ -147,8 +144,7 @@ def main(argv: list[str] | None = None, stdin: TextIO | None = None, stdout: Tex
         defaults = generation_defaults(args.model, args.generation_config)
         if defaults:
             print(describe(defaults), file=sys.stderr)
-        fields_set: dict[str, Any] = {name: getattr(args, name) for name in SAMPLING}
-        params = SamplingParams(max_tokens=args.max_tokens, **with_defaults(fields_set, defaults))
+        params = sampling_params_from_args(args, defaults)
         engine = LLMEngine.from_pretrained(args.model, **{f.name: getattr(args, f.name) for f in fields(EngineConfig)})
         session = ChatSession(engine, params, args.system)
     except (ValueError, FileNotFoundError) as exc:

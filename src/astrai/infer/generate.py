@@ -4,8 +4,9 @@ Loads a model directory into an `LLM` (llm.py, over engine.py's engine) and eith
 `--prompt`, printing the result, or reads `--input_jsonl` (one record per line with a "prompt"
 string or a "messages" conversation) and writes each record back to `--output_jsonl` with the
 generated "completion" (and every sample under "outputs"), with a progress bar. `--chat` applies
-the model's chat template to plain prompts. The sampling flags are SamplingParams' fields; those
-left unset take the model's generation_config.json defaults (`--generation_config`, defaults.py).
+the model's chat template to plain prompts. The sampling flags are SamplingParams' fields
+(sampling_flags.py, shared with `astrai chat`); those left unset take the model's
+generation_config.json defaults (`--generation_config`, defaults.py).
 """
 
 from __future__ import annotations
@@ -17,24 +18,13 @@ from dataclasses import fields
 from pathlib import Path
 
 from astrai.flags import ArgumentParser
-from astrai.infer.defaults import (
-    DEFAULT_FIELDS,
-    GENERATION_CONFIG_HELP,
-    describe,
-    generation_defaults,
-    with_defaults,
-)
+from astrai.infer.defaults import describe, generation_defaults
 from astrai.infer.engine import EngineConfig
 from astrai.infer.llm import LLM
 from astrai.infer.sampling import SamplingParams
+from astrai.infer.sampling_flags import add_sampling_arguments, sampling_params_from_args
 from astrai.model.hf import check_device
 from astrai.model.manifest import check_model_dir, model_argument
-
-SAMPLING_FLAGS = {  # flag -> type; names and defaults are SamplingParams'
-    "temperature": float, "top_p": float, "top_k": int, "min_p": float, "frequency_penalty": float,
-    "presence_penalty": float, "repetition_penalty": float, "max_tokens": int, "min_tokens": int,
-    "seed": int, "n": int, "logprobs": int,
-}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -49,18 +39,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--verify", action="store_true",
                    help="recompute the sha256 checksums of a checkpoint's manifest.json before loading "
                         "(file sizes are always checked)")
-    defaults = SamplingParams()
-    sampling = p.add_argument_group("sampling")
-    for name, kind in SAMPLING_FLAGS.items():
-        if name in DEFAULT_FIELDS.values():  # unset: the model's generation_config.json, then SamplingParams'
-            sampling.add_argument(f"--{name}", type=kind, default=None,
-                                  help=f"default: the model's, else {getattr(defaults, name)}")
-        else:
-            sampling.add_argument(f"--{name}", type=kind, default=getattr(defaults, name))
-    sampling.add_argument("--generation_config", default="auto", help=GENERATION_CONFIG_HELP)
-    sampling.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
-    sampling.add_argument("--stop_token_ids", type=int, nargs="+", default=None)
-    sampling.add_argument("--ignore_eos", action="store_true")
+    add_sampling_arguments(p)
     add_engine_arguments(p)
     return p
 
@@ -89,8 +68,7 @@ def main(argv: list[str] | None = None) -> int:
         defaults = generation_defaults(args.model, args.generation_config)
         if defaults:
             print(f"astrai generate: {describe(defaults)}", file=sys.stderr)
-        params = SamplingParams(**with_defaults({k: getattr(args, k) for k in SAMPLING_FLAGS}, defaults),
-                                stop=args.stop, stop_token_ids=args.stop_token_ids, ignore_eos=args.ignore_eos)
+        params = sampling_params_from_args(args, defaults)
         check_device(args.device)
         check_model_dir(args.model, verify=args.verify)
         llm = LLM(args.model, **{f.name: getattr(args, f.name) for f in fields(EngineConfig)})

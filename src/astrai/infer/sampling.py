@@ -13,8 +13,8 @@ their samples do not depend on which other requests share the batch.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
-from typing import Protocol
+from dataclasses import dataclass, field
+from typing import Any, Protocol
 
 import numpy as np
 import torch
@@ -28,28 +28,34 @@ SAMPLING_EPS = 1e-5  # temperatures below this are greedy
 MAX_LOGPROBS = 20  # top alternatives per token, as OpenAI caps it
 
 
+def _knob(default: Any, help: str, flag: bool = True) -> Any:
+    """A SamplingParams field with its help text; `astrai generate`/`chat` make each one a flag
+    (sampling_flags.py) unless `flag` is false, and the server maps requests onto them."""
+    return field(default=default, metadata={"help": help, "flag": flag})
+
+
 @dataclass
 class SamplingParams:
     """How to sample one request (OpenAI/vLLM semantics; temperature 0 means greedy)."""
 
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0  # 0 (or -1) = no top-k
-    min_p: float = 0.0
-    frequency_penalty: float = 0.0
-    presence_penalty: float = 0.0
-    repetition_penalty: float = 1.0
-    max_tokens: int | None = 16  # None = until max_model_len
-    min_tokens: int = 0
-    stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None
-    ignore_eos: bool = False
-    seed: int | None = None
-    n: int = 1
-    logprobs: int | None = None  # top alternatives per token (0 = only the chosen token, as a dict)
-    prompt_logprobs: int | None = None  # log-probs of the prompt's tokens (raw model) with k alternatives
-    logit_bias: dict[int, float] | None = None
-    guide: Guide | None = None  # constrained decoding: a compiled grammar (infer/guided.py)
+    temperature: float = _knob(1.0, "divides the logits; 0 = greedy")
+    top_p: float = _knob(1.0, "keep the most likely tokens whose probability reaches top_p, in (0, 1]")
+    top_k: int = _knob(0, "keep the k most likely tokens; 0 (or -1) = off")
+    min_p: float = _knob(0.0, "drop tokens below min_p times the most likely one's probability")
+    frequency_penalty: float = _knob(0.0, "subtracted once per earlier occurrence in the output, in [-2, 2]")
+    presence_penalty: float = _knob(0.0, "subtracted from every token already in the output, in [-2, 2]")
+    repetition_penalty: float = _knob(1.0, "divides the logits of prompt and output tokens; 1 = off")
+    max_tokens: int | None = _knob(16, "output tokens at most (None = until max_model_len)")
+    min_tokens: int = _knob(0, "no stop before this many output tokens")
+    stop: str | list[str] | None = _knob(None, "stop string; the output ends before it")
+    stop_token_ids: list[int] | None = _knob(None, "token ids that end the output")
+    ignore_eos: bool = _knob(False, "do not stop at EOS / end-of-turn tokens")
+    seed: int | None = _knob(None, "per-request generator: the same tokens whatever else runs")
+    n: int = _knob(1, "samples per prompt")
+    logprobs: int | None = _knob(None, "top alternatives per token (0 = only the chosen token, as a dict)")
+    prompt_logprobs: int | None = _knob(None, "log-probs of the prompt's tokens (raw model) with k alternatives")
+    logit_bias: dict[int, float] | None = _knob(None, "token id -> bias added to its logit, in [-100, 100]")
+    guide: Guide | None = _knob(None, "constrained decoding: a compiled grammar (infer/guided.py)", flag=False)
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):

@@ -56,7 +56,7 @@ class MessagesRequest(_Strict):
     stream: bool = False
     metadata: dict[str, Any] | None = None
 
-    # what the shared renderer skeleton and sampling_params read
+    # what the shared renderer skeleton reads (not fields: never taken from a request body)
     n: ClassVar[int] = 1
     stream_options: ClassVar[None] = None
 

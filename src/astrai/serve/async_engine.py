@@ -7,7 +7,8 @@ each changed `RequestOutput` into an immutable `RequestUpdate` (new tokens since
 update, the cumulative text, the finish reason) and hands all updates of a step to the loop
 with one `loop.call_soon_threadsafe`, which puts them on the per-request asyncio queues.
 Copying the deltas on the engine thread means the loop never reads lists that the engine is
-still appending to. Data flow: app -> inbox -> engine thread -> step -> updates -> queues -> SSE.
+still appending to. `Engine` (a Protocol) is what the loop calls on the engine: `LLMEngine`'s
+add_request / step / abort. Data flow: app -> inbox -> engine thread -> step -> updates -> queues -> SSE.
 """
 
 from __future__ import annotations
@@ -19,13 +20,43 @@ import threading
 import time
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
+from astrai.infer.outputs import EngineStats, RequestOutput
+from astrai.infer.sampling import SamplingParams
 from astrai.serve.metrics import ServerMetrics
 
 logger = logging.getLogger("astrai.serve")
 
 STATS_INTERVAL_S = 0.05  # how often the engine thread snapshots engine.stats() while busy
+
+
+class Engine(Protocol):
+    """What the server drives: `LLMEngine`'s stepping API, called from one thread only.
+
+    `LLMEngine` satisfies it; tests pass fakes with the same methods. The engine's `config`
+    (max_num_seqs, for the admission bound) and `describe()` (the startup line) are read when
+    present."""
+
+    max_model_len: int
+
+    def add_request(self, request_id: str, prompt: list[int], params: SamplingParams,
+                    with_logprobs: bool = True) -> None:
+        """Queue a request; ValueError when it can never run (the 400 the client gets)."""
+        ...
+
+    def step(self) -> list[RequestOutput]:
+        """Run one schedule -> forward -> sample step; the outputs of the requests it advanced."""
+        ...
+
+    def abort(self, request_id: str) -> None:
+        ...
+
+    def has_unfinished_requests(self) -> bool:
+        ...
+
+    def stats(self) -> EngineStats:
+        ...
 
 
 class EngineDeadError(RuntimeError):
@@ -99,7 +130,7 @@ class OutputStream:
 class AsyncEngine:
     """Runs `engine.step()` on a background thread and serves `OutputStream`s to the loop."""
 
-    def __init__(self, engine: Any, metrics: ServerMetrics | None = None, max_waiting: int | None = None):
+    def __init__(self, engine: Engine, metrics: ServerMetrics | None = None, max_waiting: int | None = None):
         self.engine = engine
         self.metrics = metrics
         # Admission bound: sequences admitted and not yet finished may be at most what the engine
@@ -125,7 +156,7 @@ class AsyncEngine:
         self._thread = threading.Thread(target=self._run, name="astrai-engine", daemon=True)
         self._thread.start()
 
-    async def submit(self, requests: Sequence[tuple[str, list[int]]], params: Any,
+    async def submit(self, requests: Sequence[tuple[str, list[int]]], params: SamplingParams,
                      want_logprobs: bool = False) -> OutputStream:
         """Add one engine request per (request_id, prompt_ids); raise ValueError if the engine
         rejects any of them (then none of them runs)."""
@@ -206,7 +237,7 @@ class AsyncEngine:
                 self._abort_all(reason="abort")
                 self._stop = command[0] == "stop"
 
-    def _add(self, requests: list[tuple[str, list[int]]], params: Any, want_logprobs: bool,
+    def _add(self, requests: list[tuple[str, list[int]]], params: SamplingParams, want_logprobs: bool,
              stream: OutputStream, arrival: float) -> None:
         num_seqs = len(requests) * int(getattr(params, "n", 1) or 1)
         if self._stop:
@@ -256,7 +287,7 @@ class AsyncEngine:
             self._call_loop(_deliver, deliveries)
         self._publish_stats()
 
-    def _to_update(self, out: Any, tracked: _Tracked, now: float) -> RequestUpdate | None:
+    def _to_update(self, out: RequestOutput, tracked: _Tracked, now: float) -> RequestUpdate | None:
         seqs, num_new = [], 0
         for c in out.outputs:
             sent = tracked.num_sent.get(c.index, 0)

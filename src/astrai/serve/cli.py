@@ -21,7 +21,8 @@ from typing import Any
 
 from astrai.flags import ArgumentParser
 from astrai.infer.defaults import GENERATION_CONFIG_HELP, generation_defaults
-from astrai.serve.app import ServeConfig, ServerState, create_app
+from astrai.serve.app import create_app
+from astrai.serve.state import ServeConfig, ServerState
 
 
 def build_parser() -> argparse.ArgumentParser:

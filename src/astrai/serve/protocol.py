@@ -1,7 +1,8 @@
 """OpenAI request schemas (pydantic) and response builders for the HTTP server.
 
-The server (`serve/app.py`, through `serve/requests.py`) validates every JSON body against the request models here, turns a
-valid request into `SamplingParams` for the engine, and renders engine outputs back into
+The server (`serve/app.py`, through `serve/requests.py`) validates every JSON body against the
+request models here; `requests.py` turns a valid request into `SamplingParams` (a field named as
+SamplingParams' is read as that field), and the renderers write engine outputs back into
 OpenAI's response shapes with the builders at the bottom. Unknown fields are accepted, as
 OpenAI does, but named by `ignored_fields` so the app counts and logs them; a field of the wrong type or out of range is a `ValidationError` that the app
 turns into a 400 naming the parameter. Types are strict (no "0.5" -> 0.5 coercion), except that

@@ -1,7 +1,8 @@
 """Engine updates -> OpenAI responses: the choice accumulator and the two response renderers.
 
-`app.py` turns a validated request into prompt token ids and a renderer; the renderer names the
-engine requests (one per prompt), folds `RequestUpdate`s from the async engine loop into one
+`app.py` turns a validated request into prompt token ids and a renderer over the server's
+`RenderContext` (the served model's name, token texts); the renderer names the engine requests
+(one per prompt), folds `RequestUpdate`s from the async engine loop into one
 `_Choice` per (prompt, sample) and renders either the final JSON body or the SSE chunks. Chat
 and legacy completions differ only in chunk shape, echo and logprob format, so they share the
 accumulator and the SSE skeleton: a first chunk (role or echo), one chunk per batch of ready
@@ -15,7 +16,7 @@ import json
 import time
 import uuid
 from collections.abc import AsyncIterator
-from typing import Any
+from typing import Any, Protocol
 
 from astrai.serve.async_engine import OutputStream, RequestUpdate
 from astrai.serve.protocol import (
@@ -37,6 +38,20 @@ from astrai.serve.protocol import (
 from astrai.serve.tools import ToolCall, ToolCallStream, parse_tool_calls
 
 DONE = "data: [DONE]\n\n"
+
+
+class RenderContext(Protocol):
+    """What a renderer reads of the server (`state.ServerState` satisfies it)."""
+
+    model_name: str  # the id responses name
+
+    def token_text(self, token_id: int) -> str:
+        """One token's text, special tokens included (logprob entries)."""
+        ...
+
+    def decode(self, token_ids: list[int]) -> str:
+        """A prompt's text, special tokens included (completions' echo of token-id prompts)."""
+        ...
 
 
 # Characters that some line-splitting SSE clients (JavaScript's, Python's str.splitlines) take as
@@ -75,7 +90,8 @@ class Renderer:
 
     prefix = "cmpl"
 
-    def __init__(self, state: Any, req: ChatCompletionRequest | CompletionRequest, prompts: list[list[int]]):
+    def __init__(self, state: RenderContext, req: ChatCompletionRequest | CompletionRequest,
+                 prompts: list[list[int]]):
         self.state, self.req, self.prompts = state, req, prompts
         self.request_id = f"{self.prefix}-{uuid.uuid4().hex}"
         self.created = int(time.time())
@@ -160,7 +176,7 @@ class ChatRenderer(Renderer):
     prefix = "chatcmpl"
     req: ChatCompletionRequest
 
-    def __init__(self, state: Any, req: ChatCompletionRequest, prompts: list[list[int]]):
+    def __init__(self, state: RenderContext, req: ChatCompletionRequest, prompts: list[list[int]]):
         super().__init__(state, req, prompts)
         # with tools offered (and not switched off), each choice's text is split into content and calls
         self.tool_names = req.tool_names() if req.effective_tool_choice() != "none" else set()
@@ -224,13 +240,13 @@ class CompletionRenderer(Renderer):
     prefix = "cmpl"
     req: CompletionRequest
 
-    def __init__(self, state: Any, req: CompletionRequest, prompts: list[list[int]]):
+    def __init__(self, state: RenderContext, req: CompletionRequest, prompts: list[list[int]]):
         super().__init__(state, req, prompts)
         self.echo: list[str] = []
         self.echo_pending: set[int] = set()  # streamed choices whose echo waits for prompt log-probs
         if req.echo:
             given = req.prompt_list()
-            self.echo = [p if isinstance(p, str) else state.tokenizer.decode(ids, skip_special_tokens=False)
+            self.echo = [p if isinstance(p, str) else state.decode(ids)
                          for p, ids in zip(given, prompts)]
             for choice in self.choices.values():
                 choice.text_offset = len(self.echo[choice.prompt_index])

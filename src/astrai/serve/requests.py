@@ -1,11 +1,15 @@
-"""Reading a request, from HTTP body to prompt token ids, and the error a client gets when it fails.
+"""Reading a request, from HTTP body to prompt token ids and SamplingParams, and the error a client
+gets when it fails.
 
 The first steps of a request in `app.py`'s routes: the body within `--body_timeout` seconds
 (408) and `--max_request_bytes` (413), JSON no deeper than MAX_JSON_DEPTH (422), the pydantic
 request of `protocol.py` / `anthropic.py` (400 naming the parameter), then the chat template or
-the tokenizer turning it into prompt token ids (a template error is the client's, 400). Every
-failure is an `APIError`, answered with OpenAI's error body (Anthropic's on /v1/messages) before
-the request reaches the engine. Parsing and rendering run on the server's prep pool, not here.
+the tokenizer turning it into prompt token ids (a template error is the client's, 400), the
+grammar a constrained chat request's output must follow (`infer/guided.py`), and the request's
+`SamplingParams`: every field is read from the request field of the same name, except the few
+that OpenAI spells its own way (`RENAMED`). Every failure is an `APIError`, answered with
+OpenAI's error body (Anthropic's on /v1/messages) before the request reaches the engine. Parsing
+and rendering run on the server's prep pool, not here.
 """
 
 from __future__ import annotations
@@ -13,6 +17,8 @@ from __future__ import annotations
 import asyncio
 import json
 import re
+from collections.abc import Callable
+from dataclasses import fields
 from typing import Any
 
 from fastapi import Request
@@ -20,8 +26,10 @@ from fastapi.responses import JSONResponse
 from pydantic import ValidationError
 from starlette.requests import ClientDisconnect
 
-from astrai.serve.anthropic import anthropic_error_body
-from astrai.serve.protocol import ChatCompletionRequest, error_body
+from astrai.infer.guided import Guide, GuideCompiler, GuideError
+from astrai.infer.sampling import SamplingParams
+from astrai.serve.anthropic import MessagesRequest, anthropic_error_body
+from astrai.serve.protocol import ChatCompletionRequest, CompletionRequest, error_body
 
 MAX_JSON_DEPTH = 64  # deeper bodies are refused (422) before pydantic or a template recurses into them
 
@@ -156,3 +164,69 @@ def render_chat(tokenizer: Any, req: ChatCompletionRequest) -> list[int]:
 def encode_prompts(tokenizer: Any, prompts: list[str | list[int]]) -> list[list[int]]:
     """Text prompts -> token ids (on the prep pool); token-id prompts pass through."""
     return [tokenizer.encode(p, add_special_tokens=True) if isinstance(p, str) else p for p in prompts]
+
+
+# ------------------------------------------------------------------------------- sampling
+SamplingRequest = ChatCompletionRequest | CompletionRequest | MessagesRequest
+
+# The SamplingParams fields a request spells its own way (`renamed_fields` reads them): chat's
+# max_completion_tokens and its logprobs flag with top_logprobs, the stop list (Anthropic's
+# stop_sequences; empty strings dropped), completions' echo with logprobs, and the grammar. Every
+# other field comes from the request field of the same name (OpenAI's, or an extra_body one such
+# as top_k, min_p or repetition_penalty) when the request declares it and sets it.
+RENAMED = ("max_tokens", "stop", "logprobs", "prompt_logprobs", "guide")
+SAME_NAMED = tuple(f.name for f in fields(SamplingParams) if f.name not in RENAMED)
+
+
+def renamed_fields(req: SamplingRequest) -> dict[str, Any]:
+    """The RENAMED SamplingParams fields of a request (all but `guide`, which `grammar_guide` makes)."""
+    out: dict[str, Any] = {"max_tokens": req.max_tokens, "stop": req.stop_list() or None, "logprobs": None}
+    if isinstance(req, ChatCompletionRequest):
+        out["max_tokens"] = req.requested_max_tokens()
+        out["logprobs"] = (req.top_logprobs or 0) if req.logprobs else None
+    elif isinstance(req, CompletionRequest):
+        out["logprobs"] = req.logprobs
+        # echo with logprobs: the prompt's tokens get log-probs too (computed by the engine)
+        out["prompt_logprobs"] = req.logprobs if req.echo and req.logprobs is not None else None
+    return out
+
+
+def to_sampling_params(req: SamplingRequest, defaults: dict[str, Any], vocab_size: int,
+                       **renamed: Any) -> SamplingParams:
+    """The request's SamplingParams: `defaults` (the model's generation_config.json) where the
+    request is silent, then its same-named fields, then `renamed_fields`, then `renamed` (the
+    guide). A value SamplingParams refuses is a 400 naming the field."""
+    declared = type(req).model_fields
+    kwargs = dict(defaults)
+    kwargs.update({name: getattr(req, name) for name in SAME_NAMED
+                   if name in declared and getattr(req, name) is not None})
+    kwargs.update(renamed_fields(req))
+    kwargs.update(renamed)
+    try:
+        params = SamplingParams(**kwargs)
+        params.check_vocab(vocab_size)
+    except ValueError as exc:
+        raise APIError(400, str(exc), param=param_named_in(str(exc))) from None
+    return params
+
+
+def grammar_guide(req: ChatCompletionRequest, compiler: Callable[[], GuideCompiler]) -> Guide | None:
+    """The grammar a chat request's output must follow (on the prep pool), or None: its JSON
+    response_format, or the tool calls that tool_choice 'required' or a named function demands."""
+    fmt, choice = req.response_format, req.effective_tool_choice()
+    constrained = (fmt is not None and fmt.type != "text") or choice == "required" or not isinstance(choice, str)
+    if not constrained:
+        return None
+    param = "response_format" if fmt is not None and fmt.type != "text" else "tool_choice"
+    try:
+        guides = compiler()
+        if param == "response_format":
+            if fmt.type == "json_object":
+                return guides.json_object()
+            return guides.json_schema(fmt.json_schema.schema_)
+        tools = [(t.function.name, t.function.parameters) for t in req.tools or []]
+        if not isinstance(choice, str):  # a named function
+            tools = [t for t in tools if t[0] == choice.function.name]
+        return guides.tool_calls(tools, req.parallel_tool_calls)
+    except GuideError as exc:
+        raise APIError(400, str(exc), param=param if param == "response_format" else "tools") from None
