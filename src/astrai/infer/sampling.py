@@ -16,13 +16,12 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
 from astrai.infer.guided import Guide, GuideState, advance_guides, apply_guides
-from astrai.model.logprobs import selective_log_softmax
+from astrai.model.logprobs import TOP_P_CANDIDATES, apply_truncation, selective_log_softmax  # noqa: F401 - re-exported
 
 SAMPLING_EPS = 1e-5  # temperatures below this are greedy
 MAX_LOGPROBS = 20  # top alternatives per token, as OpenAI caps it
@@ -224,66 +223,6 @@ def apply_bias_and_min_tokens(logits: Tensor, rows: list[SamplingState]) -> Tens
     if ban_rows:
         logits[torch.tensor(ban_rows, device=device), torch.tensor(ban_cols, device=device)] = -math.inf
     return logits
-
-
-TOP_P_CANDIDATES = 1024  # a top_p row first looks for its cutoff among this many most likely tokens
-
-
-def apply_truncation(logits: Tensor, top_k: Tensor, top_p: Tensor, min_p: Tensor) -> Tensor:
-    """Mask logits (B, V) outside top_k (B,) long (V = off), then top_p (B,) of the renormalised
-    rest, then below min_p (B,) times the top probability. Masked entries become -inf."""
-    V = logits.shape[-1]
-    cut = (top_k < V) | (top_p < 1.0)  # (B,) rows that truncate
-    if bool(cut.any()):
-        rows = cut.nonzero()[:, 0]
-        kept = _top_k_top_p(logits[rows], top_k[rows], top_p[rows])
-        logits = logits.index_copy(0, rows, kept)
-    if bool((min_p > 0).any()):
-        probs = logits.softmax(dim=-1)
-        threshold = min_p[:, None] * probs.max(dim=-1, keepdim=True).values
-        logits = logits.masked_fill(probs < threshold, -math.inf)
-    return logits
-
-
-def _top_k_top_p(logits: Tensor, top_k: Tensor, top_p: Tensor) -> Tensor:
-    """top_k, then top_p, on rows that use at least one of them. Only the K most likely tokens of
-    each row are sorted (K = the largest top_k, or TOP_P_CANDIDATES for a row with top_p alone,
-    which covers the top_p mass of any peaked distribution); when some top_p row's cutoff lies
-    beyond them, the whole vocabulary is sorted instead."""
-    V = logits.shape[-1]
-    has_k = top_k < V
-    k = int(top_k[has_k].max()) if bool(has_k.any()) else 0
-    if bool((~has_k & (top_p < 1.0)).any()):
-        k = max(k, TOP_P_CANDIDATES)
-    k = min(k, V)
-    while True:
-        vals, order = logits.topk(k, dim=-1) if k < V else _sort_descending(logits)  # (R, k), most likely first
-        ranks = torch.arange(k, device=logits.device)[None]
-        vals = vals.masked_fill(ranks >= top_k[:, None], -math.inf)
-        # probabilities under the top_k-truncated distribution: a row without top_k normalises
-        # over its whole vocabulary, not over the candidates
-        norm = vals.logsumexp(dim=-1)  # (R,)
-        if not bool(has_k.all()):
-            norm = torch.where(has_k, norm, logits.logsumexp(dim=-1))
-        probs = (vals - norm[:, None]).exp()
-        mass = probs.cumsum(dim=-1)
-        # keep the smallest prefix whose mass reaches top_p; the first token always survives
-        drop = (mass - probs >= top_p[:, None]) & (top_p[:, None] < 1.0)
-        short = ~has_k & (top_p < 1.0) & (mass[:, -1] < top_p)  # cutoff may lie past the candidates
-        if k == V or not bool(short.any()):
-            break
-        k = V
-    vals = vals.masked_fill(drop, -math.inf)
-    return torch.full_like(logits, -math.inf).scatter_(1, order, vals)
-
-
-def _sort_descending(x: Tensor) -> tuple[Tensor, Tensor]:
-    """Rows of x (B, V) sorted, largest first, and the order. On CPU numpy's sort is several
-    times faster than torch's for vocabulary-sized rows; equal values may come in either order."""
-    if x.device.type != "cpu":
-        return x.sort(dim=-1, descending=True)
-    order = torch.from_numpy(np.argsort(-x.numpy(), axis=-1))
-    return x.gather(1, order), order
 
 
 def process_logits(logits: Tensor, rows: list[SamplingState]) -> tuple[Tensor, Tensor]:
