@@ -113,7 +113,11 @@ class RLConfig:
     rollout_is_cap: float = 2.0  # the weight min(pi_trainer_old / pi_sampler, cap) is capped here
     clip_eps: float = 0.2  # PPO clip of the token ratio, below 1
     clip_eps_high: float | None = None  # above 1 (DAPO); None = clip_eps
-    kl_coef: float = 0.0  # KL to the reference (k3); 0 loads no reference model
+    kl_coef: float = 0.0  # KL to the reference (kl_estimator); 0 loads no reference model
+    kl_estimator: str = "k3"  # k1: log(p/q) | k2: (log(p/q))^2 / 2 | k3: q/p - 1 - log(q/p)
+    advantage_estimator: str = "grpo"  # grpo | rloo (leave-one-out) | reinforce_pp (REINFORCE++)
+    importance_sampling_level: str = "token"  # token | sequence (GSPO: one ratio per sample)
+    mask_truncated_completions: bool = False  # completions cut at rollout_max_tokens carry no loss
     scale_rewards: str = "group"  # group: (r - mean) / std per group | none: r - mean (Dr. GRPO)
     rl_loss_agg: str = "token_mean"  # token_mean | seq_mean | seq_mean_token_sum_norm
     rewards: list[str] = field(default_factory=lambda: ["exact_match"])  # names or module:function
@@ -355,6 +359,9 @@ def validate(cfg: Config) -> None:
                           f"{rl.rewards}; give one weight per reward")
     if not rl.rewards:
         raise ConfigError("rewards is empty; name at least one reward (e.g. [exact_match])")
+    if rl.advantage_estimator == "rloo" and rl.group_size < 2:
+        raise ConfigError(f"advantage_estimator rloo needs group_size >= 2 (a baseline of the other samples), got "
+                          f"{rl.group_size}; set --group_size 2 or more")
     if rl.rollout_is_cap < 1:
         raise ConfigError(f"rollout_is_cap={rl.rollout_is_cap} must be >= 1 (a weight of 1 is no correction)")
     for name in ["rollout_temperature", "clip_eps", "kl_coef", "max_policy_lag", "ppo_vf_coef"]:

@@ -91,8 +91,10 @@ def test_online_ppo_pins_targets_across_replayed_steps_and_checkpoints_the_criti
 
     loop_mod.OnlineLoop._metrics = spy
     try:
+        # k1, the plain log-ratio, in the per-token rewards (kl_estimator's default k3 is exactly 0 while the
+        # policy equals its reference, and the format reward is 0 here: the critic would see only zeros)
         config = write_rl_run(tmp_path, tok_dir, train_type="online_ppo", rollout_interval=2,
-                              rewards=["format"], kl_coef=0.05)
+                              rewards=["format"], kl_coef=0.05, kl_estimator="k1")
         assert main(["--config", str(config)]) == 0
     finally:
         loop_mod.OnlineLoop._metrics = original

@@ -10,6 +10,8 @@ of loss tokens in the whole accumulation window) is the caller's choice, made wi
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor
@@ -19,7 +21,7 @@ from astrai.model.logprobs import selective_log_softmax
 
 IGNORE_INDEX = -100
 DPO_LOSS_TYPES = CHOICES["loss_type"]  # the config's closed choices; each is implemented here
-KL_ESTIMATORS = ("k1", "k2", "k3")
+KL_ESTIMATORS = CHOICES["kl_estimator"]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -297,14 +299,15 @@ def value_loss(
 
 
 def token_rewards(scores: Tensor, mask: Tensor, logps: Tensor | None = None, ref_logps: Tensor | None = None,
-                  kl_coef: float = 0.0) -> Tensor:
+                  kl_coef: float = 0.0, kl_kind: str = "k1") -> Tensor:
     """PPO's per-token rewards (B, T): the sequence score on the last masked token of each row and,
-    with a reference, - kl_coef * (logps - ref_logps) (the plain log-ratio, "k1") on every masked
+    with a reference, - kl_coef * KL_t on every masked token (KL_t by `kl_kind`, see ``kl_estimate``;
+    k1 is the plain log-ratio logps - ref_logps) on every masked
     token. scores: (B,); mask: (B, T), one contiguous span per row; 0 outside the mask."""
     mask = mask.to(torch.float32)
     rewards = torch.zeros_like(mask)
     if kl_coef and logps is not None and ref_logps is not None:
-        rewards = -kl_coef * (logps - ref_logps).float() * mask
+        rewards = -kl_coef * kl_estimate(logps.float(), ref_logps.float(), kl_kind) * mask
     positions = torch.arange(mask.size(1), device=mask.device)
     last = torch.where(mask.bool(), positions, -1).max(dim=1).values  # (B,), -1 for an empty row
     has = last >= 0
@@ -348,3 +351,50 @@ def token_entropy(logits: Tensor) -> Tensor:
     logits = logits.detach().float()
     logp = torch.log_softmax(logits, dim=-1)
     return -(logp.exp() * logp).sum(dim=-1)
+
+
+def rloo_advantages(rewards: Tensor, group_size: int) -> Tensor:
+    """RLOO: each reward minus the mean of the *other* rewards of its group (leave one out).
+
+    rewards: (N,) with groups of `group_size` contiguous -> (N,) float32. Equals
+    group_size / (group_size - 1) * (r_i - mean(r)); a group whose rewards are all equal gets 0.
+    """
+    if group_size < 2 or rewards.numel() % group_size:
+        raise ValueError(f"rloo_advantages needs group_size >= 2 and a multiple of it, got {rewards.numel()} rewards "
+                         f"with group_size={group_size}; set --group_size 2 or more")
+    grouped = rewards.reshape(-1, group_size).float()  # (G, group_size)
+    baseline = (grouped.sum(dim=1, keepdim=True) - grouped) / (group_size - 1)
+    return (grouped - baseline).reshape(-1)
+
+
+def reward_to_go(rewards: Tensor, mask: Tensor, gamma: float = 1.0) -> Tensor:
+    """Per-token returns G_t = sum_{s >= t} gamma^(s - t) r_s over each row's masked tokens, (B, T);
+    0 outside the mask. REINFORCE++ (with the KL folded into the per-token rewards)."""
+    mask = mask.to(torch.float32)
+    returns = torch.zeros_like(mask)
+    running = torch.zeros(mask.size(0), device=mask.device)
+    for t in range(mask.size(1) - 1, -1, -1):
+        running = (rewards[:, t].float() + gamma * running) * mask[:, t]
+        returns[:, t] = running
+    return returns
+
+
+def whiten_with_sums(values: Tensor, mask: Tensor, all_reduce: Any = None, eps: float = 1e-8) -> Tensor:
+    """(values - mean) / std over every masked position of the whole batch, all ranks included
+    when `all_reduce` sums a tensor over them (REINFORCE++'s batch normalisation); population
+    variance; 0 outside the mask."""
+    mask = mask.to(torch.float32)
+    sums = torch.stack([(values * mask).sum(), (values**2 * mask).sum(), mask.sum()])
+    if all_reduce is not None:
+        sums = all_reduce(sums)
+    count = sums[2].clamp(min=1)
+    mean = sums[0] / count
+    var = (sums[1] / count - mean**2).clamp(min=0)
+    return (values - mean) * torch.rsqrt(var + eps) * mask
+
+
+def sequence_log_ratio(logps: Tensor, old_logps: Tensor, mask: Tensor) -> Tensor:
+    """GSPO's sequence-level log importance ratio: the mean over a sample's masked tokens of
+    log(pi / pi_old), (B, T) -> (B, 1), with gradients through every token's log-prob."""
+    mask = mask.to(logps.dtype)
+    return ((logps - old_logps) * mask).sum(dim=-1, keepdim=True) / mask.sum(dim=-1, keepdim=True).clamp(min=1)

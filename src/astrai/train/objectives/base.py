@@ -158,6 +158,21 @@ def token_logps(model: nn.Module, batch: Batch, rl: RLConfig) -> tuple[Tensor, T
     return logps, mask, (out, idx)
 
 
+@torch.no_grad()
+def reference_logps(reference: Any, rollout: Any, rl: RLConfig, device: torch.device) -> Tensor:
+    """The reference's log-probs (N, T) of a rollout's labels (0 where no label), in chunks of 16
+    samples: for KL terms folded into per-token rewards (PPO, REINFORCE++)."""
+    out = torch.zeros(rollout.labels.shape)
+    for rows in torch.arange(rollout.num_samples).split(16):
+        batch = {"input_ids": rollout.input_ids[rows].to(device), "attention_mask": rollout.attention_mask[rows].to(device),
+                 "labels": rollout.labels[rows].to(device)}
+        lp, _, (_, idx) = token_logps(reference, batch, rl)
+        full = torch.zeros(len(rows), out.size(1))
+        full[:, idx if idx is not None else slice(None)] = lp.cpu()
+        out[rows] = full
+    return out
+
+
 @dataclass
 class Behaviour:
     """What a rollout objective compares its log-probs with, at the labelled positions (B, K):
@@ -181,11 +196,25 @@ class RolloutObjective(Objective):
     def __init__(self, rl: RLConfig):
         self.agg = rl.rl_loss_agg
         self.is_level, self.is_cap = rl.rollout_is_level, rl.rollout_is_cap
+        self.mask_truncated = rl.mask_truncated_completions
+
+    def loss_mask(self, batch: Batch, mask: Tensor) -> Tensor:
+        """The labelled positions that carry loss: with ``mask_truncated_completions``, none of a
+        completion cut off at ``rollout_max_tokens`` (the ``keep`` pinned per sample)."""
+        return mask & batch["keep"][:, None] if "keep" in batch else mask
 
     def num_units(self, batch: Batch) -> Tensor:
+        labelled = self.loss_mask(batch, batch["labels"] != IGNORE_INDEX)
         if self.agg == "token_mean":
-            return (batch["labels"] != IGNORE_INDEX).sum()
+            return labelled.sum()
+        if "keep" in batch:
+            return batch["keep"].sum()
         return torch.tensor(batch["labels"].size(0), device=batch["labels"].device)
+
+    def prepare_truncation(self, rollout: Any) -> None:
+        """``mask_truncated_completions``: pin which samples carry loss (those that ended)."""
+        if self.mask_truncated:
+            rollout.pinned["keep"] = ~rollout.truncated
 
     def prepare_behaviour(self, rollout: Any) -> None:
         """A fresh rollout: the trainer's log-probs at its weights are not known yet (NaN); the

@@ -31,7 +31,14 @@ from astrai.train.losses import (
     token_rewards,
     value_loss,
 )
-from astrai.train.objectives.base import Batch, LossOutput, RolloutObjective, frozen_reference, token_logps
+from astrai.train.objectives.base import (
+    Batch,
+    LossOutput,
+    RolloutObjective,
+    frozen_reference,
+    reference_logps,
+    token_logps,
+)
 
 if TYPE_CHECKING:
     from astrai.train.build import Run
@@ -119,24 +126,19 @@ class OnlinePPOObjective(RolloutObjective):
         """Values (critic, no gradients), per-token rewards, GAE advantages and returns, pinned."""
         rl, device = self.rl, next(self.critic.parameters()).device
         mask = rollout.labels != IGNORE_INDEX  # (N, T): the positions that predict response tokens
-        values, ref_logps = torch.zeros(mask.shape), None
-        if self.reference is not None:
-            ref_logps = torch.zeros(mask.shape)
+        values = torch.zeros(mask.shape)
         for rows in torch.arange(rollout.num_samples).split(16):
             ids, att = rollout.input_ids[rows].to(device), rollout.attention_mask[rows].to(device)
             values[rows] = self.critic(ids, attention_mask=att).float().cpu()
-            if self.reference is not None:
-                batch = {"input_ids": ids, "attention_mask": att, "labels": rollout.labels[rows].to(device)}
-                lp, _, (_, idx) = token_logps(self.reference, batch, self.rl)
-                full = torch.zeros(len(rows), mask.size(1))
-                full[:, idx if idx is not None else slice(None)] = lp.cpu()
-                ref_logps[rows] = full
+        ref_logps = reference_logps(self.reference, rollout, rl, device) if self.reference is not None else None
         values = values * mask
-        rewards = token_rewards(rollout.rewards.reshape(-1), mask, rollout.old_logps, ref_logps, rl.kl_coef)
+        rewards = token_rewards(rollout.rewards.reshape(-1), mask, rollout.old_logps, ref_logps, rl.kl_coef,
+                                rl.kl_estimator)
         advantages, returns = gae(rewards, values, mask, rl.ppo_gamma, rl.ppo_gae_lambda)
         if rl.whiten_advantages:
             advantages = masked_whiten(advantages, mask) * mask
         rollout.pinned.update({"advantages": advantages, "returns": returns, "old_values": values})
+        self.prepare_truncation(rollout)
         self.prepare_behaviour(rollout)
         rollout.stats.update({
             "explained_variance": explained_variance(values, returns, mask).item(),
@@ -155,6 +157,7 @@ class OnlinePPOObjective(RolloutObjective):
     def __call__(self, model: nn.Module, batch: Batch) -> LossOutput:
         rl = self.rl
         logps, mask, (out, idx) = token_logps(model, batch, self.rl)
+        mask = self.loss_mask(batch, mask)
 
         def at(key: str) -> Tensor:  # a pinned (B, T) tensor at the labelled positions (B, K)
             return batch[key] if idx is None else batch[key][:, idx]

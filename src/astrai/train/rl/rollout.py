@@ -49,6 +49,7 @@ class Rollout:
     # (N, T) the trainer's log-probs at the rollout's weights (the ratio's old log-probs), known
     # after the first step on it (NaN before); None for objectives that do not use them
     trainer_logps: Tensor | None = None
+    truncated: Tensor | None = None  # (N,) bool: the completion hit rollout_max_tokens without ending
     num_uses: int = 0  # optimizer steps taken on it so far
 
     @property
@@ -75,7 +76,7 @@ class Rollout:
         return {**{k: getattr(self, k) for k in _TENSORS}, "group_size": self.group_size,
                 "policy_version": self.policy_version, "num_uses": self.num_uses, "texts": list(self.texts),
                 "stats": dict(self.stats), "pinned": dict(self.pinned), "pairs": self.pairs,
-                "trainer_logps": self.trainer_logps,
+                "trainer_logps": self.trainer_logps, "truncated": self.truncated,
                 "reward_terms": dict(self.reward_terms)}
 
     @classmethod
@@ -143,6 +144,7 @@ class RolloutRunner:
         rollout.rewards = total.view(-1, G)
         rollout.reward_terms = {k: v.view(-1, G) for k, v in terms.items()}
         rollout.texts = texts
+        rollout.truncated = torch.tensor([c.finish_reason == "length" for _, c in samples])
         num_new = int(sum(len(c.token_ids) for _, c in samples))
         rollout.stats = {"rollout_seconds": seconds, "rollout_tokens": float(num_new),
                          "rollout_tokens_per_s": num_new / max(seconds, 1e-9), "skipped_prompts": float(skipped),

@@ -1,0 +1,105 @@
+"""RL breadth: advantage estimators (grpo, rloo, reinforce_pp), GSPO's sequence-level ratio, the
+KL estimators and masking of truncated completions, each against numbers worked out by hand and
+in a short online run."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from astrai.config import ConfigError, load_config
+from astrai.train import losses as L
+from astrai.train.cli import main
+from tests.train.resume_data import read_metrics
+from tests.train.test_rl import tok_dir, write_rl_run  # noqa: F401 - the module-scoped tokenizer fixture
+
+
+def test_rloo_advantages_by_hand():
+    rewards = torch.tensor([1.0, 0.0, 0.0, 1.0, 2.0, 2.0])  # two groups of 3
+    # group 1: 1 - (0 + 0)/2 = 1, 0 - (1 + 0)/2 = -0.5, -0.5; group 2: 1 - 2 = -1, 2 - 1.5 = 0.5, 0.5
+    assert L.rloo_advantages(rewards, 3).tolist() == pytest.approx([1.0, -0.5, -0.5, -1.0, 0.5, 0.5])
+    assert L.rloo_advantages(torch.ones(4), 2).tolist() == [0.0] * 4  # equal rewards: no signal
+    with pytest.raises(ValueError, match="group_size >= 2"):
+        L.rloo_advantages(torch.ones(3), 1)
+    with pytest.raises(ConfigError, match="advantage_estimator rloo needs group_size >= 2"):
+        load_config(None, ["--advantage_estimator", "rloo", "--group_size", "1"])
+
+
+def test_reward_to_go_and_batch_whitening_by_hand():
+    rewards = torch.tensor([[0.0, -0.1, -0.2, 1.0], [0.0, -0.1, 0.5, 0.0]])
+    mask = torch.tensor([[0, 1, 1, 1], [0, 1, 1, 0]])
+    returns = L.reward_to_go(rewards, mask)
+    assert returns.flatten().tolist() == pytest.approx([0.0, 0.7, 0.8, 1.0, 0.0, 0.4, 0.5, 0.0])
+    white = L.whiten_with_sums(returns, mask)
+    vals = [0.7, 0.8, 1.0, 0.4, 0.5]
+    mean = sum(vals) / 5
+    std = math.sqrt(sum((v - mean) ** 2 for v in vals) / 5)  # population std over the batch's tokens
+    assert white[mask.bool()].tolist() == pytest.approx([(v - mean) / std for v in vals], rel=1e-5)
+    assert white[~mask.bool()].tolist() == [0.0] * 3
+    # all ranks: the sums are reduced by the callable (here: as if a second rank held the same rows)
+    doubled = L.whiten_with_sums(returns, mask, all_reduce=lambda t: 2 * t)
+    assert doubled.flatten().tolist() == pytest.approx(white.flatten().tolist(), rel=1e-5)
+
+
+def test_sequence_level_ratio_is_clipped_per_sample():
+    logps = torch.tensor([[-1.0, -1.0, 0.0], [-0.5, -0.7, -0.2]], requires_grad=True)
+    old = torch.tensor([[-1.2, -1.4, 0.0], [-0.5, -0.5, -0.5]])
+    mask = torch.tensor([[1, 1, 0], [1, 1, 1]])
+    seq = L.sequence_log_ratio(logps, old, mask)
+    # sample 1: mean(0.2, 0.4) = 0.3 -> ratio e^0.3 = 1.35; sample 2: mean(0, -0.2, 0.3) = 1/30
+    assert seq.squeeze(1).tolist() == pytest.approx([0.3, 1 / 30])
+    loss, clipped = L.clipped_surrogate(seq.expand_as(logps), torch.zeros(2, 3), torch.tensor([1.0, 1.0]), 0.2)
+    assert loss[0, 0].item() == pytest.approx(-1.2)  # clipped at 1 + 0.2 for a positive advantage
+    assert loss[1, 0].item() == pytest.approx(-math.exp(1 / 30))
+    assert clipped[0].all() and not clipped[1].any()
+    (loss * mask).sum().backward()  # the clipped sample sends no gradient; the other one through all tokens
+    assert logps.grad[0].abs().sum() == 0 and (logps.grad[1] != 0).all()
+
+
+def test_kl_estimators_by_hand():
+    logp, ref = torch.tensor([-1.0]), torch.tensor([-1.5])  # log r = ref - logp = -0.5
+    assert L.kl_estimate(logp, ref, "k1").item() == pytest.approx(0.5)
+    assert L.kl_estimate(logp, ref, "k2").item() == pytest.approx(0.125)
+    assert L.kl_estimate(logp, ref, "k3").item() == pytest.approx(math.exp(-0.5) - 1 + 0.5)
+    scores, mask = torch.tensor([1.0]), torch.tensor([[1, 1]])
+    r = L.token_rewards(scores, mask, torch.tensor([[-1.0, -1.0]]), torch.tensor([[-1.5, -1.5]]), 0.1, "k2")
+    assert r.tolist()[0] == pytest.approx([-0.0125, 1 - 0.0125])
+
+
+@pytest.mark.parametrize("flags", [
+    {"advantage_estimator": "rloo"},
+    {"advantage_estimator": "reinforce_pp", "kl_coef": 0.05, "kl_estimator": "k2"},
+    {"importance_sampling_level": "sequence", "clip_eps": 0.0003, "clip_eps_high": 0.0004},
+    {"kl_coef": 0.05, "kl_estimator": "k1"},
+])
+def test_each_estimator_trains_online(tmp_path, tok_dir, flags):  # noqa: F811
+    config = write_rl_run(tmp_path, tok_dir, rollout_interval=2, **flags)
+    assert main(["--config", str(config), "--max_steps", "2"]) == 0
+    rows = read_metrics(tmp_path)
+    assert [m["step"] for m in rows] == [1, 2]
+    assert all(math.isfinite(m["loss"]) and math.isfinite(m["grad_norm"]) for m in rows)
+    assert rows[0]["sampler_logp_diff"] <= 1e-5
+
+
+def test_masked_truncated_completions_carry_no_loss(tmp_path, tok_dir):  # noqa: F811
+    """rollout_max_tokens 2 cuts every completion of this tiny model: with masking no loss token is
+    left, so the step sends no gradient; without it the same run trains."""
+    from safetensors.torch import load_file
+
+    from astrai.train.checkpoint import latest_checkpoint
+
+    results = {}
+    for mask in (True, False):
+        run = tmp_path / str(mask)
+        config = write_rl_run(run, tok_dir, rollout_max_tokens=2, mask_truncated_completions=mask,
+                              rewards=["tests.train.test_lora_train:varied_reward"])
+        assert main(["--config", str(config), "--max_steps", "1"]) == 0
+        results[mask] = (read_metrics(run)[0], load_file(str(latest_checkpoint(run / "ckpt") / "model.safetensors")))
+    masked, plain = results[True][0], results[False][0]
+    assert masked["truncated_fraction"] == 1.0 and plain["truncated_fraction"] == 1.0
+    assert masked["grad_norm"] == 0.0 < plain["grad_norm"]  # no loss token left: nothing to learn from
+    assert masked["loss"] == 0.0
+    same = [torch.equal(results[True][1][k], results[False][1][k]) for k in results[True][1]]
+    assert not all(same)  # the unmasked run moved the weights, the masked one did not
