@@ -118,6 +118,8 @@ class RLConfig:
     advantage_estimator: str = "grpo"  # grpo | rloo (leave-one-out) | reinforce_pp (REINFORCE++)
     importance_sampling_level: str = "token"  # token | sequence (GSPO: one ratio per sample)
     mask_truncated_completions: bool = False  # completions cut at rollout_max_tokens carry no loss
+    dynamic_sampling: bool = False  # DAPO: drop groups with equal rewards, draw more prompts to refill
+    max_resample_batches: int = 4  # dynamic_sampling: extra prompt batches drawn per rollout at most
     scale_rewards: str = "group"  # group: (r - mean) / std per group | none: r - mean (Dr. GRPO)
     rl_loss_agg: str = "token_mean"  # token_mean | seq_mean | seq_mean_token_sum_norm
     rewards: list[str] = field(default_factory=lambda: ["exact_match"])  # names or module:function
@@ -337,6 +339,8 @@ def validate(cfg: Config) -> None:
     for name, value in flat.items():
         if isinstance(value, float) and not math.isfinite(value):
             raise ConfigError(f"{name}={value} is not a finite number; give a finite value")
+    if cfg.rl.max_resample_batches < 0:
+        raise ConfigError(f"max_resample_batches={cfg.rl.max_resample_batches} must be >= 0")
     positive = ["n_epoch", "batch_per_device", "grad_accum_steps", "max_seq_len", "nprocs", "max_nonfinite_steps",
                 "group_size", "rollout_interval", "rollout_max_tokens", "max_prompt_len"]
     for name in positive:

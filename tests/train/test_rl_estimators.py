@@ -103,3 +103,53 @@ def test_masked_truncated_completions_carry_no_loss(tmp_path, tok_dir):  # noqa:
     assert masked["loss"] == 0.0
     same = [torch.equal(results[True][1][k], results[False][1][k]) for k in results[True][1]]
     assert not all(same)  # the unmasked run moved the weights, the masked one did not
+
+
+def half_flat_reward(prompt, completion, record):
+    """0 for every sample of about half the prompts (their groups carry no signal), varied otherwise."""
+    return 0.0 if len(prompt) % 2 == 0 else float(len(completion) % 3)
+
+
+def _dynamic_run(run_dir, tok_dir, steps: int):  # noqa: F811
+    config = write_rl_run(run_dir, tok_dir, rollout_interval=2, dynamic_sampling=True, max_resample_batches=3,
+                          rewards=["tests.train.test_rl_estimators:half_flat_reward"])
+    config.write_text(config.read_text().replace("max_steps: 4", f"max_steps: {steps}"))
+    return config
+
+
+def test_dynamic_sampling_keeps_only_groups_with_signal(tmp_path, tok_dir, monkeypatch):  # noqa: F811
+    from astrai.train.rl import loop as loop_mod
+
+    seen = []
+    real = loop_mod.OnlineLoop._next_rollout
+
+    def spy(self):
+        rollout = real(self)
+        seen.append(rollout.rewards.clone())
+        return rollout
+
+    monkeypatch.setattr(loop_mod.OnlineLoop, "_next_rollout", spy)
+    assert main(["--config", str(_dynamic_run(tmp_path, tok_dir, 4))]) == 0
+    rows = read_metrics(tmp_path)
+    fresh = [m for m in rows if "filtered_groups" in m]
+    assert len(fresh) == 2 and sum(m["filtered_groups"] for m in fresh) > 0  # flat groups were dropped
+    for rewards in seen:  # batch_per_device groups, each with distinct rewards
+        assert rewards.size(0) == 4 and bool((rewards.max(dim=1).values > rewards.min(dim=1).values).all())
+
+
+@pytest.mark.slow
+def test_dynamic_sampling_resumes_exactly(tmp_path, tok_dir):  # noqa: F811
+    from safetensors.torch import load_file
+
+    from astrai.train.checkpoint import latest_checkpoint
+    from tests.train.test_rl import sigterm_after_step
+
+    straight, stopped = (_dynamic_run(tmp_path / name, tok_dir, 6) for name in ("straight", "stopped"))
+    assert main(["--config", str(straight)]) == 0
+    sigterm_after_step(stopped, 3, tmp_path)  # inside the second rollout, which serves steps 3 and 4
+    assert main(["--config", str(stopped), "--resume"]) == 0
+    keys = ("step", "loss", "grad_norm", "reward_mean", "filtered_groups", "rollout_policy_version")
+    assert [{k: m.get(k) for k in keys} for m in read_metrics(tmp_path / "stopped")] == \
+        [{k: m.get(k) for k in keys} for m in read_metrics(tmp_path / "straight")]
+    a, b = (load_file(str(latest_checkpoint(tmp_path / n / "ckpt") / "model.safetensors")) for n in ("stopped", "straight"))
+    assert all(a[k].equal(b[k]) for k in a)

@@ -37,7 +37,7 @@ from astrai.train.build import (
 from astrai.train.context import TrainContext
 from astrai.train.objectives import LossOutput, num_tokens
 from astrai.train.rl.rewards import RewardSet
-from astrai.train.rl.rollout import Rollout, RolloutRunner
+from astrai.train.rl.rollout import Rollout, RolloutRunner, concat_rollouts, groups_with_signal, select_groups
 from astrai.train.signals import pause_point
 
 
@@ -128,13 +128,55 @@ class OnlineLoop:
 
     def _next_rollout(self) -> Rollout:
         """Draw prompts (skipping batches whose prompts are all too long) and generate a rollout."""
+        if self.config.rl.dynamic_sampling:
+            rollout = self._rollout_with_signal()
+        else:
+            while (rollout := self._generate(self._next_prompts(), 0)) is None:
+                pass
+        self.objective.prepare(rollout)
+        return rollout
+
+    def _generate(self, batch: dict[str, list[Any]], draw: int) -> Rollout | None:
+        first = (self.dist.rank + draw * self.dist.world_size) * self.num_prompts  # seeds differ per draw
+        return self.runner.generate(batch, self.ctx.step, self.ctx.policy_version, first_index=first)
+
+    def _rollout_with_signal(self) -> Rollout:
+        """``dynamic_sampling`` (DAPO): groups whose rewards are all equal are dropped and further
+        prompt batches drawn until ``batch_per_device`` groups with signal are collected, at most
+        ``max_resample_batches`` extra draws; every rank draws as many batches as the rank that
+        needs most, so the sampler positions stay in step. ``filtered_groups`` counts the drops."""
+        parts: list[Rollout] = []
+        num_groups = filtered = draws = 0
+        last = None
         while True:
-            batch = self._next_prompts()
-            rollout = self.runner.generate(batch, self.ctx.step, self.ctx.policy_version,
-                                           first_index=self.dist.rank * self.num_prompts)
+            rollout = self._generate(self._next_prompts(), draws)
+            draws += 1
             if rollout is not None:
-                self.objective.prepare(rollout)
-                return rollout
+                last = rollout
+                signal = groups_with_signal(rollout)
+                filtered += int((~signal).sum())
+                parts.append(select_groups(rollout, signal.nonzero().squeeze(1)))
+                num_groups += int(signal.sum())
+            short = num_groups < self.num_prompts and draws <= self.config.rl.max_resample_batches
+            if dist.any_rank(short) if self.dist.world_size > 1 else short:
+                continue
+            collected = self._collected(parts, filtered)
+            if collected is not None:
+                return collected
+            if last is not None:  # no group with signal in any draw: the last one as it is (no update)
+                last.stats["filtered_groups"] = float(filtered)
+                return last
+
+    def _collected(self, parts: list[Rollout], filtered: int) -> Rollout | None:
+        """Dynamic sampling's rollout: the first ``batch_per_device`` groups with signal of all
+        draws (fewer when the draws ran out; None when none had any: then draw again)."""
+        parts = [p for p in parts if p.num_samples]
+        if not parts:
+            return None
+        rollout = concat_rollouts(parts)
+        rollout = select_groups(rollout, torch.arange(min(rollout.rewards.size(0), self.num_prompts)))
+        rollout.stats["filtered_groups"] = float(filtered)
+        return rollout
 
     def _next_prompts(self) -> dict[str, list[Any]]:
         """The next `batch_per_device` prompts of the seeded order; epochs roll over."""

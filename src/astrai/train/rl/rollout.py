@@ -84,6 +84,47 @@ class Rollout:
         return cls(**state)
 
 
+def groups_with_signal(rollout: Rollout) -> Tensor:
+    """(B,) bool: the groups whose rewards are not all equal (they give a non-zero advantage)."""
+    return ~torch.isclose(rollout.rewards, rollout.rewards[:, :1]).all(dim=1)
+
+
+def select_groups(rollout: Rollout, groups: Tensor) -> Rollout:
+    """The rollout restricted to some of its prompt groups (group indices (K,)), samples in order."""
+    G = rollout.group_size
+    rows = (groups[:, None] * G + torch.arange(G)[None]).reshape(-1)  # (K * G,)
+    return Rollout(rollout.input_ids[rows], rollout.attention_mask[rows], rollout.labels[rows],
+                   rollout.old_logps[rows], rollout.rewards[groups], G, rollout.policy_version,
+                   texts=[rollout.texts[i] for i in rows.tolist()],
+                   reward_terms={k: v[groups] for k, v in rollout.reward_terms.items()},
+                   stats=dict(rollout.stats),
+                   truncated=rollout.truncated[rows] if rollout.truncated is not None else None)
+
+
+def concat_rollouts(parts: list[Rollout]) -> Rollout:
+    """One rollout of several drawn at the same policy version, rows right-padded to one length;
+    counters in ``stats`` are summed, rates recomputed as means weighted by sample counts."""
+    T = max(p.input_ids.size(1) for p in parts)
+
+    def cat(name: str, pad: float) -> Tensor:
+        return torch.cat([torch.nn.functional.pad(getattr(p, name), (0, T - p.input_ids.size(1)), value=pad)
+                          for p in parts])
+
+    out = Rollout(cat("input_ids", 0), cat("attention_mask", 0), cat("labels", IGNORE_INDEX), cat("old_logps", 0.0),
+                  torch.cat([p.rewards for p in parts]), parts[0].group_size, parts[0].policy_version,
+                  texts=[t for p in parts for t in p.texts],
+                  reward_terms={k: torch.cat([p.reward_terms[k] for p in parts]) for k in parts[0].reward_terms},
+                  truncated=torch.cat([p.truncated for p in parts]) if parts[0].truncated is not None else None)
+    weights = [p.num_samples for p in parts]
+    for key in parts[0].stats:
+        values = [p.stats.get(key, 0.0) for p in parts]
+        rate = key.endswith(("_fraction", "_std", "_per_s"))
+        out.stats[key] = sum(v * w for v, w in zip(values, weights)) / max(sum(weights), 1) if rate else sum(values)
+    if "rollout_tokens_per_s" in out.stats:
+        out.stats["rollout_tokens_per_s"] = out.stats["rollout_tokens"] / max(out.stats["rollout_seconds"], 1e-9)
+    return out
+
+
 def rollout_seed(random_seed: int, step: int, prompt_index: int) -> int:
     """A reproducible 63-bit sampling seed per (run seed, step, prompt)."""
     return hash((random_seed, step, prompt_index)) & ((1 << 63) - 1)
