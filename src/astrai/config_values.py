@@ -142,9 +142,11 @@ def check_value(name: str, section: str, value: Any, tp: Any) -> Any:
 
 
 def parse_flag_value(name: str, section: str, text: str, tp: Any) -> Any:
-    """Parse a command-line string for a field of type ``tp``."""
+    """Parse a command-line string for a field of type ``tp``. A list field takes comma-separated
+    items (``a,b``; one item without a comma is a one-item list) or the YAML flow form ``[a, b]``."""
     if text.lower() in ("null", "none") and _is_optional(tp):
         return None
+    problem = ""
     for base in base_types(tp):
         if base is bool:
             if text.lower() in TRUE_WORDS:
@@ -163,9 +165,52 @@ def parse_flag_value(name: str, section: str, text: str, tp: Any) -> Any:
                 pass
         elif base is str:
             return text
-        else:  # lists, dicts: YAML syntax on the command line
+        elif typing.get_origin(base) is list:
+            items, problem = _parse_list_flag(name, section, text, base)
+            if items is not None:
+                return items
+        else:  # dicts: YAML syntax on the command line
             try:
                 return check_value(name, section, yaml.safe_load(text), base)
             except (yaml.YAMLError, ConfigError):
                 pass
-    raise ConfigError(f"flag --{name} has value {text!r}; expected {type_name(tp)}")
+    lists = [b for b in base_types(tp) if typing.get_origin(b) is list]
+    forms = _list_forms(name, lists[0], _is_optional(tp)) if lists else ""
+    raise ConfigError(f"flag --{name} has value {text!r}{problem}; expected {type_name(tp)}{forms}")
+
+
+def _list_forms(name: str, tp: Any, optional: bool) -> str:
+    """The accepted forms of a list flag, with items of its item type, for error messages."""
+    a, b = {int: ("0", "1"), float: ("0.5", "1.0")}.get((typing.get_args(tp) or (Any,))[0], ("a", "b"))
+    null = ", or null" if optional else ""
+    return (f" as comma-separated items (--{name} {a},{b}), one item (--{name} {a}) or YAML flow "
+            f"(--{name} '[{a}, {b}]'){null}")
+
+
+def _parse_list_flag(name: str, section: str, text: str, tp: Any) -> tuple[list[Any] | None, str]:
+    """(the items of a list flag, each parsed as the list's item type, or None; what is wrong).
+    Plain comma-separated text is split as it stands, so ``mymod:fn`` or ``./rm`` stays one string
+    (YAML would read ``mymod:fn`` as a scalar and ``a: b`` as a mapping)."""
+    item_tp = (typing.get_args(tp) or (Any,))[0]
+    if text.strip().startswith("["):  # YAML flow form
+        try:
+            values = yaml.safe_load(text)
+        except yaml.YAMLError:
+            return None, " (not valid YAML)"
+        if not isinstance(values, list):
+            return None, ""
+        texts = [v if isinstance(v, str) else None for v in values]
+    else:
+        values = texts = [t.strip() for t in text.split(",")] if text.strip() else []
+        if "" in texts:
+            return None, " (an empty item)"  # "a,,b" or a trailing comma: most likely a typo
+    items = []
+    for value, item_text in zip(values, texts):
+        try:
+            if item_text is not None and item_tp is not Any:
+                items.append(parse_flag_value(name, section, item_text, item_tp))
+            else:
+                items.append(check_value(name, section, value, item_tp))
+        except ConfigError:
+            return None, f" (item {value!r} is not {type_name(item_tp)})"
+    return items, ""

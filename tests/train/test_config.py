@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import typing
+
 import pytest
 
-from astrai.config import Config, ConfigError, load_config
+from astrai.config import Config, ConfigError, field_table, load_config, parse_overrides
+from astrai.config_values import base_types
 from astrai.train.objectives import OBJECTIVES
 
 
@@ -102,3 +105,59 @@ def test_round_trip_through_dict():
     cfg = load_config(None, ["--max_lr", "0.01", "--hidden_size", "48"])
     again = Config.from_dict(cfg.to_dict())
     assert again == cfg
+
+
+# ------------------------------------------------------------------------------ list flags
+
+ITEMS = {str: ("mymod:fn", "./rm"), int: ("0", "1"), float: ("0.5", "2")}
+
+
+def list_fields() -> dict[str, tuple[type, tuple]]:
+    """Every list[...] field of the config (None-able and unions too) -> (item type, its base types)."""
+    out = {}
+    for name, (_, tp) in field_table().items():
+        for base in base_types(tp):
+            if typing.get_origin(base) is list:
+                out[name] = (typing.get_args(base)[0], base_types(tp))
+    return out
+
+
+def test_every_list_flag_takes_comma_separated_items_one_item_or_yaml_flow():
+    fields = list_fields()
+    assert {"rewards", "reward_weights", "lora_targets", "report_to", "log_metrics", "mlp_only_layers",
+            "eos_token_id"} <= set(fields)
+    for name, (item_tp, bases) in fields.items():
+        a, b = ITEMS[item_tp]
+        want = [item_tp(a), item_tp(b)]
+        assert parse_overrides([f"--{name}", f"{a},{b}"]) == {name: want}, name
+        assert parse_overrides([f"--{name}", f" {a} , {b} "]) == {name: want}, name
+        assert parse_overrides([f"--{name}={a},{b}"]) == {name: want}, name
+        assert parse_overrides([f"--{name}", f"[{a}, {b}]"]) == {name: want}, name
+        if item_tp not in bases:  # eos_token_id (int | list[int]): a single int is the int
+            assert parse_overrides([f"--{name}", a]) == {name: [item_tp(a)]}, name
+        assert parse_overrides([f"--{name}", "[]"]) == {name: []}, name
+
+
+def test_rewards_flag_forms_reach_the_config(tmp_path):
+    assert load_config(None, ["--rewards", "mymod:fn"]).rl.rewards == ["mymod:fn"]
+    assert load_config(None, ["--rewards", "a,b"]).rl.rewards == ["a", "b"]
+    assert load_config(None, ["--rewards", "[exact_match, mymod:fn]"]).rl.rewards == ["exact_match", "mymod:fn"]
+    cfg = load_config(None, ["--rewards", "a,b", "--reward_weights", "1,1e-3"])
+    assert cfg.rl.reward_weights == [1.0, 1e-3]
+    assert load_config(None, ["--reward_weights", "null"]).rl.reward_weights is None
+    yaml_file = write(tmp_path, "rl:\n  rewards: [exact_match, mymod:fn]\n  reward_weights: [1, 0.5]\n")
+    assert load_config(yaml_file).rl.rewards == ["exact_match", "mymod:fn"]  # YAML values as before
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--rewards", "a,,b"], r"--rewards has value 'a,,b' \(an empty item\); expected list\[str\] as comma-separated "
+                            r"items \(--rewards a,b\), one item \(--rewards a\) or YAML flow \(--rewards '\[a, b\]'\)$"),
+    (["--reward_weights", "1,x"], r"--reward_weights has value '1,x' \(item 'x' is not float\); expected "
+                                  r"list\[float\] \| None as comma-separated items \(--reward_weights 0.5,1.0\).*, or null$"),
+    (["--mlp_only_layers", "[0, a]"], r"--mlp_only_layers has value '\[0, a\]' \(item 'a' is not int\)"),
+    (["--rewards", "[a"], r"--rewards has value '\[a' \(not valid YAML\); expected list\[str\] as comma-separated"),
+])
+def test_malformed_list_flags_show_the_accepted_forms(args, message):
+    with pytest.raises(ConfigError, match=message) as err:
+        load_config(None, args)
+    assert "\n" not in str(err.value)

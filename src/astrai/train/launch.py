@@ -1,11 +1,11 @@
 """Local multi-process launcher: `astrai train --nprocs N` starts N ranks of this same command.
 
-Each rank is `python -m astrai train <argv>` with RANK / WORLD_SIZE / LOCAL_RANK / MASTER_ADDR /
-MASTER_PORT set (a free local port), exactly what `torchrun` would give it, so the trainer has
-one code path for both. The launcher forwards SIGTERM and SIGINT to the ranks (which stop at an
-agreed step and publish one checkpoint), waits up to `stop_timeout` seconds after the signal,
-then kills what is left and returns non-zero. If a rank fails, the others are stopped too.
-It returns 0 only when every rank exited 0.
+Each rank is `python -m astrai train <argv>` in the launcher's working directory, with RANK /
+WORLD_SIZE / LOCAL_RANK / MASTER_ADDR / MASTER_PORT set (a free local port), exactly what
+`torchrun` would give it, so the trainer has one code path for both. The launcher forwards
+SIGTERM and SIGINT to the ranks (which stop at an agreed step and publish one checkpoint), waits
+up to `stop_timeout` seconds after the signal, then kills what is left and returns non-zero. If
+a rank fails, the others are stopped too. It returns 0 only when every rank exited 0.
 """
 
 from __future__ import annotations
@@ -92,8 +92,10 @@ def launch(argv: list[str], nprocs: int, stop_timeout: float = 600, program: lis
     try:
         for rank in range(nprocs):
             # own session: a terminal's Ctrl-C reaches only the launcher, which forwards it once
-            procs.append(subprocess.Popen(cmd, env=_rank_env(rank, nprocs, port), start_new_session=True,
-                                          preexec_fn=_die_with_parent))
+            # the launcher's working directory, so relative paths and `module:function` rewards
+            # resolve in every rank as in the launcher (`python -m` puts it first on sys.path)
+            procs.append(subprocess.Popen(cmd, env=_rank_env(rank, nprocs, port), cwd=os.getcwd(),
+                                          start_new_session=True, preexec_fn=_die_with_parent))
         if signals.last_signal() is not None:  # a signal arrived while the ranks were starting
             forward(signals.last_signal(), None)
         return _wait(procs, deadline, stop_timeout)

@@ -8,18 +8,26 @@ function's own scores. A reward entry in the config (``rewards``) is one of:
     models that answer in sentences),
     ``format`` (1 when the completion matches ``format_pattern``), ``length`` (0 up to
     ``length_target`` characters, falling linearly to -1 at twice that);
-  - ``module:function``: a user function ``f(prompt, completion, record) -> float``;
+  - ``module:function``: a user function ``f(prompt, completion, record) -> float``, imported
+    with the working directory on ``sys.path`` (however astrai was started);
   - a model directory (config.json + model.safetensors with a scalar head, ``score.weight`` as
     transformers' sequence-classification models write it, or ``value_head.weight``/``.bias``):
-    a reward model scored on prompt + completion in batches, the value at the last token.
+    a reward model scored on prompt + completion in batches, the value at the last token. With
+    the policy's tokenizer (or none in its directory) it reads the policy's token ids; with a
+    tokenizer of its own it reads the decoded text re-encoded by that tokenizer (through its
+    chat template when it has one).
 Every score must be a finite number; anything else is an error naming the function and prompt.
 """
 
 from __future__ import annotations
 
 import importlib
+import inspect
+import json
 import math
+import os
 import re
+import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -71,30 +79,105 @@ BUILTINS: dict[str, Callable[[RLConfig], RewardFn]] = {
 }
 
 
+SIGNATURE = "f(prompt: str, completion: str, record: dict) -> float"
+
+
 def _user_function(spec: str) -> RewardFn:
+    """Import ``module:function`` with the working directory on sys.path: the console script's
+    sys.path[0] is its bin directory, not the working directory as for ``python -m astrai``."""
     module_name, _, attr = spec.partition(":")
+    if not module_name or not attr:
+        raise ValueError(f"reward {spec!r} is not module:function; write it as mymod:fn (mymod.py in the "
+                         "working directory or on PYTHONPATH, fn a function in it)")
+    cwd = os.getcwd()
+    if cwd not in sys.path:
+        sys.path.insert(0, cwd)  # as `python -m` does, so every way of starting astrai resolves alike
+    importlib.invalidate_caches()  # a module written after the directory was first scanned
     try:
-        fn = getattr(importlib.import_module(module_name), attr)
-    except (ImportError, AttributeError) as e:
-        raise ValueError(f"reward {spec!r} cannot be loaded ({e}); give module:function importable from "
-                         "the working directory or PYTHONPATH") from e
+        module = importlib.import_module(module_name)
+    except ModuleNotFoundError as e:
+        if e.name is None or not (module_name == e.name or module_name.startswith(e.name + ".")):
+            raise ValueError(f"reward {spec!r}: importing module {module_name!r} failed ({e}); install what it "
+                             "imports") from e
+        raise ValueError(f"reward {spec!r}: no module {module_name!r} in the working directory {cwd} or on "
+                         f"PYTHONPATH; run astrai from the directory that holds {module_name.replace('.', '/')}.py "
+                         "or add that directory to PYTHONPATH") from e
+    fn = getattr(module, attr, None)
+    if fn is None:
+        raise ValueError(f"reward {spec!r}: module {module_name!r} ({getattr(module, '__file__', '?')}) has no "
+                         f"attribute {attr!r}; define {SIGNATURE} named {attr} there")
     if not callable(fn):
-        raise ValueError(f"reward {spec!r} is not callable")
+        raise ValueError(f"reward {spec!r} is not a function (found {type(fn).__name__}); define {SIGNATURE} "
+                         f"named {attr}")
+    try:
+        inspect.signature(fn).bind("prompt", "completion", {})
+    except TypeError:
+        raise ValueError(f"reward {spec!r} has the signature {attr}{inspect.signature(fn)}; a reward function is "
+                         f"called as {SIGNATURE} (three positional parameters; *args works too)") from None
+    except ValueError:
+        pass  # no signature to inspect (a builtin): it is checked when called
     return fn
 
 
-class RewardModel:
-    """A scalar-head model that scores prompt + completion token ids (the value at the last token)."""
+def same_tokenizer(a: Any, b: Any) -> bool:
+    """Whether two tokenizers give the same ids for every text and chat: the same tokenizer.json
+    content (vocabulary, merges, added tokens, normalizer, pre-tokenizer) and the same chat template.
+    Compared as parsed JSON, so two saves of one tokenizer are equal whatever their formatting."""
+    if a is b:
+        return True
+    try:
+        return (json.loads(a.backend.to_str()) == json.loads(b.backend.to_str())
+                and a.chat_template == b.chat_template)
+    except AttributeError:  # not an astrai Tokenizer: nothing to compare, so not the same
+        return False
 
-    def __init__(self, path: str | Path, device: torch.device, batch_size: int = 16):
+
+class RewardModel:
+    """A scalar-head model that scores prompt + completion token ids (the value at the last token).
+
+    ``tokenizer`` is the reward model's own when its directory has one that differs from the
+    policy's (``same_tokenizer``); then ``inputs`` re-encodes the texts, else it passes the
+    policy's ids through unchanged."""
+
+    def __init__(self, path: str | Path, device: torch.device, batch_size: int = 16,
+                 policy_tokenizer: Any | None = None):
+        from astrai.data.tokenizer import load_tokenizer
         from astrai.model.value import ValueModel
 
+        self.path = str(path)
         self.model = ValueModel.from_pretrained(path, device, require_head=True)
         self.model.eval().requires_grad_(False)
         self.device, self.batch_size = device, batch_size
+        self.tokenizer = None
+        if policy_tokenizer is not None and (Path(path) / "tokenizer.json").is_file():
+            own = load_tokenizer(path)
+            self.tokenizer = None if same_tokenizer(own, policy_tokenizer) else own
+
+    def inputs(self, prompts: list[str], completions: list[str], records: list[dict[str, Any]],
+               sequences: list[list[int]]) -> list[list[int]]:
+        """The token ids to score: the policy's (``sequences``) with a shared tokenizer, else the
+        prompt's messages + the completion as an assistant turn through this model's chat template,
+        or, without a template, the decoded prompt text + completion, encoded by its tokenizer."""
+        tok = self.tokenizer
+        if tok is None:
+            return sequences
+        out = []
+        for prompt, completion, record in zip(prompts, completions, records):
+            messages = record.get("messages")
+            if tok.chat_template and isinstance(messages, list):
+                chat = [*messages, {"role": "assistant", "content": completion}]
+                out.append(tok.apply_chat_template(chat, tools=record.get("tools")))
+            else:
+                out.append(tok.encode(prompt + completion))
+        return out
 
     @torch.no_grad()
     def score(self, sequences: list[list[int]]) -> list[float]:
+        vocab_size = self.model.config.vocab_size
+        too_big = max((i for r in sequences for i in r), default=0)
+        if too_big >= vocab_size:
+            raise ValueError(f"reward model {self.path} has vocab_size {vocab_size} but was given token id {too_big}; "
+                             "put the tokenizer it was trained with (tokenizer.json) in its directory")
         out: list[float] = []
         for start in range(0, len(sequences), self.batch_size):
             rows = sequences[start:start + self.batch_size]
@@ -113,7 +196,9 @@ class RewardModel:
 class RewardSet:
     """The configured rewards and weights: ``__call__`` scores a rollout's completions."""
 
-    def __init__(self, cfg: RLConfig, device: torch.device | None = None):
+    def __init__(self, cfg: RLConfig, device: torch.device | None = None, tokenizer: Any | None = None):
+        """`tokenizer` is the policy's: a reward model with a different one re-encodes the texts;
+        None keeps the policy's ids for every reward model."""
         self.names = list(cfg.rewards)
         self.weights = list(cfg.reward_weights) if cfg.reward_weights is not None else [1.0] * len(self.names)
         self.functions: list[RewardFn | RewardModel] = []
@@ -121,7 +206,8 @@ class RewardSet:
             if name in BUILTINS:
                 self.functions.append(BUILTINS[name](cfg))
             elif (Path(name) / "config.json").is_file():
-                self.functions.append(RewardModel(name, device or torch.device("cpu")))
+                self.functions.append(RewardModel(name, device or torch.device("cpu"),
+                                                   policy_tokenizer=tokenizer))
             elif ":" in name:
                 self.functions.append(_user_function(name))
             else:
@@ -135,7 +221,7 @@ class RewardSet:
         per_fn: dict[str, torch.Tensor] = {}
         for name, fn in zip(self.names, self.functions):
             if isinstance(fn, RewardModel):
-                scores = fn.score(sequences)
+                scores = fn.score(fn.inputs(prompts, completions, records, sequences))
             else:
                 scores = [fn(p, c, r) for p, c, r in zip(prompts, completions, records)]
             per_fn[name] = _checked(name, scores, len(completions), group_size)
