@@ -71,7 +71,7 @@ class OnlineLoop:
         self.optimizer, self.scheduler, self.grad_step = run.optimization(self.raw_model, cfg.optim, self.total_steps)
         setup_objective(run, self.total_steps)  # PPO: the critic's wrapping, optimizer and gradient step
         self.companions = companions(self.objective)
-        rewards = RewardSet(cfg.rl, self.device)
+        rewards = RewardSet(cfg.rl, self.device, tokenizer=self.tokenizer)  # a reward model with its own re-encodes
         self.runner = RolloutRunner(self.raw_model, self.tokenizer, cfg.rl, self.num_prompts, rewards,
                                     cfg.train.random_seed)
         self.callbacks = build_callbacks(self, run, callbacks)
