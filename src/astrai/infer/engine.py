@@ -10,7 +10,9 @@ same loop synchronously for RL rollouts, and `generate_all` (text or token-id pr
 the offline `LLM` of llm.py calls. The engine runs the model it is given in place (a live
 training module is switched to eval mode and no_grad for each step, then restored; a model
 already in eval mode runs under inference_mode), and `set_policy_version` keys the prefix
-cache by weights version so KV computed with older weights is never reused.
+cache by weights version so KV computed with older weights is never reused. With
+`autocast_dtype` its forward passes run under `torch.autocast`, as a bf16 trainer's do, over a
+KV pool in that dtype (half the bytes per token); sampling stays float32.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from astrai.infer.block_manager import BlockManager
+from astrai.infer.block_manager import BlockManager, kv_bytes_per_token
 from astrai.infer.compiled import CompiledDecode
 from astrai.infer.detokenize import detokenize, find_stop_string, flush_text, visible_text
 from astrai.infer.outputs import (
@@ -38,7 +40,7 @@ from astrai.infer.outputs import (
     logprob_entry,
 )
 from astrai.infer.probe import check_tuning, measure_step_cost, tune_owned_model
-from astrai.infer.runner import ModelRunner, StepLogits
+from astrai.infer.runner import ModelRunner, StepLogits, forward_precision, resolve_precision
 from astrai.infer.sampling import Sampler, SamplerOutput, SamplingParams, make_generator, top_alternatives
 from astrai.infer.scheduler import Scheduler, Sequence
 from astrai.infer.sizing import (
@@ -71,6 +73,8 @@ class EngineConfig:
     num_threads: int | None = None  # from_pretrained on CPU: torch threads; None: probed (default vs 1)
     linear_layout: str | None = None  # from_pretrained: "out_in" | "in_out" weight storage; None: probed
     compile: bool = False  # decode steps' MLPs under torch.compile, per batch-size bucket (warm-up at start)
+    autocast_dtype: str | None = None  # "bfloat16": forward passes under torch.autocast (a bf16 trainer's precision)
+    kv_cache_dtype: str | None = None  # KV pool dtype; None: the autocast dtype if set, else the weights'
 
 
 @dataclass
@@ -108,9 +112,12 @@ class LLMEngine:
         if config.device and torch.device(config.device).type != device.type:
             raise ValueError(f"EngineConfig.device is {config.device!r} but the model is on {device}; "
                              f"move the model first or leave device unset")
-        dtype = next(model.parameters()).dtype
+        self.device = device
+        self.weights_dtype = next(model.parameters()).dtype
+        self.autocast_dtype, self.kv_cache_dtype = resolve_precision(config.autocast_dtype, config.kv_cache_dtype,
+                                                                     self.weights_dtype)
         num_blocks = num_kv_blocks(
-            model_cfg, dtype, device, block_size=config.block_size, max_num_seqs=config.max_num_seqs,
+            model_cfg, self.kv_cache_dtype, device, block_size=config.block_size, max_num_seqs=config.max_num_seqs,
             max_model_len=self.max_model_len, kv_cache_tokens=config.kv_cache_tokens,
             kv_cache_memory_gb=config.kv_cache_memory_gb)
         self.probes: dict[str, Any] = {}  # what load-time probes measured and chose (describe())
@@ -122,14 +129,16 @@ class LLMEngine:
         self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, batched, config.enable_chunked_prefill,
                                    threshold)
-        self.runner = ModelRunner(model, num_blocks, config.block_size, dtype=dtype, device=device,
+        self.runner = ModelRunner(model, num_blocks, config.block_size, dtype=self.kv_cache_dtype, device=device,
                                   decode_view_bytes=decode_view_bytes(config.decode_view_memory_gb))
         if config.compile:
             self.runner.compiled = CompiledDecode(model, config.max_num_seqs)
-            self.runner.compiled.warm_up()
+            # warmed up in the steps' precision; under autocast the compiled MLP rounds differently
+            # from eager bf16 (measured: log-probs ~1.5x further from the eager bf16 forward)
+            with forward_precision(device, self.autocast_dtype):
+                self.runner.compiled.warm_up()
             self.probes["compile"] = self.runner.compiled.describe()
         self.sampler = Sampler(make_generator(config.engine_seed, device))
-        self.device = device
         self.policy_version = 0
         self._requests: dict[str, _Request] = {}
         self._seq_ids = itertools.count()
@@ -168,8 +177,8 @@ class LLMEngine:
 
     def describe(self) -> dict[str, Any]:
         """The settings this engine runs with, including what load-time probes measured and chose
-        (for a startup summary): scheduling budgets, KV pool, threads, weight layout."""
-        sched = self.scheduler
+        (for a startup summary): scheduling budgets, KV pool, precision, threads, weight layout."""
+        sched, cfg = self.scheduler, self.model.config
         return {
             "max_num_seqs": sched.max_num_seqs,
             "max_num_batched_tokens": sched.max_num_batched_tokens,
@@ -178,7 +187,11 @@ class LLMEngine:
             "kv_cache_tokens": self.block_manager.num_blocks * self.block_manager.block_size,
             "block_size": self.block_manager.block_size,
             "device": str(self.device),
-            "dtype": str(self.runner.kv_caches[0][0].dtype).removeprefix("torch.") if self.runner.kv_caches else None,
+            "dtype": _dtype_name(self.weights_dtype),
+            "autocast_dtype": _dtype_name(self.autocast_dtype),
+            "kv_cache_dtype": _dtype_name(self.kv_cache_dtype),
+            "kv_bytes_per_token": kv_bytes_per_token(cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim,
+                                                     self.kv_cache_dtype),
             "torch_threads": torch.get_num_threads(),
             "probes": self.probes,
         }
@@ -284,9 +297,11 @@ class LLMEngine:
         # inference_mode skips autograd's view and version tracking (cheaper per op than no_grad),
         # but tensors it creates can never join a backward pass; a module in training mode is
         # someone's live policy, whose wrappers (FSDP's unsharded parameters) may keep state
-        # made here, so it gets plain no_grad
+        # made here, so it gets plain no_grad. Autocast is entered here too, once per batch in
+        # generate_all, so its cache of bf16 weight copies lasts the batch instead of one step
         try:
-            with torch.no_grad() if was_training else torch.inference_mode():
+            with (torch.no_grad() if was_training else torch.inference_mode(),
+                  forward_precision(self.device, self.autocast_dtype)):
                 self._in_inference_mode = True
                 yield
         finally:
@@ -471,6 +486,10 @@ class LLMEngine:
                     pending.discard(req.request_id)
                     if on_finish is not None:
                         on_finish()
+
+
+def _dtype_name(dtype: torch.dtype | None) -> str | None:
+    return None if dtype is None else str(dtype).removeprefix("torch.")
 
 
 def _make_config(config: EngineConfig | None, overrides: dict[str, Any]) -> EngineConfig:

@@ -7,11 +7,16 @@ length and block table), applies the block manager's pending copy-on-write block
 runs the model, asking only for the logits of the last token of each sequence that completes
 its computation this step (those are the ones the sampler turns into new tokens), plus, for a
 sequence that wants prompt log-probs, the logits of its prompt positions in this step's chunk.
+It also states the engine's precision (`resolve_precision`, `forward_precision`): forward passes
+in the weights' dtype, or under `torch.autocast` as a bf16 trainer runs them, and the KV pool's
+dtype (the written keys and values are cast to it).
 """
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -31,6 +36,37 @@ class StepLogits:
     # row j of a part predicts prompt token `first + j`
     prompt_logits: Tensor | None = None
     prompt_parts: list[tuple[Sequence, int, int]] = field(default_factory=list)
+
+
+AUTOCAST_DTYPES = (torch.bfloat16, torch.float16)
+
+
+def _as_dtype(name: torch.dtype | str, field_name: str) -> torch.dtype:
+    value = name if isinstance(name, torch.dtype) else getattr(torch, str(name), None)
+    if not isinstance(value, torch.dtype) or not value.is_floating_point:
+        raise ValueError(f"{field_name} is {name!r}, not a floating-point torch dtype; use e.g. 'bfloat16'")
+    return value
+
+
+def resolve_precision(autocast_dtype: torch.dtype | str | None, kv_cache_dtype: torch.dtype | str | None,
+                      weights_dtype: torch.dtype) -> tuple[torch.dtype | None, torch.dtype]:
+    """(autocast dtype or None, KV pool dtype). The pool defaults to the autocast dtype, where the
+    attention reads its keys and values anyway (autocast runs scaled_dot_product_attention in
+    it), else to the weights' dtype."""
+    autocast = None if autocast_dtype is None else _as_dtype(autocast_dtype, "autocast_dtype")
+    if autocast is not None and autocast not in AUTOCAST_DTYPES:
+        raise ValueError(f"autocast_dtype is {autocast_dtype!r}; use 'bfloat16' or 'float16', or None for "
+                         f"forward passes in the weights' dtype")
+    kv = _as_dtype(kv_cache_dtype, "kv_cache_dtype") if kv_cache_dtype is not None else autocast or weights_dtype
+    return autocast, kv
+
+
+def forward_precision(device: torch.device, autocast_dtype: torch.dtype | None) -> Any:
+    """The context of the engine's forward passes: `torch.autocast(device type, dtype)`, the form a
+    bf16 trainer's `dist.autocast` enters (so the same ops run in bf16), or none."""
+    if autocast_dtype is None:
+        return contextlib.nullcontext()
+    return torch.autocast(device.type, dtype=autocast_dtype)
 
 
 class ModelRunner:

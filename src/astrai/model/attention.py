@@ -415,5 +415,6 @@ class Attention(nn.Module):
             )  # (Sd, Hkv, G, D)
             if decode_only:
                 return o.reshape(Sd, self.num_heads, self.head_dim)
-            out[meta.decode_token_idx] = o.reshape(Sd, self.num_heads, self.head_dim)
+            # under autocast o is bf16 while out has q's dtype (float32 after rope): index_put needs one dtype
+            out[meta.decode_token_idx] = o.reshape(Sd, self.num_heads, self.head_dim).to(out.dtype)
         return out

@@ -134,15 +134,16 @@ class RolloutRunner:
     """Generates and scores rollouts with the live policy module."""
 
     def __init__(self, model: torch.nn.Module, tokenizer: Any, cfg: RLConfig, num_prompts: int, rewards: RewardSet,
-                 random_seed: int = 0):
+                 random_seed: int = 0, bf16: bool = False):
         self.cfg, self.rewards, self.random_seed, self.tokenizer = cfg, rewards, random_seed, tokenizer
         max_len = cfg.max_prompt_len + cfg.rollout_max_tokens
         num_seqs = max(1, num_prompts * cfg.group_size)
         # room for every sample of one rollout at full length: no preemption inside a rollout;
-        # throughput first (nobody streams a rollout): no per-step prefill cap
+        # throughput first (nobody streams a rollout): no per-step prefill cap. `bf16` (the run's
+        # train.bf16): samples in the trainer's precision, the same autocast over a bf16 KV pool
         self.engine = LLMEngine(model, tokenizer, max_num_seqs=num_seqs, max_model_len=max_len,
                                 kv_cache_tokens=num_seqs * (max_len + 16), max_num_batched_tokens=max(2048, max_len),
-                                long_prefill_token_threshold=0)
+                                long_prefill_token_threshold=0, autocast_dtype="bfloat16" if bf16 else None)
         self.num_skipped_total = 0
 
     def set_policy_version(self, version: int) -> None:
