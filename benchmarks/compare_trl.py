@@ -1,12 +1,19 @@
-"""astrai vs TRL on one workload: online GRPO (GRPOTrainer) and offline DPO (DPOTrainer), side by side.
+"""astrai vs TRL on one workload: online GRPO (GRPOTrainer), online RLOO (RLOOTrainer) and offline DPO
+(DPOTrainer), side by side.
 
 The workload is the demo's (`astrai demo`): a tiny Llama-shaped model (2 layers, hidden 64) is
 pre-trained briefly and SFT'd by astrai on 1-digit addition chats (`astrai.data.tasks`), which
 leaves its greedy held-out accuracy well below 100%; that model directory (HF format) is the
-start of all four runs.
+start of every run. TRL's settings are in `trl_common` (`grpo_config`, `rloo_config`,
+`dpo_config`); neither side checkpoints activations.
 GRPO: the same training prompts, prompts per step, group size, max new tokens, temperature 1,
 `exact_match` reward, AdamW at a constant rate after the same warmup, clipping 1.0, no KL,
-token-mean loss, one optimizer step per rollout (TRL's settings are in `trl_common.grpo_config`).
+token-mean loss, group-std advantages, one optimizer step per rollout.
+RLOO: the GRPO settings with leave-one-out advantages r_i - mean_{j != i} r_j, not scaled
+(astrai `--advantage_estimator rloo`; TRL `beta=0.0`, `normalize_advantages=False`). TRL's RLOO
+loss is per sequence (each token weighs 1/num_sequences) where astrai's is token-mean (1/num_tokens):
+the same direction on-policy, a scale that differs by the mean completion length (see
+`trl_common.rloo_config`).
 DPO: the same (chosen = the answer, rejected = a near miss) pairs, pairs per step, beta 0.1,
 sigmoid loss, learning rate and steps.
 
@@ -17,9 +24,10 @@ inside the generation call), and held-out greedy exact-match accuracy, scored by
 evaluator (`astrai.evaluate`) on problems no run trains on, (a) after the same number of steps
 and (b) after the same wall-clock budget: TRL runs first and its training time for the steps is
 the budget; astrai's run stops at whichever comes later, the steps or the budget, and keeps a
-snapshot at each (snapshot time is not counted). Prints a markdown table.
+snapshot at each (snapshot time is not counted). Prints a markdown table, a column per run.
 
-    .venv/bin/python benchmarks/compare_trl.py [--quick] [--steps N] [--prompts B] [--group_size G]
+    .venv/bin/python benchmarks/compare_trl.py [--quick] [--runs grpo,rloo,dpo] [--steps N] [--prompts B]
+        [--group_size G]
 """
 
 from __future__ import annotations
@@ -44,10 +52,20 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch  # noqa: E402
-from trl_common import StepClock, exact_match, grpo_config, prompt_dataset, time_generation  # noqa: E402
+from trl_common import (  # noqa: E402
+    StepClock,
+    dpo_config,
+    exact_match,
+    grpo_config,
+    prompt_dataset,
+    rloo_config,
+    time_generation,
+)
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
-RUNS = ("trl_grpo", "astrai_grpo", "trl_dpo", "astrai_dpo")  # TRL first: its time is the budget
+PAIRS = ("grpo", "rloo", "dpo")  # a run is f"{system}_{pair}"; TRL runs first: its time is the budget
+ONLINE = ("grpo", "rloo")
+TRL_TRAINERS = {"grpo": "GRPOTrainer", "rloo": "RLOOTrainer", "dpo": "DPOTrainer"}
 
 
 def peak_rss_mb() -> float:
@@ -103,8 +121,12 @@ class Run:
                 "train_seconds": round(self.elapsed(), 2), "snapshots": self.snapshots}
 
 
+def pair_of(name: str) -> str:
+    return name.split("_")[1]
+
+
 def astrai_flags(start: Path, work: Path, name: str, args: argparse.Namespace) -> list[str]:
-    grpo = name.endswith("grpo")
+    grpo = pair_of(name) in ONLINE  # rloo is online_grpo with another advantage estimator
     flags = {"train_type": "online_grpo" if grpo else "dpo", "param_path": start, "device": "cpu",
              "data_path": work / "data" / ("prompts.jsonl" if grpo else "dpo.jsonl"),
              "batch_per_device": args.prompts if grpo else args.pairs, "max_steps": 100_000, "n_epoch": 100_000,
@@ -114,7 +136,8 @@ def astrai_flags(start: Path, work: Path, name: str, args: argparse.Namespace) -
              "progress": False}
     if grpo:
         flags.update(group_size=args.group_size, rollout_max_tokens=args.max_tokens, rollout_temperature=1.0,
-                     rollout_interval=1, kl_coef=0.0, clip_eps=0.2, rl_loss_agg="token_mean", max_prompt_len=32)
+                     rollout_interval=1, kl_coef=0.0, clip_eps=0.2, rl_loss_agg="token_mean", max_prompt_len=32,
+                     advantage_estimator=pair_of(name))
     else:
         flags.update(beta=0.1, loss_type="sigmoid", max_seq_len=32)
     return [x for k, v in flags.items() for x in (f"--{k}", str(v))]
@@ -127,7 +150,7 @@ def worker_astrai(start: Path, work: Path, name: str, args: argparse.Namespace) 
     from astrai.train.trainer import Trainer
 
     run = Run(work, name, args.steps, args.budget_s)
-    grpo = name.endswith("grpo")
+    grpo = pair_of(name) in ONLINE
 
     class Hook:
         requested_metrics = frozenset()
@@ -152,7 +175,7 @@ def worker_trl(start: Path, work: Path, name: str, args: argparse.Namespace) -> 
     from transformers import AutoTokenizer, LlamaForCausalLM, TrainerCallback
 
     run = Run(work, name, args.steps, args.budget_s)
-    grpo = name.endswith("grpo")
+    pair = pair_of(name)
 
     def save(model: Any, path: Path) -> None:
         model.save_pretrained(path)
@@ -169,26 +192,22 @@ def worker_trl(start: Path, work: Path, name: str, args: argparse.Namespace) -> 
 
     model = LlamaForCausalLM.from_pretrained(start, dtype=torch.float32)
     tokenizer = AutoTokenizer.from_pretrained(start)
-    if grpo:
-        from trl import GRPOTrainer
+    if pair in ONLINE:
+        from trl import GRPOTrainer, RLOOTrainer
 
-        config = grpo_config(run.out, steps=100_000, prompts=args.prompts, group_size=args.group_size,
+        make_config, trainer_cls = (grpo_config, GRPOTrainer) if pair == "grpo" else (rloo_config, RLOOTrainer)
+        config = make_config(run.out, steps=100_000, prompts=args.prompts, group_size=args.group_size,
                              max_tokens=args.max_tokens, lr=args.lr, warmup_steps=args.warmup, seed=args.seed)
-        trainer = GRPOTrainer(model=model, reward_funcs=exact_match, args=config,
+        trainer = trainer_cls(model=model, reward_funcs=exact_match, args=config,
                               train_dataset=prompt_dataset(work / "data" / "prompts.jsonl"),
                               processing_class=tokenizer, callbacks=[Hook()])
         time_generation(trainer, run.clock)
     else:
-        from trl import DPOConfig, DPOTrainer
+        from trl import DPOTrainer
 
         pairs = [json.loads(line) for line in (work / "data" / "dpo.jsonl").read_text().splitlines()]
-        config = DPOConfig(
-            output_dir=str(run.out), use_cpu=True, bf16=False, seed=args.seed, report_to="none", save_strategy="no",
-            logging_steps=1000, disable_tqdm=True, max_steps=100_000, learning_rate=args.dpo_lr,
-            lr_scheduler_type="constant_with_warmup" if args.warmup else "constant", warmup_steps=args.warmup,
-            weight_decay=0.0, adam_beta1=0.9, adam_beta2=0.95, max_grad_norm=1.0,
-            per_device_train_batch_size=args.pairs, gradient_accumulation_steps=1, beta=0.1, loss_type="sigmoid",
-            max_length=32, dataloader_num_workers=0)
+        config = dpo_config(run.out, steps=100_000, pairs=args.pairs, lr=args.dpo_lr, warmup_steps=args.warmup,
+                            seed=args.seed, max_length=32)
         trainer = DPOTrainer(model=model, args=config, train_dataset=datasets.Dataset.from_list(pairs),
                              processing_class=tokenizer, callbacks=[Hook()])
     trainer.train()
@@ -207,12 +226,18 @@ def fmt(value: Any, spec: str) -> str:
 
 
 def table(results: dict[str, dict[str, Any]], start_acc: float, num_eval: int, args: argparse.Namespace) -> str:
+    online = f"{args.prompts} prompts x {args.group_size} completions, max {args.max_tokens} new tokens, lr {args.lr}"
+    parts = {"grpo": f"GRPO: {online}, group-std advantages",
+             "rloo": f"RLOO: {online}, unscaled leave-one-out advantages",
+             "dpo": f"DPO: {args.pairs} pairs, beta 0.1, lr {args.dpo_lr}"}
+    order = [f"{system}_{pair}" for pair in args.runs for system in ("astrai", "trl")]
+    names = [f"astrai {pair_of(n).upper()}" if n.startswith("astrai") else f"TRL {TRL_TRAINERS[pair_of(n)]}"
+             for n in order]
     lines = [f"Start: the demo's 2-layer, hidden-64 model, pre-trained and SFT'd on 1-digit addition; held-out "
-             f"greedy exact match {start_acc:.1%} on {num_eval} problems. GRPO: {args.prompts} prompts x "
-             f"{args.group_size} completions, max {args.max_tokens} new tokens, lr {args.lr}; DPO: {args.pairs} pairs, "
-             f"beta 0.1, lr {args.dpo_lr}. {args.steps} steps each; {args.threads} thread(s), CPU fp32.", "",
-             "| metric | astrai GRPO | TRL GRPOTrainer | astrai DPO | TRL DPOTrainer |", "|---|---|---|---|---|"]
-    order = ("astrai_grpo", "trl_grpo", "astrai_dpo", "trl_dpo")
+             f"greedy exact match {start_acc:.1%} on {num_eval} problems. "
+             + "; ".join(parts[p] for p in args.runs)
+             + f". {args.steps} steps each; {args.threads} thread(s), CPU fp32.", "",
+             "| metric | " + " | ".join(names) + " |", "|---" * (len(order) + 1) + "|"]
 
     def row(label: str, get: Any) -> None:
         lines.append(f"| {label} | " + " | ".join(get(results[n]) for n in order) + " |")
@@ -223,19 +248,32 @@ def table(results: dict[str, dict[str, Any]], start_acc: float, num_eval: int, a
     row("RSS rise in training (MB)", lambda r: fmt(r.get("rss_rise_mb"), ".0f"))
     row(f"held-out accuracy after {args.steps} steps", lambda r: fmt(r["snapshots"]["steps"]["accuracy"], ".1%"))
     row("training seconds for those steps", lambda r: fmt(r["snapshots"]["steps"]["seconds"], ".1f"))
-    for kind in ("grpo", "dpo"):
-        budget = results[f"trl_{kind}"]["snapshots"]["steps"]["seconds"]
-        lines.append(f"| {kind.upper()} budget {budget:.1f} s: steps done | " + " | ".join(
-            str(results[n]["snapshots"]["budget"]["step"]) if n.endswith(kind) else "" for n in order) + " |")
-        lines.append(f"| {kind.upper()} budget {budget:.1f} s: held-out accuracy | " + " | ".join(
-            fmt(results[n]["snapshots"]["budget"]["accuracy"], ".1%") if n.endswith(kind) else "" for n in order)
+    for pair in args.runs:
+        budget = results[f"trl_{pair}"]["snapshots"]["steps"]["seconds"]
+        lines.append(f"| {pair.upper()} budget {budget:.1f} s: steps done | " + " | ".join(
+            str(results[n]["snapshots"]["budget"]["step"]) if pair_of(n) == pair else "" for n in order) + " |")
+        lines.append(f"| {pair.upper()} budget {budget:.1f} s: held-out accuracy | " + " | ".join(
+            fmt(results[n]["snapshots"]["budget"]["accuracy"], ".1%") if pair_of(n) == pair else "" for n in order)
             + " |")
     return "\n".join(lines)
+
+
+def parse_runs(text: str) -> tuple[str, ...]:
+    """--runs: a comma-separated subset of PAIRS, run in PAIRS' order."""
+    picked = {p.strip().lower() for p in text.strip("[] ").split(",") if p.strip()}
+    unknown = sorted(picked - set(PAIRS))
+    if unknown or not picked:
+        raise argparse.ArgumentTypeError(f"expected a comma-separated subset of {','.join(PAIRS)}, got {text!r}"
+                                         + (f" (unknown: {', '.join(unknown)})" if unknown else "")
+                                         + "; e.g. --runs grpo,rloo")
+    return tuple(p for p in PAIRS if p in picked)
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="a few steps of a few prompts (smoke test)")
+    parser.add_argument("--runs", type=parse_runs, default=PAIRS, metavar="grpo,rloo,dpo",
+                        help="which astrai/TRL pairs run, a comma-separated subset (default all: grpo,rloo,dpo)")
     parser.add_argument("--steps", type=int, default=100, help="optimizer steps of every run")
     parser.add_argument("--prompts", type=int, default=64, help="GRPO prompts per step")
     parser.add_argument("--group_size", type=int, default=8)
@@ -248,7 +286,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="scale of the demo's pre-training and SFT steps for the start model (default 1)")
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads (default 1)")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--worker", choices=RUNS, help=argparse.SUPPRESS)
+    parser.add_argument("--worker", choices=[f"{s}_{p}" for p in PAIRS for s in ("trl", "astrai")],
+                        help=argparse.SUPPRESS)
     parser.add_argument("--work", help=argparse.SUPPRESS)
     parser.add_argument("--budget_s", type=float, default=0.0, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -279,8 +318,8 @@ def main(argv: list[str] | None = None) -> int:
         start_acc = accuracy(str(start), work / "data" / "eval.jsonl")
         num_eval = len((work / "data" / "eval.jsonl").read_text().splitlines())
         results: dict[str, dict[str, Any]] = {}
-        for name in RUNS:
-            budget = results[f"trl_{name.split('_')[1]}"]["snapshots"]["steps"]["seconds"] \
+        for name in (f"{system}_{pair}" for pair in args.runs for system in ("trl", "astrai")):
+            budget = results[f"trl_{pair_of(name)}"]["snapshots"]["steps"]["seconds"] \
                 if name.startswith("astrai") else 0.0
             cmd = [sys.executable, __file__, *passed, "--worker", name, "--work", str(work), "--budget_s", str(budget)]
             log = work / f"{name}.log"

@@ -1,8 +1,10 @@
-"""What the TRL-side benchmarks share: step clocks, TRL's GRPO config and reward, and its timed generation.
+"""What the TRL-side benchmarks share: step clocks, TRL's trainer configs and reward, and its timed generation.
 
 `bench_rl.py` (step time on a fresh model) and `compare_trl.py` (step time, memory and accuracy
-reached from an SFT'd model) run TRL's `GRPOTrainer` on astrai's prompt records with the
-settings astrai's `OnlineLoop` uses; those settings are written down once, here.
+reached from an SFT'd model) run TRL's `GRPOTrainer`, `RLOOTrainer` and `DPOTrainer` on astrai's
+records with the settings astrai's `OnlineLoop` and `Trainer` use; those settings are written
+down once, here (`train_args` for what every TRL trainer shares, `rollout_args` for what the two
+online ones share).
 """
 
 from __future__ import annotations
@@ -65,34 +67,82 @@ def exact_match(completions: list[Any], answer: list[str], **kwargs: Any) -> lis
     return [score(c[0]["content"] if isinstance(c, list) else c, a) for c, a in zip(completions, answer)]
 
 
-def grpo_config(out: Path, *, steps: int, prompts: int, group_size: int, max_tokens: int, lr: float,
-                warmup_steps: int = 0, seed: int = 0) -> Any:
-    """TRL's GRPOConfig matching astrai's online_grpo settings: temperature 1 without top-k/top-p,
-    AdamW (0.9, 0.95) at a constant rate after linear warmup, clipping at 1.0, beta (KL) 0, PPO clip
-    0.2, token-mean loss (`dapo`), group-std advantages, one optimizer step per generation, fp32."""
-    from trl import GRPOConfig
-
-    return GRPOConfig(
+def train_args(out: Path, *, steps: int, lr: float, warmup_steps: int = 0, seed: int = 0) -> dict[str, Any]:
+    """TrainingArguments every TRL trainer here shares, matching astrai's defaults: CPU fp32, AdamW
+    (0.9, 0.95) without weight decay at a constant rate after linear warmup, clipping at 1.0, one
+    micro-batch per step, no activation checkpointing (TRL turns it on by default, astrai's
+    `gradient_checkpointing` is off), no saves, no logging in the timed steps."""
+    return dict(
         output_dir=str(out), use_cpu=True, bf16=False, seed=seed, report_to="none", save_strategy="no",
         logging_steps=max(steps, 1), disable_tqdm=True, max_steps=steps, learning_rate=lr,
         lr_scheduler_type="constant_with_warmup" if warmup_steps else "constant", warmup_steps=warmup_steps,
-        weight_decay=0.0, adam_beta1=0.9, adam_beta2=0.95, max_grad_norm=1.0,
-        per_device_train_batch_size=prompts * group_size, gradient_accumulation_steps=1,
-        num_generations=group_size, max_completion_length=max_tokens, temperature=1.0, top_p=1.0, top_k=0,
-        beta=0.0, epsilon=0.2, loss_type="dapo", scale_rewards="group", num_iterations=1,
-        dataloader_num_workers=0, disable_dropout=True,
+        weight_decay=0.0, adam_beta1=0.9, adam_beta2=0.95, max_grad_norm=1.0, gradient_accumulation_steps=1,
+        activation_checkpointing=False, dataloader_num_workers=0,
     )
 
 
+def rollout_args(*, prompts: int, group_size: int, max_tokens: int) -> dict[str, Any]:
+    """What GRPOConfig and RLOOConfig share, matching astrai's online loop: `prompts` x `group_size`
+    completions per step at temperature 1 without top-k/top-p, beta (KL) 0 so no reference model,
+    PPO clip 0.2, one optimizer step per generation (so the ratio is 1 and the clip idle), no dropout."""
+    return dict(
+        per_device_train_batch_size=prompts * group_size, num_generations=group_size,
+        max_completion_length=max_tokens, temperature=1.0, top_p=1.0, top_k=0,
+        beta=0.0, epsilon=0.2, num_iterations=1, disable_dropout=True,
+    )
+
+
+def grpo_config(out: Path, *, steps: int, prompts: int, group_size: int, max_tokens: int, lr: float,
+                warmup_steps: int = 0, seed: int = 0) -> Any:
+    """TRL's GRPOConfig matching astrai's `online_grpo`: `train_args` and `rollout_args`, token-mean
+    loss (`dapo`), group-std advantages (astrai's `scale_rewards: group`)."""
+    from trl import GRPOConfig
+
+    return GRPOConfig(**train_args(out, steps=steps, lr=lr, warmup_steps=warmup_steps, seed=seed),
+                      **rollout_args(prompts=prompts, group_size=group_size, max_tokens=max_tokens),
+                      loss_type="dapo", scale_rewards="group")
+
+
+def rloo_config(out: Path, *, steps: int, prompts: int, group_size: int, max_tokens: int, lr: float,
+                warmup_steps: int = 0, seed: int = 0) -> Any:
+    """TRL's RLOOConfig matching astrai's `online_grpo` with `advantage_estimator: rloo`: `train_args`
+    and `rollout_args`, leave-one-out advantages r_i - mean_{j != i} r_j without normalisation
+    (`normalize_advantages=False`, astrai's RLOO has no std scaling).
+
+    What stays different: RLOOConfig has no `loss_type`. TRL's RLOO loss is per sequence (the
+    ratio is exp of the summed token log-ratio, the loss the mean over sequences), so each token
+    weighs 1/num_sequences; astrai's `token_mean` weighs each 1/num_tokens. On-policy (ratio 1)
+    the gradients point the same way and differ in scale by the mean completion length, which
+    AdamW mostly absorbs (clipping at 1.0 does not). TRL's RLOO also runs one extra no-grad forward
+    per step for the old log-probs, where its GRPO skips it at one step per generation."""
+    from trl import RLOOConfig
+
+    return RLOOConfig(**train_args(out, steps=steps, lr=lr, warmup_steps=warmup_steps, seed=seed),
+                      **rollout_args(prompts=prompts, group_size=group_size, max_tokens=max_tokens),
+                      normalize_advantages=False)
+
+
+def dpo_config(out: Path, *, steps: int, pairs: int, lr: float, warmup_steps: int = 0, seed: int = 0,
+               max_length: int = 32) -> Any:
+    """TRL's DPOConfig matching astrai's `dpo`: `train_args`, `pairs` pairs per step, beta 0.1,
+    sigmoid loss, pairs cut at `max_length` tokens (astrai's `max_seq_len`)."""
+    from trl import DPOConfig
+
+    return DPOConfig(**train_args(out, steps=steps, lr=lr, warmup_steps=warmup_steps, seed=seed),
+                     per_device_train_batch_size=pairs, beta=0.1, loss_type="sigmoid", max_length=max_length)
+
+
 def time_generation(trainer: Any, clock: StepClock) -> None:
-    """Time TRL's generation call (`_generate_single_turn`) like astrai's `LLMEngine.run_batch`."""
+    """Time TRL's generation call (`_generate_single_turn`) like astrai's `LLMEngine.run_batch`.
+    GRPOTrainer's returns (completion_ids, logprobs), RLOOTrainer's the completion_ids alone."""
     generate = trainer._generate_single_turn
 
     def timed_generate(*a: Any, **k: Any) -> Any:
         start = time.perf_counter()
-        completion_ids, logprobs = generate(*a, **k)
+        out = generate(*a, **k)
         clock.rollout_seconds.append(time.perf_counter() - start)
+        completion_ids = out[0] if isinstance(out, tuple) else out
         clock.rollout_tokens.append(sum(len(c) for c in completion_ids))
-        return completion_ids, logprobs
+        return out
 
     trainer._generate_single_turn = timed_generate
