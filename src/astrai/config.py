@@ -126,6 +126,7 @@ class RLConfig:
     reward_weights: list[float] | None = None  # one per reward; None = all 1.0
     format_pattern: str = r"^\s*-?\d+\s*$"  # the `format` reward: 1 when the completion matches
     length_target: int = 64  # the `length` reward: 0 up to this many characters, then down to -1 at twice
+    overlong_buffer: int = 16  # the `overlong` reward (DAPO): 0 to -1 over the last this many of rollout_max_tokens
     ppo_gamma: float = 1.0  # online_ppo: GAE discount
     ppo_gae_lambda: float = 0.95  # online_ppo: GAE lambda
     ppo_vf_coef: float = 0.5  # online_ppo: weight of the critic's (V - R)^2
@@ -363,6 +364,9 @@ def validate(cfg: Config) -> None:
                           f"{rl.rewards}; give one weight per reward")
     if not rl.rewards:
         raise ConfigError("rewards is empty; name at least one reward (e.g. [exact_match])")
+    if "overlong" in rl.rewards and not 0 < rl.overlong_buffer <= rl.rollout_max_tokens:
+        raise ConfigError(f"overlong_buffer={rl.overlong_buffer} must be within [1, rollout_max_tokens="
+                          f"{rl.rollout_max_tokens}] for the overlong reward; set --overlong_buffer in that range")
     if rl.advantage_estimator == "rloo" and rl.group_size < 2:
         raise ConfigError(f"advantage_estimator rloo needs group_size >= 2 (a baseline of the other samples), got "
                           f"{rl.group_size}; set --group_size 2 or more")

@@ -196,3 +196,27 @@ def test_launcher_ranks_resolve_module_function_from_the_launchers_working_direc
             "total, _ = RewardSet(RLConfig(rewards=['mymod:fn']))(['p'], ['c'], [{}], [[1]], 1); "
             "assert total.tolist() == [0.25], total")
     assert launch([], nprocs=1, program=[sys.executable, "-P", "-c", rank]) == 0
+
+
+def test_overlong_is_dapos_soft_punishment_by_hand_and_as_trl_computes_it():
+    """L_max = rollout_max_tokens = 10, L_cache = overlong_buffer = 4: 0 up to 6 tokens, then
+    (6 - |y|) / 4 down to -1 at 10, -1 beyond."""
+    from trl.rewards import get_soft_overlong_punishment
+
+    cfg = RLConfig(rewards=["overlong"], rollout_max_tokens=10, overlong_buffer=4)
+    ids = [[5] * n for n in (0, 6, 7, 9, 10, 11)]
+    total, terms = RewardSet(cfg)(["p"] * 6, ["c"] * 6, [{}] * 6, [[1, *c] for c in ids], 1, completion_ids=ids)
+    assert terms["overlong"].tolist() == [0.0, 0.0, -0.25, -0.75, -1.0, -1.0]
+    assert total.tolist() == terms["overlong"].tolist() and list(terms) == ["overlong"]
+    assert terms["overlong"].tolist() == get_soft_overlong_punishment(10, 4)(completion_ids=ids)
+
+
+def test_overlong_buffer_must_fit_in_rollout_max_tokens():
+    from astrai.config import ConfigError, load_config
+
+    for buffer in ("0", "9"):
+        with pytest.raises(ConfigError, match=rf"overlong_buffer={buffer} must be within \[1, rollout_max_tokens=8\]"):
+            load_config(None, ["--rewards", "overlong", "--rollout_max_tokens", "8", "--overlong_buffer", buffer])
+    assert load_config(None, ["--rollout_max_tokens", "8", "--overlong_buffer", "9"]).rl.overlong_buffer == 9  # unused
+    assert load_config(None, ["--rewards", "overlong", "--rollout_max_tokens", "8",
+                              "--overlong_buffer", "8"]).rl.overlong_buffer == 8

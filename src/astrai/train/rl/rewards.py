@@ -7,9 +7,16 @@ function's own scores. A reward entry in the config (``rewards``) is one of:
     ``final_number`` (the last number in the completion equals the numeric ``answer``: for chat
     models that answer in sentences),
     ``format`` (1 when the completion matches ``format_pattern``), ``length`` (0 up to
-    ``length_target`` characters, falling linearly to -1 at twice that);
-  - ``module:function``: a user function ``f(prompt, completion, record) -> float``, imported
-    with the working directory on ``sys.path`` (however astrai was started);
+    ``length_target`` characters, falling linearly to -1 at twice that), ``overlong`` (DAPO's
+    soft overlong punishment over the last ``overlong_buffer`` tokens of ``rollout_max_tokens``);
+  - ``module:function``, imported with the working directory on ``sys.path`` (however astrai was
+    started): a per-sample function ``f(prompt, completion, record) -> float``, or a TRL-style
+    one (its signature names ``prompts``, ``completions`` or ``completion_ids``, or takes only
+    ``**kwargs``) called once per rollout as TRL's GRPOTrainer calls it: ``prompts``,
+    ``completions`` (chat prompts: the messages, and ``[{"role": "assistant", "content": text}]``
+    per completion), ``completion_ids`` and every other prompt-record column as a keyword list;
+    it returns one score per completion, ``None`` for no score (it adds 0; the share of them is
+    the ``<name>_none`` term). ``async def`` functions of either kind are awaited concurrently;
   - a model directory (config.json + model.safetensors with a scalar head, ``score.weight`` as
     transformers' sequence-classification models write it, or ``value_head.weight``/``.bias``):
     a reward model scored on prompt + completion in batches, the value at the last token. With
@@ -21,6 +28,7 @@ Every score must be a finite number; anything else is an error naming the functi
 
 from __future__ import annotations
 
+import asyncio
 import importlib
 import inspect
 import json
@@ -29,6 +37,7 @@ import os
 import re
 import sys
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -71,15 +80,46 @@ def length_reward(target: int) -> RewardFn:
     return length
 
 
-BUILTINS: dict[str, Callable[[RLConfig], RewardFn]] = {
+def overlong_penalty(num_tokens: int, max_tokens: int, buffer: int) -> float:
+    """DAPO's soft overlong punishment (eq. 13): 0 up to max_tokens - buffer tokens, then linearly
+    down to -1 at max_tokens, -1 beyond."""
+    start = max_tokens - buffer
+    if num_tokens <= start:
+        return 0.0
+    return (start - num_tokens) / buffer if num_tokens <= max_tokens else -1.0
+
+
+def overlong_reward(max_tokens: int, buffer: int) -> Callable[..., list[float]]:
+    def overlong(completion_ids: list[list[int]], **kwargs: Any) -> list[float]:
+        return [overlong_penalty(len(ids), max_tokens, buffer) for ids in completion_ids]
+
+    return overlong
+
+
+BUILTINS: dict[str, Callable[[RLConfig], Callable[..., Any]]] = {
     "exact_match": lambda cfg: exact_match,
     "final_number": lambda cfg: final_number,
     "format": lambda cfg: format_reward(cfg.format_pattern),
     "length": lambda cfg: length_reward(cfg.length_target),
+    "overlong": lambda cfg: overlong_reward(cfg.rollout_max_tokens, cfg.overlong_buffer),
 }
 
 
-SIGNATURE = "f(prompt: str, completion: str, record: dict) -> float"
+SIGNATURE = ("f(prompt: str, completion: str, record: dict) -> float, or TRL's "
+             "f(prompts, completions, completion_ids, **columns) -> list[float | None]")
+TRL_ARGS = ("prompts", "completions", "completion_ids")
+
+
+def is_batched(fn: Callable[..., Any]) -> bool:
+    """Whether `fn` takes TRL's convention (keyword lists for the whole rollout): its signature
+    names one of TRL_ARGS, or takes nothing but **kwargs."""
+    try:
+        params = inspect.signature(fn).parameters.values()
+    except (TypeError, ValueError):  # no signature to inspect (a builtin): the per-sample form
+        return False
+    if any(p.name in TRL_ARGS for p in params):
+        return True
+    return bool(params) and all(p.kind is p.VAR_KEYWORD for p in params)
 
 
 def _user_function(spec: str) -> RewardFn:
@@ -109,6 +149,8 @@ def _user_function(spec: str) -> RewardFn:
     if not callable(fn):
         raise ValueError(f"reward {spec!r} is not a function (found {type(fn).__name__}); define {SIGNATURE} "
                          f"named {attr}")
+    if is_batched(fn):
+        return fn
     try:
         inspect.signature(fn).bind("prompt", "completion", {})
     except TypeError:
@@ -215,18 +257,81 @@ class RewardSet:
                                  "or a reward model directory")
 
     def __call__(self, prompts: list[str], completions: list[str], records: list[dict[str, Any]],
-                 sequences: list[list[int]], group_size: int) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+                 sequences: list[list[int]], group_size: int,
+                 completion_ids: list[list[int]] | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """(weighted sum (N,), {name: scores (N,)}) for N completions; completion i belongs to
-        prompt i // group_size (used in error messages)."""
-        per_fn: dict[str, torch.Tensor] = {}
+        prompt i // group_size (used in error messages). `completion_ids`: each completion's token
+        ids, for TRL-style functions and ``overlong``. A TRL-style user function adds the term
+        ``<name>_none``: 1 where it returned None (its score there is 0)."""
+        raw: dict[str, Any] = {}
         for name, fn in zip(self.names, self.functions):
             if isinstance(fn, RewardModel):
-                scores = fn.score(fn.inputs(prompts, completions, records, sequences))
+                raw[name] = fn.score(fn.inputs(prompts, completions, records, sequences))
+            elif is_batched(fn):
+                raw[name] = fn(**_trl_kwargs(name, fn, prompts, completions, records, completion_ids))
             else:
-                scores = [fn(p, c, r) for p, c, r in zip(prompts, completions, records)]
-            per_fn[name] = _checked(name, scores, len(completions), group_size)
+                raw[name] = [fn(p, c, r) for p, c, r in zip(prompts, completions, records)]
+                if any(inspect.isawaitable(v) for v in raw[name]):
+                    raw[name] = _all(raw[name])
+        raw = _awaited(raw)
+        per_fn: dict[str, torch.Tensor] = {}
+        for name, fn in zip(self.names, self.functions):
+            scores = raw[name]
+            if name not in BUILTINS and not isinstance(fn, RewardModel) and is_batched(fn):
+                # TRL turns None into NaN and sums with nansum: no score adds 0; counted, not hidden
+                none = [v is None for v in scores] if isinstance(scores, list | tuple) else []
+                scores = [0.0 if v is None else v for v in scores] if none else scores
+                per_fn[name] = _checked(name, scores, len(completions), group_size)
+                per_fn[f"{name}_none"] = torch.tensor(none, dtype=torch.float32)
+            else:
+                per_fn[name] = _checked(name, scores, len(completions), group_size)
         total = sum(w * per_fn[n] for n, w in zip(self.names, self.weights))
         return total, per_fn
+
+
+def _trl_kwargs(name: str, fn: Callable[..., Any], prompts: list[str], completions: list[str],
+                records: list[dict[str, Any]], completion_ids: list[list[int]] | None) -> dict[str, Any]:
+    """The keyword lists TRL's GRPOTrainer passes a reward function: chat prompts (a ``messages``
+    list in every record) as their messages with one assistant message per completion, plain
+    strings otherwise; the token ids; every other record column (``answer``, metadata fields)."""
+    if completion_ids is None:
+        raise ValueError(f"reward {name!r} takes TRL's arguments, which include completion_ids; pass "
+                         "completion_ids= (each completion's token ids) to RewardSet, as the rollout runner does")
+    chat = all(isinstance(r.get("messages"), list) for r in records)
+    columns = dict.fromkeys(k for r in records for k in r if k != "messages" and k not in TRL_ARGS)
+    kwargs = {"prompts": [r["messages"] for r in records] if chat else list(prompts),
+              "completions": [[{"role": "assistant", "content": c}] for c in completions] if chat else list(completions),
+              "completion_ids": [list(ids) for ids in completion_ids],
+              **{k: [r.get(k) for r in records] for k in columns}}
+    params = inspect.signature(fn).parameters
+    for p in params.values():
+        if p.default is p.empty and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY) and p.name not in kwargs:
+            raise ValueError(f"reward {name!r} needs the column {p.name!r} in every prompt record (top level or "
+                             f"under metadata); the records have {', '.join(columns) or 'no other columns'}")
+    if not any(p.kind is p.VAR_KEYWORD for p in params.values()):
+        kwargs = {k: v for k, v in kwargs.items() if k in params}  # TRL's functions take **kwargs; be lenient
+    return kwargs
+
+
+async def _all(awaitables: list[Any]) -> list[Any]:
+    return list(await asyncio.gather(*awaitables))
+
+
+def _awaited(raw: dict[str, Any]) -> dict[str, Any]:
+    """The scores with every awaitable awaited together, so async reward functions run concurrently."""
+    pending = {k: v for k, v in raw.items() if inspect.isawaitable(v)}
+    if not pending:
+        return raw
+
+    async def gather() -> dict[str, Any]:
+        return dict(zip(pending, await asyncio.gather(*pending.values())))
+
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return {**raw, **asyncio.run(gather())}
+    with ThreadPoolExecutor(1) as pool:  # called inside a running loop (a notebook): run one of its own
+        return {**raw, **pool.submit(asyncio.run, gather()).result()}
 
 
 def _checked(name: str, scores: Any, expected: int, group_size: int) -> torch.Tensor:

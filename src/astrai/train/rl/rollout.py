@@ -181,7 +181,8 @@ class RolloutRunner:
                     **dict(batch["metadata"][i] or {})} for i in keep for _ in range(G)]
         prompt_texts = [self.tokenizer.decode(p) for p, _ in samples]
         texts = [c.text for _, c in samples]
-        total, terms = self.rewards(prompt_texts, texts, records, [p + c.token_ids for p, c in samples], G)
+        total, terms = self.rewards(prompt_texts, texts, records, [p + c.token_ids for p, c in samples], G,
+                                    completion_ids=[list(c.token_ids) for _, c in samples])
         rollout = _pack(samples, G, policy_version)
         rollout.rewards = total.view(-1, G)
         rollout.reward_terms = {k: v.view(-1, G) for k, v in terms.items()}
