@@ -1,12 +1,22 @@
-"""The quickstart at its default budget: every stage runs, SFT clearly beats pre-training, and
-online GRPO clearly raises held-out accuracy above SFT.
+"""The quickstart at its default budget: every stage runs, SFT clearly beats pre-training, online
+GRPO raises the rollout reward, and a second run reuses every stage.
 
-Measured at the default budget (seed 0, one thread, which the demo sets): on 40 held-out 1-digit
-sums, pre-trained 0%, after SFT 35%, after GRPO 52.5%; the rollout reward on the training prompts
-rose 0.42 -> 0.69. The assertions keep headroom: GRPO +10 points over SFT, reward +0.1. Every
-stage is seeded and runs on one thread, so on one machine the outcome is fixed. (With 200
-pre-training steps instead of 40 the model memorised the training sums and GRPO lowered held-out
-accuracy: 55% -> 35%; that is why pre-training is short.)"""
+A seeded run takes another path on another CPU, so the assertions rest on a spread measured
+across 5 runs: SEED 0 at THREADS 1 and 2, and training seeds 1, 2, 3 at one thread (the task
+split kept at seed 0, as on any machine). Greedy held-out accuracy on the 40 held-out sums
+(min / mean / max): pre-trained 0 / 0 / 0%, SFT 10 / 27 / 40%, after GRPO 12.5 / 33 / 47.5%;
+GRPO's change over SFT +0 / +6 / +12.5 points greedy and -0.031 / +0.064 / +0.113 sampled (16
+temperature-1 samples a problem). Held-out accuracy is therefore not asserted to rise under RL:
+at seed 2 the model sharpens the 60 training sums and its sampled held-out accuracy falls
+0.148 -> 0.117, at seed 1 the greedy one stays at 40%. (The former `+10 points over SFT` held
+only at SEED 0, THREADS 1: 35% -> 47.5%.) The rollout reward on the training prompts rises in every
+run: first 0.40-0.63, last 0.69-0.96 (means of 10 steps), the share of the room left that it
+closed, (last - first) / (1 - first), 0.47 / 0.59 / 0.89. Margins: SFT +5 points over pre-training
+(measured minimum +10) and GRPO reward gain 0.25 (about half the minimum; the reward of a model
+that does not learn drifts by about 0.07 of the room, tests/train/test_rl_learns.py). About 80 s
+at one thread on idle cores, several minutes when shared. (With 200 pre-training steps instead of
+40 the model memorised the training sums and GRPO lowered held-out accuracy: 55% -> 35%; that
+is why pre-training is short.)"""
 
 from __future__ import annotations
 
@@ -16,19 +26,27 @@ import pytest
 
 from astrai.demo import main as demo_main
 
+SEED, THREADS = 0, 1  # the spread above was measured around these
+SFT_GAIN, REWARD_GAIN = 0.05, 0.25
+
 
 @pytest.mark.slow
-def test_demo_sft_then_rl_improve_accuracy_and_reuse_stages(tmp_path, capsys):
+def test_demo_sft_raises_accuracy_rl_raises_reward_and_stages_are_reused(tmp_path, capsys):
     out = tmp_path / "demo"
-    assert demo_main(["--out", str(out)]) == 0
+    flags = ["--out", str(out), "--seed", str(SEED), "--threads", str(THREADS)]
+    assert demo_main(flags) == 0
     evals = json.loads((out / "eval" / "stage.json").read_text())
     rl = json.loads((out / "rl-grpo" / "stage.json").read_text())
     before, sft, after = evals["pretrained"]["accuracy"], evals["sft"]["accuracy"], rl["eval"]["accuracy"]
-    assert sft >= before + 0.05, f"SFT accuracy {sft:.1%} is not clearly above pre-training {before:.1%}"
+    assert sft >= before + SFT_GAIN, f"SFT accuracy {sft:.1%} is not clearly above pre-training {before:.1%}"
     assert sft <= 0.9, f"SFT accuracy {sft:.1%} leaves RL no headroom; shorten the SFT stage"
     assert rl["steps"] == 300
-    assert after >= sft + 0.10, f"GRPO held-out accuracy {after:.1%} is not clearly above SFT's {sft:.1%}"
-    assert rl["reward_last"] >= rl["reward_first"] + 0.1, f"rollout reward {rl['reward_first']} -> {rl['reward_last']}"
+    first, last = rl["reward_first"], rl["reward_last"]
+    gain = (last - first) / (1 - first)
+    print(f"held-out accuracy {before:.1%} -> SFT {sft:.1%} -> GRPO {after:.1%} (not asserted: see above); "
+          f"rollout reward {first:.3f} -> {last:.3f}, gain {gain:.3f} of the room left")
+    assert gain >= REWARD_GAIN, f"GRPO's rollout reward went {first:.3f} -> {last:.3f}: {gain:.2f} of the room " \
+                                f"left closed, expected {REWARD_GAIN}"
     assert rl["rollout_tokens_per_s"] > 0
     report = (out / "report.md").read_text()
     for acc in (before, sft, after):
@@ -42,7 +60,7 @@ def test_demo_sft_then_rl_improve_accuracy_and_reuse_stages(tmp_path, capsys):
     assert (out / "accuracy.png").exists()
     assert "astrai serve --model" in capsys.readouterr().out
     # a second run finds every stage finished and only rewrites the report
-    assert demo_main(["--out", str(out)]) == 0
+    assert demo_main(flags) == 0
     second = capsys.readouterr().out
     for name in ("data", "tokenizer", "pretrain", "sft", "eval", "rl-grpo"):
         assert f"[{name}] reusing the finished stage" in second

@@ -6,9 +6,17 @@ line), with this interpreter's bin folder first on PATH; `make setup` and `sourc
 already runs inside the environment they make) and `astrai serve` (it never returns; the server
 has its own tests) are skipped. A line's comment states what to expect, and the test holds it:
   `N steps`        the run's newest checkpoint is step N
+  `accuracy A-B%`  `astrai eval` printed an accuracy from A% to B%
   `accuracy A%`    `astrai eval` printed an accuracy within 10 points of A%
   `-> TEXT`        the command printed TEXT
-and the accuracy after SFT must clearly beat the accuracy before it.
+and every accuracy after the first (the pre-trained model's) must clearly beat it.
+
+The tour trains as `astrai demo` does at its defaults (seed 0, one thread), and a seeded run
+takes another path on another CPU. Measured across 5 demo runs (seed 0 at 1 and 2 threads,
+training seeds 1-3 at one thread; tests/test_demo.py): held-out accuracy pre-trained 0% always,
+after SFT 10 / 27 / 40% (min / mean / max), after GRPO 12.5 / 33 / 47.5%. So a single figure
+with +-10 points holds on one machine only; a range (`accuracy 5-50%`) states what a user can
+expect, and the gain over the pre-trained model (measured minimum +10 points) is asserted at +5.
 """
 
 from __future__ import annotations
@@ -26,6 +34,7 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 SKIPPED = ("make setup", "source ", "astrai serve")
 MARK = "@@@tour-line "
+TRAINED_GAIN = 0.05  # each trained model over the pre-trained one; measured minimum +10 points
 
 
 def tour_lines(readme: str) -> list[str]:
@@ -50,7 +59,9 @@ def expectations(comment: str) -> dict[str, object]:
     out: dict[str, object] = {}
     if m := re.search(r"\b(\d+) steps\b", comment):
         out["steps"] = int(m.group(1))
-    if m := re.search(r"accuracy (?:about )?(\d+)%", comment):
+    if m := re.search(r"accuracy (\d+)-(\d+)%", comment):
+        out["accuracy_range"] = (int(m.group(1)) / 100, int(m.group(2)) / 100)
+    elif m := re.search(r"accuracy (?:about )?(\d+)%", comment):
         out["accuracy"] = int(m.group(1)) / 100
     if m := re.search(r"-> ([^\s;,]+)", comment):
         out["prints"] = m.group(1)
@@ -63,6 +74,7 @@ def test_tour_parsing_reads_commands_and_figures() -> None:
     assert lines == ["make setup", "astrai eval --m 'a # b'  # accuracy about 7%"]
     assert split_comment(lines[1]) == ("astrai eval --m 'a # b'", "accuracy about 7%")
     assert expectations("300 steps, then -> 19; accuracy 85%") == {"steps": 300, "accuracy": 0.85, "prints": "19"}
+    assert expectations("accuracy 5-50% on 40 sums") == {"accuracy_range": (0.05, 0.50)}
 
 
 @pytest.mark.slow
@@ -86,13 +98,18 @@ def test_readme_tour_runs_and_its_figures_hold(tmp_path: Path) -> None:
             ckpt_dir = re.search(r"--config (\S+)", cmd) and _ckpt_dir(tmp_path / re.search(r"--config (\S+)", cmd)[1])
             latest = sorted(p.name for p in (tmp_path / ckpt_dir).glob("step_*"))[-1]
             assert latest == f"step_{want['steps']:08d}", f"{cmd!r}: expected {want['steps']} steps, got {latest}"
-        if "accuracy" in want:
+        if "accuracy" in want or "accuracy_range" in want:
             got = json.loads(printed[i])["accuracy"]
             accuracies.append(got)
+        if "accuracy" in want:
             assert abs(got - want["accuracy"]) <= 0.10, f"{cmd!r}: README says {want['accuracy']:.0%}, got {got:.1%}"
+        if "accuracy_range" in want:
+            lo, hi = want["accuracy_range"]
+            assert lo - 1e-9 <= got <= hi + 1e-9, f"{cmd!r}: README says {lo:.0%}-{hi:.0%}, got {got:.1%}"
         if "prints" in want:
             assert printed[i].strip() == want["prints"], f"{cmd!r}: printed {printed[i]!r}"
-    assert len(accuracies) >= 2 and accuracies[-1] >= accuracies[0] + 0.3, f"no clear gain: {accuracies}"
+    assert len(accuracies) >= 2 and all(a >= accuracies[0] + TRAINED_GAIN for a in accuracies[1:]), \
+        f"no clear gain over the pre-trained model: {accuracies}"
     named = re.findall(r"(out/[\w/.-]*step_\d+)", (ROOT / "README.md").read_text())
     assert named and all((tmp_path / path).is_dir() for path in named), f"README names {named}"
 

@@ -1,26 +1,38 @@
-"""Online RL learns: GRPO and online DPO, through `astrai train`, on the arithmetic task.
+"""Online RL learns: GRPO, online DPO and PPO, through `astrai train`, on the arithmetic task.
 
 A tiny model (2 layers, hidden 64) is SFT'd from scratch for 250 steps on 1-digit addition
-chats (`astrai.data.tasks`); its greedy exact-match accuracy on 40 held-out problems is then
-well below 100% (its answers are often off by one), and its temperature-1 samples on the
-training prompts are right about half the time, so GRPO groups carry signal. Both tests start
-from that model (one module-scoped fixture) and run on the training prompts only; accuracy is
-measured greedily on the held-out problems, which never appear in any training file.
+chats (`astrai.data.tasks`); every test starts from that model (one module-scoped fixture) and
+trains on the training prompts only. Held-out problems (the 40 sums of the 100 that no training
+file holds) are scored two ways: greedy exact match (40 problems, steps of 2.5 points) and
+*sampled* accuracy, 16 temperature-1 samples per problem with a fixed sampling seed (640
+answers), which moves with the model's probability of the right answer rather than with a few
+sums flipping.
 
-Every run is seeded, so on a given machine the outcome is fixed. Measured on the 2-core dev
-machine (one intra-op thread, as this module sets it; about 100 s for the file):
-  SFT'd model:  held-out accuracy 37.5% (15/40)
-  online GRPO:  held-out accuracy 37.5% -> 47.5% (+10 points); rollout reward 0.46 -> 0.71
-                (64 prompts x 8 samples, 150 steps, each rollout used for 2 steps; mean of the
-                first vs the last 10 steps)
-  online DPO:   rollout reward 0.48 -> 0.55 (64 prompts x 4 samples, 60 steps)
-  online PPO:   held-out accuracy 37.5% -> 42.5%; rollout reward 0.48 -> 0.57; explained variance
-                0 (zero head) -> 0.63 (64 prompts x 4 samples, 100 steps, critic lr 1e-3)
-The assertions keep headroom below those numbers: GRPO +5 held-out points and +0.1 reward,
-DPO +0.04 reward, PPO +2.5 held-out points (one problem), +0.05 reward and explained variance > 0. Large rollouts and a moderate learning rate matter: with 16 prompts per step,
-or a learning rate of 1e-3, the reward wanders instead of rising; and 1-digit held-out accuracy
-moves only a few problems (the model partly memorises the 60 training sums), which is why the
-held-out margin is small and the rollout reward is checked too.
+Seeded runs take another path on another CPU (float rounding acts like another seed), so the
+assertions rest on a spread measured across SEED 0-4 (SFT and RL seed alike) x 1 and 2 threads
+(10 runs; 2 threads changed little on the dev machine). The tests run at SEED 0, THREADS 1.
+Reward gain is `(last - first) / (1 - first)`, first and last the mean rollout reward of the
+first and last 10 steps: the share of the room left that RL closed (the start varies, 0.23-0.70).
+  SFT'd model:        greedy held-out 5.0% / 45% / 72.5% (min / mean / max), sampled 8.1% / 32.5%
+                      / 45.9%; first rollout reward 0.23 / 0.51 / 0.70. A greedy held-out band
+                      (the former 10%-80%) fails at seed 1, so the start is checked on the reward.
+  GRPO (150 steps):   reward gain 0.37 / 0.45 / 0.52 (raw +0.155 / +0.215 / +0.294); sampled
+                      held-out +0.045 / +0.100 / +0.134; greedy held-out -10 / +4 / +10 points
+                      (not asserted: at seed 2 it falls 72.5% -> 62.5% while sampled rises +0.098).
+                      With max_lr 0: reward 0.469 -> 0.508 (gain 0.07), sampled held-out +0.000.
+  online DPO (120 steps, lr 5e-4): reward gain 0.21 / 0.27 / 0.36 (raw +0.068 / +0.128 / +0.245),
+                      seeds 0-4 at one thread, 0-2 at two (the same values); with max_lr 0 0.005.
+                      The former 60 steps at 2e-4 gained +0.003 (raw) at seed 2.
+  PPO (100 steps):    reward gain 0.27 / 0.33 / 0.37 (raw +0.110 / +0.150 / +0.241); explained
+                      variance, mean of the last 10 steps, 0.27 / 0.32 / 0.40 (0 at the first step,
+                      the head is zero); sampled held-out -0.009 / +0.066 / +0.122 and greedy
+                      -10 / +2 / +10 points (neither asserted).
+Margins, each about half the measured minimum and clear of the lr-0 run: GRPO reward gain 0.2
+and sampled held-out +0.02; DPO reward gain 0.1; PPO reward gain 0.15 and explained variance
+0.15. About 95 s for the file at one thread on 2 idle cores. Large rollouts and a moderate learning
+rate matter: with 16 prompts per step, or a learning rate of 1e-3, the reward wanders instead of
+rising; and the model partly memorises the 60 training sums, which is why greedy held-out
+accuracy is no learning signal here.
 """
 
 from __future__ import annotations
@@ -37,17 +49,21 @@ import yaml
 from astrai.cli import main as astrai_main
 from astrai.data.tasks import write_task_files
 from astrai.data.tokenizer import train_tokenizer
-from astrai.evaluate import evaluate_model, read_prompt_records
+from astrai.evaluate import SCORERS, evaluate_model, read_prompt_records
 from astrai.train.checkpoint import latest_checkpoint
 
 pytestmark = pytest.mark.slow
 
+SEED, THREADS = 0, 1  # the spread above was measured at SEED 0-4 x THREADS 1-2
 MODEL = {"vocab_size": 300, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
          "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 64,
          "tie_word_embeddings": True}
-PPO_STEPS, PPO_REWARD_GAIN, PPO_HELD_OUT_GAIN = 100, 0.05, 0.025
 RL = ["--batch_per_device", 64, "--group_size", 8, "--rollout_max_tokens", 8, "--max_prompt_len", 32,
-      "--schedule", "constant", "--warmup_steps", 5, "--random_seed", 0]
+      "--schedule", "constant", "--warmup_steps", 5, "--random_seed", SEED]
+GRPO_REWARD_GAIN, GRPO_SAMPLED_HELD_OUT_GAIN = 0.2, 0.02
+DPO_STEPS, DPO_REWARD_GAIN = 120, 0.1
+PPO_STEPS, PPO_REWARD_GAIN, PPO_EXPLAINED_VARIANCE = 100, 0.15, 0.15
+START_REWARD = (0.1, 0.85)  # the SFT'd model is right sometimes, wrong often: GRPO groups carry signal
 
 
 @dataclass
@@ -57,6 +73,7 @@ class Task:
     tokenizer: Path
     model: Path  # the SFT'd model (a checkpoint directory)
     accuracy: float  # its greedy held-out accuracy
+    sampled: float  # its sampled held-out accuracy
 
 
 def train(run_dir: Path, *flags) -> Path:
@@ -75,18 +92,41 @@ def accuracy(model_dir: Path, eval_path: Path) -> float:
     return evaluate_model(LLM(str(model_dir)), read_prompt_records(eval_path), max_tokens=8).accuracy
 
 
-def rewards(run_dir: Path) -> list[float]:
-    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    return [r["reward_mean"] for r in rows if "reward_mean" in r]
+def sampled_accuracy(model_dir: Path, eval_path: Path, n: int = 16) -> float:
+    """Exact match over `n` temperature-1 samples per problem, seeded per request: the expected
+    accuracy, far finer than 40 greedy answers."""
+    from astrai.infer.llm import LLM
+    from astrai.infer.sampling import SamplingParams
+
+    records = read_prompt_records(eval_path)
+    params = SamplingParams(temperature=1.0, max_tokens=8, n=n, seed=1234)
+    outputs = LLM(str(model_dir)).chat([r["messages"] for r in records], params)
+    right = [SCORERS["exact"](c.text, r["answer"]) for r, out in zip(records, outputs) for c in out.outputs]
+    return sum(right) / len(right)
+
+
+def metrics(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def reward_gain(rows: list[dict], name: str) -> float:
+    """Share of the room left (1 - first) that the rollout reward closed, first and last 10 steps."""
+    r = [m["reward_mean"] for m in rows if "reward_mean" in m]
+    first, last = mean(r[:10]), mean(r[-10:])
+    lo, hi = START_REWARD
+    assert lo <= first <= hi, f"{name}: the SFT'd model's first rollout reward {first:.2f} leaves no room to learn"
+    gain = (last - first) / (1 - first)
+    print(f"{name} rollout reward {first:.3f} -> {last:.3f} (gain {gain:.3f} of the room left)")
+    return gain
 
 
 @pytest.fixture(scope="module", autouse=True)
-def one_thread():
+def threads():
     # two threads on two shared, busy cores run these small matmuls several times slower
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
+    before = torch.get_num_threads()
+    torch.set_num_threads(THREADS)
     yield
-    torch.set_num_threads(threads)
+    torch.set_num_threads(before)
 
 
 @pytest.fixture(scope="module")
@@ -99,53 +139,46 @@ def task(tmp_path_factory) -> Task:
     config.write_text(yaml.safe_dump({"model": MODEL}))
     model = train(root / "sft", "--config", config, "--train_type", "sft", "--data_path", files["sft"],
                   "--tokenizer_path", root / "tok", "--max_seq_len", 32, "--batch_per_device", 32,
-                  "--max_steps", 250, "--max_lr", 3e-3, "--warmup_ratio", 0.05, "--random_seed", 0)
-    acc = accuracy(model, files["eval"])
-    # signal for RL: clearly wrong often, right sometimes
-    assert 0.1 <= acc <= 0.8, f"the SFT'd model's held-out accuracy {acc:.1%} leaves no room to learn"
-    return Task(files["prompts"], files["eval"], root / "tok", model, acc)
+                  "--max_steps", 250, "--max_lr", 3e-3, "--warmup_ratio", 0.05, "--random_seed", SEED)
+    return Task(files["prompts"], files["eval"], root / "tok", model, accuracy(model, files["eval"]),
+                sampled_accuracy(model, files["eval"]))
 
 
-def test_online_grpo_raises_held_out_accuracy(task, tmp_path):
+def test_online_grpo_raises_reward_and_held_out_accuracy(task, tmp_path):
     run = tmp_path / "grpo"
     model = train(run, "--train_type", "online_grpo", "--data_path", task.prompts, "--tokenizer_path", task.tokenizer,
                   "--param_path", task.model, "--max_steps", 150, "--rollout_interval", 2, "--max_lr", 5e-4, *RL)
-    r = rewards(run)
-    assert len(r) == 150
-    first, last = mean(r[:10]), mean(r[-10:])
-    print(f"GRPO reward {first:.3f} -> {last:.3f}")
-    assert last >= first + 0.1, f"GRPO rollout reward went {first:.2f} -> {last:.2f}, expected +0.1"
-    after = accuracy(model, task.eval_path)
-    print(f"GRPO held-out accuracy {task.accuracy:.3f} -> {after:.3f}")
-    assert after >= task.accuracy + 0.05, \
-        f"GRPO held-out accuracy went {task.accuracy:.1%} -> {after:.1%}, expected +5 points"
+    rows = metrics(run)
+    assert len([m for m in rows if "reward_mean" in m]) == 150
+    gain = reward_gain(rows, "GRPO")
+    greedy, sampled = accuracy(model, task.eval_path), sampled_accuracy(model, task.eval_path)
+    print(f"GRPO held-out accuracy: greedy {task.accuracy:.3f} -> {greedy:.3f}, sampled {task.sampled:.3f} -> {sampled:.3f}")
+    assert gain >= GRPO_REWARD_GAIN, f"GRPO closed {gain:.2f} of the reward room left, expected {GRPO_REWARD_GAIN}"
+    assert sampled >= task.sampled + GRPO_SAMPLED_HELD_OUT_GAIN, \
+        f"GRPO sampled held-out accuracy went {task.sampled:.1%} -> {sampled:.1%}, expected +{GRPO_SAMPLED_HELD_OUT_GAIN:.0%}"
 
 
 def test_online_dpo_raises_reward(task, tmp_path):
     run = tmp_path / "dpo"
     train(run, "--train_type", "online_dpo", "--data_path", task.prompts, "--tokenizer_path", task.tokenizer,
-          "--param_path", task.model, "--max_steps", 60, "--group_size", 4, "--max_lr", 2e-4, *RL)
-    r = rewards(run)
-    assert len(r) == 60
-    first, last = mean(r[:10]), mean(r[-10:])
-    print(f"DPO reward {first:.3f} -> {last:.3f}")
-    assert last >= first + 0.04, f"online DPO rollout reward went {first:.2f} -> {last:.2f}, expected +0.04"
+          "--param_path", task.model, "--max_steps", DPO_STEPS, "--group_size", 4, "--max_lr", 5e-4, *RL)
+    rows = metrics(run)
+    assert len([m for m in rows if "reward_mean" in m]) == DPO_STEPS
+    gain = reward_gain(rows, "online DPO")
+    assert gain >= DPO_REWARD_GAIN, f"online DPO closed {gain:.2f} of the reward room left, expected {DPO_REWARD_GAIN}"
 
 
 def test_online_ppo_raises_reward_and_the_critic_explains_returns(task, tmp_path):
     run = tmp_path / "ppo"
     model = train(run, "--train_type", "online_ppo", "--data_path", task.prompts, "--tokenizer_path", task.tokenizer,
-          "--param_path", task.model, "--max_steps", PPO_STEPS, "--group_size", 4, "--max_lr", 5e-4,
-          "--critic_lr", 1e-3, "--rollout_interval", 2, *RL)
-    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
-    r = [m["reward_mean"] for m in rows]
-    first, last = mean(r[:10]), mean(r[-10:])
+                  "--param_path", task.model, "--max_steps", PPO_STEPS, "--group_size", 4, "--max_lr", 5e-4,
+                  "--critic_lr", 1e-3, "--rollout_interval", 2, *RL)
+    rows = metrics(run)
+    gain = reward_gain(rows, "PPO")
     ev = [m["explained_variance"] for m in rows if "explained_variance" in m]
-    print(f"PPO reward {first:.3f} -> {last:.3f}; explained variance {ev[0]:.3f} -> {max(ev[-10:]):.3f}")
+    print(f"PPO explained variance {ev[0]:.3f} -> {mean(ev[-10:]):.3f} (mean of the last 10 steps)")
+    print(f"PPO held-out accuracy: greedy {task.accuracy:.3f} -> {accuracy(model, task.eval_path):.3f}, "
+          f"sampled {task.sampled:.3f} -> {sampled_accuracy(model, task.eval_path):.3f} (not asserted: see above)")
     assert ev[0] <= 0.0 + 1e-6  # the zero-initialised head explains nothing at first
-    assert max(ev[-10:]) > 0.0, f"the critic never explained any return variance: {ev[-10:]}"
-    assert last >= first + PPO_REWARD_GAIN, f"PPO rollout reward went {first:.2f} -> {last:.2f}"
-    after = accuracy(model, task.eval_path)
-    print(f"PPO held-out accuracy {task.accuracy:.3f} -> {after:.3f}")
-    assert after >= task.accuracy + PPO_HELD_OUT_GAIN, \
-        f"PPO held-out accuracy went {task.accuracy:.1%} -> {after:.1%}"
+    assert mean(ev[-10:]) >= PPO_EXPLAINED_VARIANCE, f"the critic explains little of the returns: {ev[-10:]}"
+    assert gain >= PPO_REWARD_GAIN, f"PPO closed {gain:.2f} of the reward room left, expected {PPO_REWARD_GAIN}"
