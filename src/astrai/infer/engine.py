@@ -40,7 +40,7 @@ from astrai.infer.outputs import (
     logprob_entry,
 )
 from astrai.infer.probe import check_tuning, measure_step_cost, tune_owned_model
-from astrai.infer.runner import ModelRunner, StepLogits, forward_precision, resolve_precision
+from astrai.infer.runner import ModelRunner, StepLogits, dtype_name, forward_precision, resolve_precision
 from astrai.infer.sampling import Sampler, SamplerOutput, SamplingParams, make_generator, top_alternatives
 from astrai.infer.scheduler import Scheduler, Sequence
 from astrai.infer.sizing import (
@@ -187,9 +187,9 @@ class LLMEngine:
             "kv_cache_tokens": self.block_manager.num_blocks * self.block_manager.block_size,
             "block_size": self.block_manager.block_size,
             "device": str(self.device),
-            "dtype": _dtype_name(self.weights_dtype),
-            "autocast_dtype": _dtype_name(self.autocast_dtype),
-            "kv_cache_dtype": _dtype_name(self.kv_cache_dtype),
+            "dtype": dtype_name(self.weights_dtype),
+            "autocast_dtype": dtype_name(self.autocast_dtype),
+            "kv_cache_dtype": dtype_name(self.kv_cache_dtype),
             "kv_bytes_per_token": kv_bytes_per_token(cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim,
                                                      self.kv_cache_dtype),
             "torch_threads": torch.get_num_threads(),
@@ -486,10 +486,6 @@ class LLMEngine:
                     pending.discard(req.request_id)
                     if on_finish is not None:
                         on_finish()
-
-
-def _dtype_name(dtype: torch.dtype | None) -> str | None:
-    return None if dtype is None else str(dtype).removeprefix("torch.")
 
 
 def _make_config(config: EngineConfig | None, overrides: dict[str, Any]) -> EngineConfig:

@@ -48,6 +48,11 @@ def _as_dtype(name: torch.dtype | str, field_name: str) -> torch.dtype:
     return value
 
 
+def dtype_name(dtype: torch.dtype | None) -> str | None:
+    """'bfloat16' for torch.bfloat16 (describe()'s spelling); None stays None."""
+    return None if dtype is None else str(dtype).removeprefix("torch.")
+
+
 def resolve_precision(autocast_dtype: torch.dtype | str | None, kv_cache_dtype: torch.dtype | str | None,
                       weights_dtype: torch.dtype) -> tuple[torch.dtype | None, torch.dtype]:
     """(autocast dtype or None, KV pool dtype). The pool defaults to the autocast dtype, where the
