@@ -132,7 +132,8 @@ class MetricsLogger:
 
 class CheckpointSaver:
     """Publishes ``step_N`` after every ``interval`` optimizer steps, and at a stop or the end:
-    the loop's model, optimizer, schedule, state and whatever ``extra_state()`` reports."""
+    the loop's model, optimizer, schedule, state, whatever ``extra_state()`` reports and, for a
+    loop whose ranks hold state of their own (online RL's rollouts), each rank's ``rank_state()``."""
 
     requested_metrics = frozenset()
 
@@ -145,10 +146,11 @@ class CheckpointSaver:
         from astrai.train.checkpoint import save_training_checkpoint
 
         cfg = trainer.config
+        rank_state = getattr(trainer, "rank_state", None)  # optional: loops whose ranks differ
         save_training_checkpoint(  # a collective: every rank calls it, rank 0 writes
             cfg.ckpt.ckpt_dir, trainer.ctx.step, model=trainer.raw_model, tokenizer=trainer.tokenizer,
             optimizer=trainer.optimizer, scheduler=trainer.scheduler, trainer_state=trainer.state_dict(),
-            extra_state=trainer.extra_state(),
+            extra_state=trainer.extra_state(), rank_state=rank_state() if rank_state is not None else None,
             metrics_path=Path(cfg.log.log_dir) / "metrics.jsonl", keep_last=cfg.ckpt.keep_last,
             background=cfg.ckpt.ckpt_background, base_model_path=cfg.train.param_path,
         )

@@ -7,7 +7,8 @@ finder, `astrai.model.manifest.newest_checkpoint`, at the "checksums" level with
 train type needs). The files are published by the atomic protocol of `train/publish.py`
 (staging, manifest, fsync, rename, retention), whose names are re-exported here for callers
 that think in checkpoints. A checkpoint holding a non-finite weight or optimizer value is never
-published.
+published. What differs by rank (online RL's rollouts) is one file per rank, each rank loading
+its own; everything else is one full, unsharded copy.
 """
 
 from __future__ import annotations
@@ -93,6 +94,7 @@ def save_training_checkpoint(
     scheduler: Any | None,
     trainer_state: dict[str, Any],
     extra_state: dict[str, dict[str, Any]] | None = None,
+    rank_state: dict[str, dict[str, Any]] | None = None,
     metrics_path: str | os.PathLike | None = None,
     keep_last: int | None = None,
     background: bool = False,
@@ -103,11 +105,14 @@ def save_training_checkpoint(
     Writes the model directory (`astrai.save_model`), `optimizer.pt` (keyed by parameter name,
     unsharded, so any world size can load it), `scheduler.pt`, `trainer_state.json`, a copy of
     `metrics_path` as `metrics.jsonl`, and `<name>.pt` for each `extra_state` entry (already
-    full state dicts, e.g. the PPO critic). A model with LoRA adapters is written as a PEFT adapter
-    directory instead of a model directory (`adapter_config.json` naming `base_model_path` +
-    `adapter_model.safetensors`, plus the tokenizer): the frozen base is never copied.
-    Sharded state is gathered to rank 0, which writes;
-    every rank returns the published path, or raises if rank 0 failed. `background=True` hashes,
+    full state dicts, e.g. the PPO critic). `rank_state` is this rank's own state (every rank
+    passes its own, under the same names; online RL: the rollout each rank drew): gathered to rank
+    0 and written one file per rank, `rank_file(name, rank)` (`<name>.pt` for rank 0, as in a
+    one-rank checkpoint, `<name>_rank<R>.pt` for the others), sealed and checksummed with the
+    rest; each rank loads its own (`load_rank_state`). A model with LoRA adapters is written as a
+    PEFT adapter directory instead of a model directory (`adapter_config.json` naming
+    `base_model_path` + `adapter_model.safetensors`, plus the tokenizer): the frozen base is never
+    copied. Sharded state is gathered to rank 0, which writes; every rank returns the published path, or raises if rank 0 failed. `background=True` hashes,
     fsyncs and renames on a thread (see `publish`); call `wait_for_publish()` before exiting.
     """
     from astrai.model.hf import save_model
@@ -116,6 +121,8 @@ def save_training_checkpoint(
     # gathers are collectives: every rank takes part, rank 0 receives the CPU tensors
     model_state = dist.full_model_state_dict(model) if dist.is_fsdp(model) else None
     optim_state = dist.full_optimizer_state_dict(model, optimizer) if optimizer is not None else None
+    # small per-rank states (a rollout each) come to rank 0, so one process writes the staging dir
+    rank_states = dist.gather_objects(rank_state) if rank_state is not None else None
     final = Path(ckpt_dir) / step_dir_name(step)
     error: BaseException | None = None
     if dist.get_rank() == 0:
@@ -123,6 +130,10 @@ def save_training_checkpoint(
             bad = _first_nonfinite(model_state if model_state is not None else dist.unwrap_model(model).state_dict(),
                                    "model weight") or _first_nonfinite(optim_state, "optimizer state")
             for name, state in (extra_state or {}).items():
+                bad = bad or _first_nonfinite(state, name)
+            per_rank = {rank_file(name, r): state for r, states in enumerate(rank_states or [])
+                        for name, state in states.items()}
+            for name, state in per_rank.items():
                 bad = bad or _first_nonfinite(state, name)
             if bad:
                 raise CheckpointError(f"refusing to publish checkpoint step {step}: {bad} is not finite (NaN or "
@@ -141,6 +152,8 @@ def save_training_checkpoint(
                     torch.save(scheduler.state_dict(), staging / SCHEDULER)
                 for name, state in (extra_state or {}).items():
                     torch.save(state, staging / f"{name}.pt")
+                for name, state in per_rank.items():
+                    torch.save(state, staging / name)
                 (staging / TRAINER_STATE).write_text(state_json)
                 if metrics_path is not None and Path(metrics_path).is_file():
                     shutil.copyfile(metrics_path, staging / METRICS)
@@ -217,6 +230,17 @@ def load_training_checkpoint(
 def load_extra_state(path: str | os.PathLike, name: str) -> dict[str, Any]:
     """An extra state saved by `save_training_checkpoint(extra_state={name: ...})`."""
     return _torch_load(Path(path) / f"{name}.pt")
+
+
+def rank_file(name: str, rank: int) -> str:
+    """The file of rank `rank`'s own state `name`: `<name>.pt` on rank 0 (the name a one-rank
+    checkpoint has always used), `<name>_rank<R>.pt` on the others."""
+    return f"{name}.pt" if rank == 0 else f"{name}_rank{rank}.pt"
+
+
+def load_rank_state(path: str | os.PathLike, name: str, rank: int) -> dict[str, Any]:
+    """Rank `rank`'s own state saved by `save_training_checkpoint(rank_state={name: ...})`."""
+    return _torch_load(Path(path) / rank_file(name, rank))
 
 
 def _check_loadable(path: Path, verify: bool, need_optimizer: bool, need_scheduler: bool) -> str | None:

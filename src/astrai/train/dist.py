@@ -6,7 +6,9 @@ input, wrapping returns the model, state dicts are the plain ones. The trainer c
 MASTER_PORT environment that `train/launch.py` or `torchrun` sets), wraps the model with
 `wrap_model`, and `train/checkpoint.py` gathers full (unsharded) state dicts on rank 0 through
 `full_model_state_dict` / `full_optimizer_state_dict`, so a checkpoint written by N ranks loads
-with any other number of ranks.
+with any other number of ranks; `gather_objects` brings each rank's small state (its rollout) to
+rank 0 for the same checkpoint. `copy_full_weights` fills a plain replica with a sharded model's
+full weights (FSDP online RL generates on it, see `train/rl/rollout.py`).
 """
 
 from __future__ import annotations
@@ -247,6 +249,16 @@ def broadcast_object(obj: Any, src: int = 0) -> Any:
     return box[0]
 
 
+def gather_objects(obj: Any, dst: int = 0) -> list[Any] | None:
+    """Every rank's Python object in rank order on rank `dst`, None on the others (small objects:
+    a rank's rollout for its checkpoint file). ``[obj]`` in one process. Collective."""
+    if not is_distributed():
+        return [obj]
+    out = [None] * dist.get_world_size() if dist.get_rank() == dst else None
+    dist.gather_object(obj, out, dst=dst)
+    return out
+
+
 # ------------------------------------------------------------------------- full state dicts
 
 _FULL = StateDictOptions(full_state_dict=True, cpu_offload=True)
@@ -265,6 +277,27 @@ def full_model_state_dict(model: nn.Module) -> dict[str, Tensor]:
 def full_optimizer_state_dict(model: nn.Module, optimizer: Any) -> dict[str, Any]:
     """Optimizer state keyed by parameter name (not index), unsharded, CPU, on rank 0. Collective."""
     return get_optimizer_state_dict(model, _optimizers(optimizer), options=_FULL)
+
+
+@torch.no_grad()
+def copy_full_weights(source: nn.Module, target: nn.Module) -> None:
+    """Copy the full weights of `source` (plain, DDP or FSDP2-sharded) into `target`, a plain
+    module of the same parameter and buffer names, on every rank. One tensor at a time: a sharded
+    parameter is all-gathered (``DTensor.full_tensor``), copied and dropped, so the transient cost
+    is the largest tensor, not a second model. Collective under FSDP: every rank calls it at the
+    same point."""
+    from torch.distributed.tensor import DTensor
+
+    source = unwrap_model(source)
+    into = {**dict(target.named_parameters()), **dict(target.named_buffers())}
+    names = [n for n, _ in source.named_parameters()] + [n for n, _ in source.named_buffers()]
+    if sorted(names) != sorted(into):
+        missing, extra = sorted(set(names) - set(into)), sorted(set(into) - set(names))
+        raise ValueError(f"cannot copy weights: the target lacks {missing[:3]} and has {extra[:3]} that the "
+                         "source does not; build the target with the source's architecture")
+    for name, value in [*source.named_parameters(), *source.named_buffers()]:
+        full = value.full_tensor() if isinstance(value, DTensor) else value
+        into[name].copy_(full.detach())
 
 
 def load_full_model_state_dict(model: nn.Module, state_dict: dict[str, Tensor]) -> None:

@@ -5,7 +5,8 @@ checkpoint (``--param_path`` when it names a training checkpoint, else the newes
 in ``ckpt_dir`` as ``checkpoint.checkpoint_to_resume`` finds it; rank 0 decides, every rank gets
 the same answer); ``initial_config`` rebuilds the model as the original run built it (so a
 frozen reference is the original initial policy); ``restore`` loads weights, optimizer,
-schedule, the loop's extra state (e.g. the PPO critic), its counters, sampler and RNG, and
+schedule, the loop's extra state (e.g. the PPO critic), its counters, sampler and RNG, each
+rank's own state (online RL: the rollout that rank drew, and its RNG) from that rank's file, and
 continues metrics.jsonl at the restored step. The RNG helpers and the resume-mismatch report
 live here too, so every loop saves and checks the same.
 """
@@ -102,8 +103,38 @@ def restore(loop: Loop, ckpt: Path) -> None:
     if extras:
         loop.load_extra_state({name: load_extra_state(ckpt, name) for name in extras})
     loop.load_state_dict(state)
+    restore_rank_state(loop, ckpt, int(state.get("world_size", 1)))  # after the RNG: a rank's own wins
     if loop.is_main:
         print(f"resumed from {ckpt} at step {loop.ctx.step}", file=sys.stderr)
+
+
+def restore_rank_state(loop: Loop, ckpt: Path, saved_world_size: int) -> None:
+    """Each rank's own state (``loop.rank_state()``, optional: online RL's rollout and RNG) from its
+    own file. Under another number of ranks than the checkpoint's it cannot be split or merged:
+    none is restored (online RL: every rank draws a fresh rollout at the next step), and rank 0
+    says so. A rank that cannot read its file fails every rank, so none trains on alone."""
+    from astrai.train.checkpoint import CheckpointError, load_rank_state
+
+    rank_state = getattr(loop, "rank_state", None)
+    if rank_state is None:
+        return
+    names = list(rank_state())
+    if saved_world_size != dist.get_world_size():
+        if loop.is_main:
+            print(f"warning: {ckpt} holds the per-rank state {names} of {saved_world_size} rank(s) and this run has "
+                  f"{dist.get_world_size()}; it is not restored (online RL draws fresh rollouts at the next step)",
+                  file=sys.stderr)
+        loop.load_rank_state({})
+        return
+    states: dict[str, Any] = {}
+    error: CheckpointError | None = None
+    try:
+        states = {name: load_rank_state(ckpt, name, dist.get_rank()) for name in names}
+    except CheckpointError as e:
+        error = e
+    if dist.any_rank(error is not None):
+        raise error or CheckpointError(f"another rank could not read its own state in {ckpt}; see its log")
+    loop.load_rank_state(states)
 
 
 # ---------------------------------------------------------------------------------------- RNG

@@ -8,13 +8,16 @@ backpropagates the rollout's micro-batches and ends the window in the shared gra
 no KV of older weights is reused; the objective's companions (PPO's critic, with its own
 optimizer) step last. The run itself is built by ``train/build.py``, as for the offline loop. A
 rollout more than ``max_policy_lag`` versions old, or from a future version, is an error.
-Checkpoints carry the policy version and, as extra state, the rollout being reused, so a stopped
-run resumes bit for bit.
+Checkpoints carry the policy version and, one file per rank, the rollout each rank is reusing
+(ranks draw their own prompts) and that rank's RNG, so a stopped run resumes bit for bit on any
+number of ranks. Under FSDP the engine generates on an unsharded replica of the policy, refreshed
+once per policy version before a fresh rollout (``rl/rollout.py``): no engine step is a collective.
 """
 
 from __future__ import annotations
 
 import math
+import sys
 import time
 from contextlib import ExitStack
 from typing import Any
@@ -23,7 +26,7 @@ import torch
 
 from astrai.config import Config
 from astrai.data.sampler import ResumableSampler
-from astrai.train import dist
+from astrai.train import dist, resume
 from astrai.train.build import (
     build_callbacks,
     build_datasets,
@@ -74,6 +77,11 @@ class OnlineLoop:
         rewards = RewardSet(cfg.rl, self.device, tokenizer=self.tokenizer)  # a reward model with its own re-encodes
         self.runner = RolloutRunner(self.raw_model, self.tokenizer, cfg.rl, self.num_prompts, rewards,
                                     cfg.train.random_seed)
+        if self.runner.replica is not None and self.is_main:  # FSDP: the memory the replica costs, said once
+            replica = self.runner.replica
+            size = sum(t.numel() * t.element_size() for t in [*replica.parameters(), *replica.buffers()])
+            print(f"note: parallel_mode fsdp: each rank generates rollouts on an unsharded replica of the policy "
+                  f"({size / 2**20:.1f} MiB per rank), refreshed once per policy version", file=sys.stderr)
         self.callbacks = build_callbacks(self, run, callbacks)
         self.rollout: Rollout | None = None
         self.step_metrics: dict[str, Any] = {}
@@ -88,6 +96,8 @@ class OnlineLoop:
                 t0 = time.perf_counter()
                 fresh = self.rollout is None or self.rollout.num_uses >= cfg.rl.rollout_interval
                 if fresh:
+                    # FSDP: the engine's replica gathers the new weights; every rank, same point
+                    self.runner.refresh_replica(ctx.policy_version)
                     self.rollout = self._next_rollout()
                 rollout = self.rollout
                 check_policy_lag(rollout.policy_version, ctx.policy_version, cfg.rl.max_policy_lag)
@@ -235,15 +245,27 @@ class OnlineLoop:
         load_common_state(self, state)
 
     def extra_state(self) -> dict[str, dict[str, Any]]:
-        """The rollout being reused (empty when the next step draws a fresh one) and each
-        companion's files (PPO: the critic, its optimizer and schedule)."""
-        states = {"rollout": self.rollout.state_dict() if self.rollout is not None else {}}
+        """Each companion's files (PPO: the critic, its optimizer and schedule)."""
+        states: dict[str, dict[str, Any]] = {}
         for companion in self.companions:
             states.update(companion.extra_state())
         return states
 
     def load_extra_state(self, states: dict[str, dict[str, Any]]) -> None:
-        state = states.get("rollout") or {}
-        self.rollout = Rollout.from_state_dict(state) if state else None
         for companion in self.companions:
             companion.load_extra_state(states)
+
+    def rank_state(self) -> dict[str, dict[str, Any]]:
+        """What this rank alone holds, saved as its own file (``rollout.pt`` on rank 0,
+        ``rollout_rank<R>.pt`` on rank R): the rollout it drew and is reusing (none before the
+        first), and its RNG (a user's reward may draw from it; the sampler's position and the
+        counters are global, in trainer_state.json)."""
+        state = self.rollout.state_dict() if self.rollout is not None else {}
+        return {"rollout": {**state, "rng": resume.rng_state()}}
+
+    def load_rank_state(self, states: dict[str, dict[str, Any]]) -> None:
+        state = dict(states.get("rollout") or {})
+        rng = state.pop("rng", None)  # absent from checkpoints written before it was saved per rank
+        self.rollout = Rollout.from_state_dict(state) if state else None
+        if rng is not None:
+            resume.set_rng_state(rng)

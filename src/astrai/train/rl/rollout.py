@@ -2,7 +2,8 @@
 
 The one bridge from training to inference (the only module of ``astrai.train`` that imports
 ``astrai.infer``). ``RolloutRunner`` keeps an ``LLMEngine`` over the live training module (no
-copy of the weights); per prompt it asks for ``group_size`` samples that share one prefill, with
+copy of the weights; under FSDP over an unsharded replica instead, see ``unsharded_replica``);
+per prompt it asks for ``group_size`` samples that share one prefill, with
 a seed derived from (random_seed, step, prompt index) so a rollout is reproducible, and the
 engine's behaviour log-probs (the sampler's, under the rollout temperature). Completions are
 scored by the ``RewardSet`` and packed into a ``Rollout``: right-padded prompt + response rows,
@@ -19,11 +20,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
 from astrai.config import RLConfig
 from astrai.infer.engine import LLMEngine
 from astrai.infer.sampling import SamplingParams
+from astrai.train import dist
 from astrai.train.losses import IGNORE_INDEX
 from astrai.train.rl.rewards import RewardSet
 
@@ -131,17 +133,23 @@ def rollout_seed(random_seed: int, step: int, prompt_index: int) -> int:
 
 
 class RolloutRunner:
-    """Generates and scores rollouts with the live policy module."""
+    """Generates and scores rollouts with the live policy module (FSDP: with its replica)."""
 
     def __init__(self, model: torch.nn.Module, tokenizer: Any, cfg: RLConfig, num_prompts: int, rewards: RewardSet,
                  random_seed: int = 0, bf16: bool = False):
         self.cfg, self.rewards, self.random_seed, self.tokenizer = cfg, rewards, random_seed, tokenizer
         max_len = cfg.max_prompt_len + cfg.rollout_max_tokens
         num_seqs = max(1, num_prompts * cfg.group_size)
+        # FSDP: every forward of the sharded module all-gathers its weights, a collective; ranks
+        # whose samples end at different lengths take different numbers of engine steps and would
+        # wait for each other forever. The engine runs a plain replica, refreshed per policy version
+        self.policy = model
+        self.replica = unsharded_replica(model) if dist.is_fsdp(model) else None
+        self.replica_version: int | None = None  # the policy version the replica's weights are
         # room for every sample of one rollout at full length: no preemption inside a rollout;
         # throughput first (nobody streams a rollout): no per-step prefill cap. `bf16` (the run's
         # train.bf16): samples in the trainer's precision, the same autocast over a bf16 KV pool
-        self.engine = LLMEngine(model, tokenizer, max_num_seqs=num_seqs, max_model_len=max_len,
+        self.engine = LLMEngine(self.replica or model, tokenizer, max_num_seqs=num_seqs, max_model_len=max_len,
                                 kv_cache_tokens=num_seqs * (max_len + 16), max_num_batched_tokens=max(2048, max_len),
                                 long_prefill_token_threshold=0, autocast_dtype="bfloat16" if bf16 else None)
         self.num_skipped_total = 0
@@ -149,12 +157,24 @@ class RolloutRunner:
     def set_policy_version(self, version: int) -> None:
         self.engine.set_policy_version(version)  # monotonic; older prefixes are never served again
 
+    def refresh_replica(self, policy_version: int) -> None:
+        """FSDP: the replica takes the policy's full weights, once per policy version. Gathering
+        them is a collective, so every rank calls this at the same point (before a fresh rollout);
+        a no-op when the engine runs the live module (one rank, DDP) or the version is current."""
+        if self.replica is None or self.replica_version == policy_version:
+            return
+        dist.copy_full_weights(self.policy, self.replica)
+        self.replica_version = policy_version
+
     def generate(self, batch: dict[str, list[Any]], step: int, policy_version: int,
                  first_index: int = 0) -> Rollout | None:
         """Sample, score and pack a rollout for one batch of prompt records; None when every
         prompt was too long. Prompts over max_prompt_len are skipped and counted. `first_index`
         numbers this rank's prompts within the step (seeds differ across ranks)."""
         cfg, G = self.cfg, self.cfg.group_size
+        if self.replica is not None and self.replica_version != policy_version:
+            raise ValueError(f"the engine's replica holds the weights of policy version {self.replica_version}, "
+                             f"not {policy_version}; call refresh_replica({policy_version}) on every rank first")
         keep = [i for i, ids in enumerate(batch["prompt_ids"]) if len(ids) <= cfg.max_prompt_len]
         skipped = len(batch["prompt_ids"]) - len(keep)
         if skipped:
@@ -193,6 +213,27 @@ class RolloutRunner:
                          "rollout_tokens_per_s": num_new / max(seconds, 1e-9), "skipped_prompts": float(skipped),
                          **rollout_signal_stats(rollout.rewards, [c.finish_reason for _, c in samples])}
         return rollout
+
+
+def unsharded_replica(policy: nn.Module) -> nn.Module:
+    """A plain module of an FSDP-sharded policy's architecture for the engine to run: a ``CausalLM``
+    of the policy's config with the same LoRA adapters (so its forward is the trainer's), on the
+    policy's device, in eval mode, without gradients. Built on the meta device (no init, no RNG
+    drawn); ``RolloutRunner.refresh_replica`` fills its weights. Costs one full copy of the
+    weights per rank (4 bytes a parameter in fp32)."""
+    from astrai.model.lora import LoraLinear, apply_lora
+    from astrai.model.transformer import CausalLM
+
+    if not isinstance(policy, CausalLM):
+        raise TypeError(f"online RL under FSDP generates on an unsharded CausalLM replica of the policy, but the "
+                        f"policy is a {type(policy).__name__}; use --parallel_mode ddp for this model")
+    replica = CausalLM(policy.config, seed=None, device="meta")
+    adapters = {name: m for name, m in policy.named_modules() if isinstance(m, LoraLinear)}
+    if adapters:
+        first = next(iter(adapters.values()))
+        apply_lora(replica, first.r, first.alpha, 0.0, sorted({n.rsplit(".", 1)[-1] for n in adapters}))
+    device = next(policy.parameters()).device
+    return replica.to_empty(device=device).eval().requires_grad_(False)
 
 
 def rollout_signal_stats(rewards: Tensor, finish_reasons: list[str | None]) -> dict[str, float]:
