@@ -76,7 +76,7 @@ class OnlineLoop:
         self.companions = companions(self.objective)
         rewards = RewardSet(cfg.rl, self.device, tokenizer=self.tokenizer)  # a reward model with its own re-encodes
         self.runner = RolloutRunner(self.raw_model, self.tokenizer, cfg.rl, self.num_prompts, rewards,
-                                    cfg.train.random_seed)
+                                    cfg.train.random_seed, bf16=cfg.train.bf16)  # bf16: rollouts in the training precision
         if self.runner.replica is not None and self.is_main:  # FSDP: the memory the replica costs, said once
             replica = self.runner.replica
             size = sum(t.numel() * t.element_size() for t in [*replica.parameters(), *replica.buffers()])
