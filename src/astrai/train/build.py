@@ -231,19 +231,19 @@ def build_run(cfg: Config, model: nn.Module | None = None, tokenizer: Any = None
     check_config(cfg)
     info = dist.init_distributed(cfg.train.device)
     seed_everything(cfg.train.random_seed)
+    online = is_online(cfg.data.train_type)
     tokenizer = tokenizer if tokenizer is not None else build_tokenizer(cfg)
-    if tokenizer is None and is_online(cfg.data.train_type):
+    if tokenizer is None and online:
         raise ValueError("online RL needs a tokenizer with a chat template: set tokenizer_path or param_path")
     raw = (model if model is not None else build_model(cfg)).to(info.device)
     log_trainable(raw, info.rank == 0)
     check_vocab(raw, tokenizer, cfg)
     raw.gradient_checkpointing = cfg.train.gradient_checkpointing
-    if is_online(cfg.data.train_type):
+    if online:
         fit_rollouts_to_model(cfg, raw.config.max_position_embeddings, info.rank == 0)
         disable_dropout(raw)  # before the objective: its reference and critic copies inherit it
     # objective first: a frozen reference (DPO, a KL term) is a copy of the unwrapped initial policy
     objective = objective if objective is not None else build_objective(cfg, raw)
-    online = is_online(cfg.data.train_type)
     if cfg.train.compile and not online:
         raw.compile()  # in place: parameter names (and checkpoints) stay unprefixed
     wrapped = dist.wrap_model(raw, cfg.dist.parallel_mode, info)

@@ -256,14 +256,14 @@ class RolloutObjective(Objective):
         names where they exist): clip fractions (all, below 1 - eps, above 1 + eps_high), approx_kl
         to the old policy, sampler_logp_diff, the policy's mean token entropy, importance weights."""
         diff_old, diff_sampler = logps.detach() - beh.old, logps.detach() - sampler
-        logits = out.logits.float() / temperature if temperature > 0 else out.logits
+        scale = temperature if temperature > 0 else 1.0
         candidates = {
             "clip_fraction": lambda: clipped.float(),
             "clip_fraction_low": lambda: (clipped & (diff_old < 0)).float(),  # ratio below 1 - clip_eps
             "clip_fraction_high": lambda: (clipped & (diff_old > 0)).float(),  # ratio above 1 + clip_eps_high
             "approx_kl": lambda: 0.5 * diff_old**2,  # between the current and the old policy
             "sampler_logp_diff": lambda: diff_sampler.abs(),  # |trainer - sampler| log-prob; ~0 on a fresh rollout
-            "entropy": lambda: token_entropy(logits),
+            "entropy": lambda: token_entropy(out.logits.float() / scale),  # (B, K, V) only when asked for
             "is_weight_mean": lambda: beh.weights,
             "is_weight_capped_fraction": lambda: beh.capped.float(),
         }
