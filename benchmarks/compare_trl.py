@@ -21,7 +21,7 @@ Each run is its own subprocess (one intra-op thread by default), so its peak mem
 peak RSS of the process and its rise during training (peak minus the peak before the first step).
 Per run: seconds per step (median, first step skipped), rollout tokens/s (GRPO: new tokens / time
 inside the generation call), and held-out greedy exact-match accuracy, scored by the same
-evaluator (`astrai.evaluate`) on problems no run trains on, (a) after the same number of steps
+evaluator (`astrai.eval`) on problems no run trains on, (a) after the same number of steps
 and (b) after the same wall-clock budget: TRL runs first and its training time for the steps is
 the budget; astrai's run stops at whichever comes later, the steps or the budget, and keeps a
 snapshot at each (snapshot time is not counted). Prints a markdown table, a column per run.
@@ -215,7 +215,7 @@ def worker_trl(start: Path, work: Path, name: str, args: argparse.Namespace) -> 
 
 
 def accuracy(model_dir: str, eval_path: Path) -> float:
-    from astrai.evaluate import evaluate_model, read_prompt_records
+    from astrai.eval import evaluate_model, read_prompt_records
     from astrai.infer.llm import LLM
 
     return evaluate_model(LLM(model_dir), read_prompt_records(eval_path), max_tokens=8).accuracy

@@ -22,7 +22,7 @@ COMMANDS = {
     "ckpt": ("astrai.train.checkpoint", "list, verify or pick the latest checkpoint"),
     "convert": ("astrai.model.gguf", "convert a GGUF checkpoint into a model directory"),
     "lora": ("astrai.model.lora_merge", "merge a LoRA adapter into its base model (a plain model directory)"),
-    "eval": ("astrai.evaluate", "exact-match evaluation on a built-in task"),
+    "eval": ("astrai.eval.cli", "evaluate: exact match, lm-eval tasks, perplexity"),
     "plot": ("astrai.train.plot", "plot training curves from metrics.jsonl"),
     "demo": ("astrai.demo", "the quickstart: tokenizer -> pre-train -> SFT -> online RL -> evaluate"),
     "bench": ("astrai.bench", "run the benchmarks against peer frameworks"),

@@ -209,7 +209,7 @@ def plot_accuracy(out: Path, accuracies: dict[str, float]) -> Path:
 
 
 def evaluate(model_dir: Path, eval_path: Path, limit: int) -> dict[str, Any]:
-    from astrai.evaluate import evaluate_model, read_prompt_records
+    from astrai.eval import evaluate_model, read_prompt_records
     from astrai.infer.llm import LLM
 
     result = evaluate_model(LLM(str(model_dir)), read_prompt_records(eval_path, limit), max_tokens=8)

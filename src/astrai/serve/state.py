@@ -45,7 +45,7 @@ class ServeConfig:
     engine_kwargs: dict[str, Any] = field(default_factory=dict)  # EngineConfig fields
     max_waiting: int | None = None  # sequences admitted beyond max_num_seqs; None = 4 x max_num_seqs
     body_timeout: float = 30.0  # seconds the whole request body may take to arrive
-    verify: bool = False  # recompute a checkpoint manifest's sha256 checksums before loading
+    verify: bool | None = None  # recompute manifest sha256s before loading; None: when small (check_model_dir)
     generation_config: str = "auto"  # unset sampling fields: the model's defaults (auto), none, or a dir
 
     @property
@@ -60,6 +60,8 @@ def load_engine(config: ServeConfig) -> tuple[Any, Any]:
     from astrai.model.manifest import check_model_dir
 
     check_model_dir(config.model_dir, verify=config.verify)
+    if config.engine_kwargs.get("lora"):
+        check_model_dir(config.engine_kwargs["lora"], verify=config.verify)
     engine = LLMEngine.from_pretrained(config.model_dir, **config.engine_kwargs)
     tokenizer = getattr(engine, "tokenizer", None) or load_tokenizer(config.model_dir)
     return engine, tokenizer

@@ -1,4 +1,4 @@
-"""`astrai eval`: the scorer is chosen by --match; scoring runs on whatever the engine answered."""
+"""`astrai eval --data`: the scorer is chosen by --match; scoring runs on whatever the engine answered."""
 
 from __future__ import annotations
 
@@ -7,7 +7,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from astrai.evaluate import evaluate_model, main
+from astrai.eval import evaluate_model
+from astrai.eval.cli import main
 
 RECORDS = [{"messages": [{"role": "user", "content": q}], "answer": a}
            for q, a in [("3+4", "7"), ("2+2", "4"), ("5+5", "10")]]

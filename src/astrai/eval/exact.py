@@ -1,4 +1,4 @@
-"""`astrai eval`: accuracy of a model on verifiable prompts, run through the engine.
+"""Exact-match evaluation (`astrai eval --data`): accuracy of a model on verifiable prompts.
 
 Reads prompt records (`{"messages": [...], "answer": "..."}`, as written by
 `astrai.data.tasks.write_task_files`), renders each with the model's chat template, generates
@@ -11,14 +11,12 @@ The demo uses `evaluate_model` before and after SFT.
 from __future__ import annotations
 
 import json
-import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from astrai.data.tasks import SCORERS
-from astrai.flags import ArgumentParser
 
 
 @dataclass
@@ -68,31 +66,3 @@ def evaluate_model(llm: Any, records: list[dict[str, Any]], max_tokens: int = 16
             samples.append({"prompt": record["messages"][-1]["content"], "completion": completion.text,
                             "answer": record["answer"], "correct": bool(ok)})
     return EvalResult(correct / len(records), correct, len(records), generated / elapsed, samples)
-
-
-def main(argv: list[str] | None = None) -> int:
-    parser = ArgumentParser(prog="astrai eval", description=__doc__.splitlines()[0])
-    parser.add_argument("--model", required=True, help="model or checkpoint directory, or a run's ckpt_dir "
-                        "(its newest complete checkpoint)")
-    parser.add_argument("--data", required=True, help="JSONL prompt records with 'messages' and 'answer'")
-    parser.add_argument("--limit", type=int, default=None, help="evaluate only the first N records")
-    parser.add_argument("--max_tokens", type=int, default=16)
-    parser.add_argument("--match", choices=list(SCORERS), default="exact",
-                        help="exact: the reply is the answer (default); final_number: its last number is")
-    args = parser.parse_args(argv)
-    from astrai.infer.llm import LLM
-
-    try:
-        from astrai.model.manifest import model_argument
-
-        # a Hub id -> its cached snapshot directory; a run's ckpt_dir -> its newest checkpoint
-        args.model = model_argument(args.model, "astrai eval")
-        records = read_prompt_records(args.data, args.limit)
-    except (OSError, ValueError) as err:
-        print(f"astrai eval: {err}", file=sys.stderr)
-        return 2
-    result = evaluate_model(LLM(args.model), records, args.max_tokens, match=args.match)
-    print(json.dumps({"match": args.match, "accuracy": result.accuracy, "num_correct": result.num_correct,
-                      "num_total": result.num_total, "tokens_per_s": round(result.tokens_per_s, 1),
-                      "samples": result.samples}, indent=2))
-    return 0
