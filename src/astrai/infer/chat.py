@@ -22,9 +22,10 @@ from typing import TextIO
 from astrai.flags import ArgumentParser
 from astrai.infer.defaults import describe, generation_defaults
 from astrai.infer.engine import EngineConfig, LLMEngine
-from astrai.infer.generate import add_engine_arguments
+from astrai.infer.generate import add_engine_arguments, check_model_dirs
 from astrai.infer.sampling import SamplingParams
 from astrai.infer.sampling_flags import add_sampling_arguments, sampling_params_from_args
+from astrai.model.manifest import VERIFY_HELP
 
 HELP = "/reset forgets the conversation, /exit leaves (or end of input), Ctrl-C stops a reply"
 CHAT_DEFAULTS = {"max_tokens": 512}  # a reply, not SamplingParams' 16 tokens
@@ -125,6 +126,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", required=True, help="model or checkpoint directory with a tokenizer and chat template, or a "
                    "run's ckpt_dir (its newest complete checkpoint)")
     p.add_argument("--system", default=None, help="system prompt, kept across /reset")
+    p.add_argument("--verify", action="store_true", default=None, help=VERIFY_HELP)
     add_sampling_arguments(p, CHAT_DEFAULTS)
     add_engine_arguments(p)
     return p
@@ -135,12 +137,12 @@ def main(argv: list[str] | None = None, stdin: TextIO | None = None, stdout: Tex
     stdin, stdout = stdin or sys.stdin, stdout or sys.stdout
     try:
         from astrai.model.hf import check_device
-        from astrai.model.manifest import check_model_dir, model_argument
+        from astrai.model.manifest import model_argument
 
         # a Hub id -> its cached snapshot; a run's ckpt_dir -> its newest checkpoint
         args.model = model_argument(args.model, "astrai chat")
         check_device(args.device)
-        check_model_dir(args.model)
+        check_model_dirs(args)
         defaults = generation_defaults(args.model, args.generation_config)
         if defaults:
             print(describe(defaults), file=sys.stderr)

@@ -24,7 +24,7 @@ from astrai.infer.llm import LLM
 from astrai.infer.sampling import SamplingParams
 from astrai.infer.sampling_flags import add_sampling_arguments, sampling_params_from_args
 from astrai.model.hf import check_device
-from astrai.model.manifest import check_model_dir, model_argument
+from astrai.model.manifest import VERIFY_HELP, check_model_dir, model_argument
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -36,9 +36,7 @@ def build_parser() -> argparse.ArgumentParser:
     src.add_argument("--input_jsonl", help="records with a 'prompt' or 'messages' field")
     p.add_argument("--output_jsonl", help="where the records go with their completions (with --input_jsonl)")
     p.add_argument("--chat", action="store_true", help="wrap prompts in the chat template as a user turn")
-    p.add_argument("--verify", action="store_true",
-                   help="recompute the sha256 checksums of a checkpoint's manifest.json before loading "
-                        "(file sizes are always checked)")
+    p.add_argument("--verify", action="store_true", default=None, help=VERIFY_HELP)
     add_sampling_arguments(p)
     add_engine_arguments(p)
     return p
@@ -53,6 +51,14 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
             engine.add_argument(f"--{f.name}", action="bool", default=f.default)
         else:
             engine.add_argument(f"--{f.name}", type={"int": int, "float": float, "str": str}[kind], default=f.default)
+
+
+def check_model_dirs(args: argparse.Namespace) -> None:
+    """The model's and the --lora adapter's manifests, checked as --verify / --no-verify say (the
+    load that follows keeps that decision); a damaged file is a ValueError naming it."""
+    check_model_dir(args.model, verify=args.verify)
+    if getattr(args, "lora", None):
+        check_model_dir(args.lora, verify=args.verify)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -70,7 +76,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"astrai generate: {describe(defaults)}", file=sys.stderr)
         params = sampling_params_from_args(args, defaults)
         check_device(args.device)
-        check_model_dir(args.model, verify=args.verify)
+        check_model_dirs(args)
         llm = LLM(args.model, **{f.name: getattr(args, f.name) for f in fields(EngineConfig)})
         if args.prompt is not None:
             outs = _generate(llm, [{"prompt": args.prompt}], params, args.chat, use_tqdm=False)

@@ -53,10 +53,11 @@ __all__ = [  # load_model and save_model, then what callers import from here und
 
 def load_model(
     path: str | Path, dtype: torch.dtype | str | None = None, device: torch.device | str | None = None,
-    verify: bool = False, lora: str | Path | None = None,
+    verify: bool | None = None, lora: str | Path | None = None,
 ) -> CausalLM:
     """A CausalLM from a HF model directory; built on the meta device, then given the weights.
-    A checkpoint directory's manifest is checked first: file sizes always, sha256 with `verify`.
+    A checkpoint directory's manifest is checked first: file sizes always, sha256 with `verify`
+    (None: when small enough to hash in about a second, `manifest.check_model_dir`).
     A PEFT adapter directory (a LoRA run's checkpoint) loads its base with the adapter merged,
     and so does a base directory with `lora=ADAPTER_DIR`. A Hugging Face Hub id (`org/name`) that
     is not a local path loads from the Hub cache (`model/hub.py`)."""
@@ -66,7 +67,7 @@ def load_model(
         return load_model(resolve_base(path), dtype=dtype, device=device, verify=verify, lora=path)
     model = load_model_dir(path, dtype, device, verify=verify)
     if lora is not None:
-        load_adapter(model, lora)
+        load_adapter(model, lora, verify=verify)
         merge_lora(model)
     return model
 

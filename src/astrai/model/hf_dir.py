@@ -152,11 +152,12 @@ def build_model(
 
 def load_model_dir(
     path: Path, dtype: torch.dtype | str | None = None, device: torch.device | str | None = None,
-    verify: bool = False,
+    verify: bool | None = None,
 ) -> CausalLM:
     """A CausalLM from a local HF model directory; built on the meta device, then given the
-    weights. A checkpoint directory's manifest is checked first: file sizes always, sha256 with
-    `verify`."""
+    weights. A checkpoint directory's manifest is checked first (`check_model_dir`): file sizes
+    always, sha256 with `verify=True`, and by default (None) when the files are small enough to
+    hash in under about a second."""
     check_model_dir(path, verify=verify)
     config = load_config(path)
     model = build_model(config, read_safetensors(path), dtype, device, where=str(path))

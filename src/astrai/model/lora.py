@@ -31,6 +31,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from astrai.model.hub import is_hub_id, resolve_model_path
+from astrai.model.manifest import check_model_dir
 from astrai.model.safetensors_io import read_safetensors_file, save_safetensors
 
 PROJECTIONS = {"q": "q_proj", "k": "k_proj", "v": "v_proj", "o": "o_proj",
@@ -248,7 +249,21 @@ def read_adapter_config(path: str | Path) -> dict[str, Any]:
     if not file.is_file():
         raise FileNotFoundError(f"{file} not found; an adapter directory needs {ADAPTER_CONFIG} "
                                 f"and {ADAPTER_WEIGHTS} (PEFT's save_pretrained writes both)")
-    config = json.loads(file.read_text())
+    try:
+        config = json.loads(file.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ValueError(f"{file} is damaged: not valid JSON ({exc}); restore the file or point to another "
+                         "adapter directory") from None
+    if not isinstance(config, dict):
+        raise ValueError(f"{file} is damaged: expected a JSON object, got {type(config).__name__}")
+    r = config.get("r")
+    if isinstance(r, bool) or not isinstance(r, int) or r <= 0:
+        found = "missing" if "r" not in config else f"{r!r}"
+        raise ValueError(f"{file}: 'r' (the adapter rank) must be a positive integer, found {found}; restore the "
+                         "file (PEFT's save_pretrained writes it)")
+    alpha = config.get("lora_alpha", r)
+    if isinstance(alpha, bool) or not isinstance(alpha, int | float):
+        raise ValueError(f"{file}: 'lora_alpha' must be a number, found {alpha!r}; restore the file")
     if config.get("peft_type", "LORA") != "LORA":
         raise ValueError(f"{file}: peft_type is {config.get('peft_type')!r}; astrai loads LORA adapters only")
     for key, neutral in _PEFT_NEUTRAL.items():
@@ -277,16 +292,26 @@ def resolve_base(adapter: str | Path, base: str | Path | None = None) -> Path:
                             "here; pass the base directory explicitly (--base DIR or --model DIR)")
 
 
-def load_adapter(model: nn.Module, path: str | Path) -> list[str]:
-    """Wrap `model`'s target projections and load the adapter at `path` onto them (the model's
-    device and dtype); returns the wrapped names. The model is left unmerged (trainable adapters)."""
+def read_adapter(path: str | Path, verify: bool | None = None) -> tuple[dict[str, Any], dict[str, Tensor]]:
+    """An adapter directory's checked config and its tensors (astrai names), before any model is
+    touched: what `load_adapter` loads and what `astrai serve --lora` checks before it starts. Its
+    manifest, when it has one (a LoRA run's checkpoint), is checked as a model directory's is
+    (`check_model_dir`: sizes, and sha256 as `verify` says); every damaged file is an error naming it."""
     path = Path(path)
+    check_model_dir(path, verify=verify)
     config = read_adapter_config(path)
     weights = path / ADAPTER_WEIGHTS
     if not weights.is_file():
         raise FileNotFoundError(f"{weights} not found; the adapter directory is incomplete")
-    tensors = {from_peft_key(k): v for k, v in read_safetensors_file(weights).items()}
-    r = int(config["r"])
+    return config, {from_peft_key(k): v for k, v in read_safetensors_file(weights).items()}
+
+
+def load_adapter(model: nn.Module, path: str | Path, verify: bool | None = None) -> list[str]:
+    """Wrap `model`'s target projections and load the adapter at `path` onto them (the model's
+    device and dtype); returns the wrapped names. The model is left unmerged (trainable adapters).
+    The directory is read and checked by `read_adapter` first."""
+    config, tensors = read_adapter(path, verify)
+    r = config["r"]
     wrapped = apply_lora(model, r=r, alpha=float(config.get("lora_alpha", r)), dropout=0.0,
                          targets=config["target_modules"])
     state = model.state_dict()

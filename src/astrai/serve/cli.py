@@ -21,6 +21,7 @@ from typing import Any
 
 from astrai.flags import ArgumentParser
 from astrai.infer.defaults import GENERATION_CONFIG_HELP, generation_defaults
+from astrai.model.manifest import VERIFY_HELP
 from astrai.serve.app import create_app
 from astrai.serve.state import ServeConfig, ServerState
 
@@ -40,8 +41,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "(default: 4 x max_num_seqs)")
     p.add_argument("--body_timeout", type=float, default=30.0,
                    help="seconds a request body may take to arrive; slower bodies get 408")
-    p.add_argument("--verify", action="store_true",
-                   help="recompute the sha256 checksums of a checkpoint's manifest.json before loading")
+    p.add_argument("--verify", action="store_true", default=None, help=VERIFY_HELP)
     p.add_argument("--shutdown_timeout", type=float, default=30.0,
                    help="seconds in-flight requests may run after SIGTERM before they are aborted")
     p.add_argument("--log_level", default="info", choices=["critical", "error", "warning", "info", "debug"])
@@ -110,6 +110,7 @@ def _check_args(args: argparse.Namespace) -> str | None:
     """What makes this command line unusable, as one line for stderr; None when it is fine."""
     from astrai.model.hf import check_device
     from astrai.model.hub import is_hub_id
+    from astrai.model.lora import read_adapter
     from astrai.model.manifest import check_model_dir, model_argument
 
     if is_hub_id(args.model):  # clients name the model as the user did, not by its snapshot hash
@@ -132,9 +133,11 @@ def _check_args(args: argparse.Namespace) -> str | None:
     try:
         if getattr(args, "device", None) is not None:
             check_device(args.device)
-        check_model_dir(model_dir)  # sizes only: cheap; --verify hashes while the server is up
+        check_model_dir(model_dir, verify=args.verify)  # before serving: a damaged model exits, not a 503
+        if getattr(args, "lora", None):
+            read_adapter(args.lora, verify=args.verify)
         generation_defaults(str(model_dir), args.generation_config)
-    except ValueError as exc:
+    except (ValueError, FileNotFoundError) as exc:
         return str(exc)
     return None
 
