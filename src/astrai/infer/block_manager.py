@@ -7,12 +7,16 @@ prompt's blocks after its single prefill, and a shared block is copied before an
 it (copy-on-write; the copies are queued in `pending_copies` for the runner). Full blocks are
 also indexed by a chained hash of their tokens rooted in the policy version, so a later prompt
 with the same prefix under the same weights reuses their KV (prefix caching). Freed blocks that
-carry a hash stay cached and are evicted least recently used first.
+carry a hash stay cached and are evicted least recently used first. Each block is also counted
+once per request holding it (`num_request_blocks`: the distinct blocks a request's sequences
+hold, shared prompt blocks once), which the scheduler reads to keep one request within its
+share of the pool.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Hashable
 from typing import Protocol
 
 import torch
@@ -25,6 +29,7 @@ class BlockSequence(Protocol):
     num_computed_tokens: int  # tokens whose KV is in the cache
     block_table: list[int]  # physical block ids, in token order
     block_hashes: list[int]  # chained hashes of its computed full blocks, as committed
+    # a `request_id` attribute, when present, groups sequences for num_request_blocks
 
 
 class Block:
@@ -57,6 +62,7 @@ class BlockManager:
         self.pending_copies: list[tuple[int, int]] = []  # (src, dst) copy-on-write, for the runner
         self.num_prefix_queries = 0  # prompt tokens looked up in the prefix cache
         self.num_prefix_hits = 0  # of which found cached
+        self._request_blocks: dict[Hashable, dict[int, int]] = {}  # request -> {block: its sequences holding it}
 
     # -- accounting -----------------------------------------------------------------------------
     @property
@@ -69,6 +75,34 @@ class BlockManager:
 
     def num_blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
+
+    def num_request_blocks(self, request_id: Hashable) -> int:
+        """Distinct blocks the sequences of one request hold (a block its n samples share counts once)."""
+        return len(self._request_blocks.get(request_id, ()))
+
+    def num_new_request_blocks(self, seq: BlockSequence, num_tokens: int, prefix_hits: list[int] = ()) -> int:
+        """How many blocks `allocate(seq, num_tokens, prefix_hits)` would add to its request's count."""
+        held = self._request_blocks.get(getattr(seq, "request_id", None), {})
+        table = seq.block_table or prefix_hits
+        needed = max(0, self.num_blocks_for(num_tokens) - len(table))
+        needed += len(self._shared_blocks_to_write(seq, num_tokens))
+        return needed + sum(1 for b in prefix_hits if b not in held)
+
+    def _own(self, seq: BlockSequence, block_id: int) -> None:
+        owner = getattr(seq, "request_id", None)
+        if owner is not None:
+            held = self._request_blocks.setdefault(owner, {})
+            held[block_id] = held.get(block_id, 0) + 1
+
+    def _disown(self, seq: BlockSequence, block_id: int) -> None:
+        held = self._request_blocks.get(getattr(seq, "request_id", None))
+        if held is None:
+            return
+        count = held.pop(block_id, 0) - 1
+        if count > 0:
+            held[block_id] = count
+        elif not held:
+            del self._request_blocks[seq.request_id]
 
     # -- prefix cache ---------------------------------------------------------------------------
     def _root_hash(self) -> int:
@@ -162,15 +196,20 @@ class BlockManager:
             assert not seq.block_table, "prefix hits are only claimed by a sequence without blocks"
             for block_id in prefix_hits:
                 self._claim(block_id)
+                self._own(seq, block_id)
             seq.block_table = list(prefix_hits)
         for index in self._shared_blocks_to_write(seq, num_tokens):
             src = seq.block_table[index]
             dst = self._take_free_block()
             self.blocks[src].ref_count -= 1  # still held by its other owners
+            self._disown(seq, src)
+            self._own(seq, dst)
             seq.block_table[index] = dst
             self.pending_copies.append((src, dst))
         while len(seq.block_table) < self.num_blocks_for(num_tokens):
-            seq.block_table.append(self._take_free_block())
+            block_id = self._take_free_block()
+            self._own(seq, block_id)
+            seq.block_table.append(block_id)
 
     def _shared_blocks_to_write(self, seq: BlockSequence, num_tokens: int) -> list[int]:
         """Indexes of table blocks with other owners that tokens num_computed..num_tokens write."""
@@ -203,6 +242,7 @@ class BlockManager:
         """Let child share all of parent's blocks (the n samples of one prompt)."""
         for block_id in parent.block_table:
             self.blocks[block_id].ref_count += 1
+            self._own(child, block_id)
         child.block_table = list(parent.block_table)
         child.block_hashes = list(parent.block_hashes)
         child.num_computed_tokens = parent.num_computed_tokens
@@ -213,6 +253,7 @@ class BlockManager:
         for block_id in reversed(seq.block_table):
             block = self.blocks[block_id]
             block.ref_count -= 1
+            self._disown(seq, block_id)
             if block.ref_count == 0:
                 if block.hash is not None:
                     self._free_cached[block_id] = None

@@ -63,6 +63,7 @@ class EngineConfig:
     max_num_seqs: int = 256
     max_num_batched_tokens: int | None = None  # token budget of one step; None: one chunk + a decode per seat
     long_prefill_token_threshold: int | None = None  # prefill tokens in a step that decodes; None: probed, 0: no cap
+    max_request_kv_share: float = 0.5  # of the KV pool, what one request may hold while others wait; 1.0: no cap
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True
     decode_view_memory_gb: float = 1.0  # dense copy of decoding sequences' KV kept across steps; 0 = off
@@ -128,7 +129,7 @@ class LLMEngine:
             enable_chunked_prefill=config.enable_chunked_prefill, measure_chunk=self._measure_chunk)
         self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, batched, config.enable_chunked_prefill,
-                                   threshold)
+                                   threshold, config.max_request_kv_share)
         self.runner = ModelRunner(model, num_blocks, config.block_size, dtype=self.kv_cache_dtype, device=device,
                                   decode_view_bytes=decode_view_bytes(config.decode_view_memory_gb))
         if config.compile:
@@ -211,8 +212,7 @@ class LLMEngine:
         eos_ids = frozenset() if params.ignore_eos else self.eos_token_ids
         req = _Request(
             request_id, prompt_text, prompt_ids, params, RequestMetrics(arrival_time or time.time()),
-            eos_ids=eos_ids, stop_ids=frozenset(stop_ids | eos_ids),
-            with_logprobs=with_logprobs,
+            eos_ids=eos_ids, stop_ids=frozenset(stop_ids | eos_ids), with_logprobs=with_logprobs,
         )
         if params.stop and self.tokenizer is None:
             raise ValueError("stop strings need a tokenizer to detokenise; pass stop_token_ids instead")

@@ -8,9 +8,21 @@ than the remaining budget are split into chunks over several steps, mixed with t
 other sequences. A step that decodes carries at most `long_prefill_token_threshold` prefill
 tokens in all (0: no such cap), so a running decode never waits behind more than one prefill
 chunk of bounded cost; a step without decodes fills the whole budget with prefill. When the KV
-pool runs out, the most recently arrived running sequence is preempted: its blocks are freed
-and it waits at the head of the queue to be recomputed later (cheaply, when its blocks are
-still in the prefix cache). A sequence is never dropped here: it runs, waits, or the engine
+pool runs out, a running sequence is preempted: its blocks are freed and it waits at the head
+of the queue to be recomputed later (cheaply, when its blocks are still in the prefix cache).
+
+One request may not crowd out the others (`max_request_kv_share`): while other requests run or
+wait, the sequences of one request (its n samples) may together hold at most that share of the
+pool's blocks (`BlockManager.num_request_blocks`, shared prompt blocks counted once). A request
+at its share that needs another block preempts its own latest sequence instead of growing; its
+waiting sequences are passed over, not blocking later requests; and when the pool runs out, the
+victim is the latest sequence of a request over its share, else the latest arrival. Preemptions
+of a request by its own share leave room, so they do not stop admissions. The cap is work
+conserving: a request alone in the engine may use the whole pool, and a request's first
+sequence always runs, so a single long sequence is never starved by it. With n = 64 and
+max_tokens = 1000 on an 8,192-token pool, a later small request is admitted at the first
+block boundary of the big request's sequences (at most `block_size` steps) and finishes while
+the big one is still running. A sequence is never dropped here: it runs, waits, or the engine
 finishes it.
 """
 
@@ -100,6 +112,7 @@ class SchedulerOutput:
     num_batched_tokens: int = 0
     preempted: list[Sequence] = field(default_factory=list)
     admitted: list[Sequence] = field(default_factory=list)  # moved from waiting to running this step
+    pool_full: bool = False  # a preemption for lack of free blocks (not for a request's share) happened
 
 
 class Scheduler:
@@ -110,8 +123,15 @@ class Scheduler:
         max_num_batched_tokens: int,
         enable_chunked_prefill: bool = True,
         long_prefill_token_threshold: int = 0,
+        max_request_kv_share: float = 1.0,
     ) -> None:
+        if not 0.0 < max_request_kv_share <= 1.0:
+            raise ValueError(f"max_request_kv_share is {max_request_kv_share} but must be in (0, 1]: the share "
+                             f"of the KV pool one request may hold while others wait (1.0 = no cap)")
         self.block_manager = block_manager
+        # blocks one request may hold while others are present; at least one block
+        self.max_request_blocks = max(1, int(max_request_kv_share * block_manager.num_blocks))
+        self._has_rivals: dict[str, bool] = {}  # request id -> others present, per schedule() call
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.enable_chunked_prefill = enable_chunked_prefill
@@ -139,8 +159,9 @@ class Scheduler:
                 if seq.num_tokens - seq.num_computed_tokens == 1:  # someone decodes: one bounded chunk
                     prefill_budget = min(budget, self.long_prefill_token_threshold)
                     break
+        self._has_rivals.clear()
         budget, prefill_budget = self._schedule_running(out, budget, prefill_budget)
-        if not out.preempted:  # memory is tight: admit nobody new this step
+        if not out.pool_full:  # memory is tight: admit nobody new this step
             self._schedule_waiting(out, budget, prefill_budget)
         out.num_batched_tokens = sum(n for _, n in out.scheduled)
         return out
@@ -157,14 +178,17 @@ class Scheduler:
                 continue
             end = seq.num_computed_tokens + num_new
             if bm.needs_allocation(seq, end):
+                if self._over_share(seq, end):  # its request gives way to the others, not they to it
+                    self._preempt_into(out, self._latest_of(seq.request_id, i))
+                    continue  # seq again, or (if it gave way itself) the sequence now at i
                 while not bm.can_allocate(seq, end):
-                    victim = self.running[-1]  # the latest arrival gives way
-                    self.preempt(victim)
-                    out.preempted.append(victim)
+                    victim = self._pool_victim(i)
+                    self._preempt_into(out, victim)
+                    out.pool_full = True
                     if victim is seq:
                         break
                 if seq.status is not SequenceStatus.RUNNING:
-                    break  # seq preempted itself: everything behind it is gone too
+                    continue  # seq gave way: the sequence now at i is next
                 bm.allocate(seq, end)
             out.scheduled.append((seq, num_new))
             budget -= num_new
@@ -177,8 +201,9 @@ class Scheduler:
         bm = self.block_manager
         seats = self.max_num_seqs - self.num_running_seats
         budget = min(budget, prefill_budget)  # everything admitted here is a prefill
-        while self.waiting and budget > 0:
-            seq = self.waiting[0]
+        j = 0  # waiting[:j] are sequences of requests at their share, passed over this step
+        while j < len(self.waiting) and budget > 0:
+            seq = self.waiting[j]
             if 1 + seq.num_pending_forks > seats:
                 break
             # logits of every prompt position are wanted: a prefix-cache hit would skip them
@@ -189,6 +214,10 @@ class Scheduler:
             if num_new < remaining and not self.enable_chunked_prefill:
                 break
             seq.num_computed_tokens = num_cached
+            if self._over_share(seq, num_cached + num_new, hits):  # later requests go first
+                seq.num_computed_tokens = 0
+                j += 1
+                continue
             if not bm.can_allocate(seq, num_cached + num_new, hits):
                 seq.num_computed_tokens = 0
                 break
@@ -196,13 +225,50 @@ class Scheduler:
             if seq.num_cached_tokens is None:  # first admission: count its prompt for the hit rate
                 seq.num_cached_tokens = num_cached
                 bm.record_prefix_lookup(seq.num_prompt_tokens, num_cached)
-            self.waiting.popleft()
+            del self.waiting[j]
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
             out.admitted.append(seq)
             out.scheduled.append((seq, num_new))
             budget -= num_new
             seats -= 1 + seq.num_pending_forks
+
+    # -- one request's share of the pool ----------------------------------------------------------
+    def _over_share(self, seq: Sequence, num_tokens: int, hits: list[int] = ()) -> bool:
+        """Would giving seq room for num_tokens take its request past its share while other
+        requests are present? Never for a request's only running sequence."""
+        bm, rid = self.block_manager, seq.request_id
+        if self.max_request_blocks >= bm.num_blocks:
+            return False  # no cap (max_request_kv_share 1.0)
+        if bm.num_request_blocks(rid) + bm.num_new_request_blocks(seq, num_tokens, hits) <= self.max_request_blocks:
+            return False  # the common case: one dict lookup and a little arithmetic
+        if not any(s.request_id == rid and s is not seq for s in self.running):
+            return False
+        rivals = self._has_rivals.get(rid)
+        if rivals is None:
+            rivals = self._has_rivals[rid] = any(s.request_id != rid for s in self.running) or any(
+                s.request_id != rid for s in self.waiting)
+        return rivals
+
+    def _latest_of(self, request_id: str, start: int) -> Sequence:
+        """The last of the request's sequences not yet scheduled this step (running[start:])."""
+        return next(s for s in reversed(self.running[start:]) if s.request_id == request_id)
+
+    def _pool_victim(self, start: int) -> Sequence:
+        """Who gives way when the pool is out of blocks: the latest unscheduled sequence of a
+        request over its share with another sequence running, else the latest arrival."""
+        bm = self.block_manager
+        counts: dict[str, int] = {}
+        for s in self.running:
+            counts[s.request_id] = counts.get(s.request_id, 0) + 1
+        for s in reversed(self.running[start:]):
+            if counts[s.request_id] > 1 and bm.num_request_blocks(s.request_id) > self.max_request_blocks:
+                return s
+        return self.running[-1]
+
+    def _preempt_into(self, out: SchedulerOutput, seq: Sequence) -> None:
+        self.preempt(seq)
+        out.preempted.append(seq)
 
     def preempt(self, seq: Sequence) -> None:
         """Free seq's KV and queue it first in line, to be recomputed from its tokens."""
