@@ -41,6 +41,7 @@ class DataConfig:
     seq_stride: int | None = None  # sliding-window stride for long seq documents
     val_data_path: str | None = None
     val_split: float = 0.0  # fraction of data_path held out for validation when no val_data_path
+    eval_data_path: str | None = None  # held-out prompt records with answers, scored by generation (eval_interval)
 
 
 @dataclass
@@ -60,6 +61,9 @@ class TrainSection:
     stop_timeout: float = 600.0  # seconds the launcher waits for ranks after a stop signal
     val_interval: int = 0  # optimizer steps between validations; 0 = only at the end when val data exists
     val_max_batches: int | None = None
+    eval_interval: int = 0  # optimizer steps between generation evals on eval_data_path (and at 0 and the end); 0 = off
+    eval_num_samples: int = 4  # sampled completions per eval prompt (rollout temperature) for eval/reward_mean; 0 = greedy only
+    eval_match: str = "exact"  # exact | final_number: how eval/accuracy scores a greedy completion against the answer
     early_stopping_metric: str | None = None  # e.g. val/loss; None disables early stopping
     early_stopping_patience: int = 3  # evaluations without improvement before stopping
     early_stopping_min_delta: float = 0.0
@@ -142,6 +146,7 @@ class LoraConfig:
 @dataclass
 class CkptConfig:
     ckpt_dir: str = "out/ckpt"
+    overwrite_ckpt_dir: bool = False  # a fresh run (no resume) may delete the checkpoints already in ckpt_dir
     ckpt_interval: int = 100  # optimizer steps; 0 = only at stop/end
     keep_last: int | None = 3
     ckpt_background: bool = True  # hash, fsync and rename on a thread; the loop only waits for the writes

@@ -34,7 +34,8 @@ def validate(cfg: Config) -> None:
     for name in ["max_steps", "warmup_steps", "seq_stride", "val_max_batches", "keep_last"]:
         if flat[name] is not None and flat[name] < (0 if name == "warmup_steps" else 1):
             raise ConfigError(f"{name}={flat[name]} must be positive (or null)")
-    for name in ["max_lr", "weight_decay", "max_grad_norm", "ckpt_interval", "val_interval", "beta"]:
+    for name in ["max_lr", "weight_decay", "max_grad_norm", "ckpt_interval", "val_interval", "beta",
+                 "eval_interval", "eval_num_samples"]:
         if flat[name] < 0:
             raise ConfigError(f"{name}={flat[name]} must be >= 0")
     for name in ["warmup_ratio", "min_lr_ratio", "decay_ratio", "label_smoothing"]:
@@ -84,6 +85,9 @@ def validate(cfg: Config) -> None:
         raise ConfigError(f"lora_targets has {unknown or 'no entries'}; choose from {', '.join(PROJECTIONS)}")
     if not 0.0 <= cfg.data.val_split < 1.0:
         raise ConfigError(f"val_split={cfg.data.val_split} must be within [0, 1)")
+    if cfg.train.eval_interval > 0 and cfg.data.eval_data_path is None:
+        raise ConfigError(f"eval_interval={cfg.train.eval_interval} needs eval_data_path (held-out prompt records "
+                          "with answers); set --eval_data_path FILE.jsonl or --eval_interval 0")
     _validate_data_columns(cfg)
     _validate_report_to(cfg)
 

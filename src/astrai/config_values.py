@@ -64,6 +64,7 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "kl_estimator": ("k1", "k2", "k3"),
     "advantage_estimator": ("grpo", "rloo", "reinforce_pp"),
     "importance_sampling_level": ("token", "sequence"),
+    "eval_match": ("exact", "final_number"),  # data/tasks.py SCORERS
 }
 
 

@@ -117,7 +117,7 @@ class MetricsLogger:
         if not trainer.is_main:
             return
         m = trainer.step_metrics
-        train = {k: v for k, v in m.items() if not k.startswith("val/")}
+        train = {k: v for k, v in m.items() if not k.startswith(("val/", "eval/"))}
         lines = [{"split": "train", **train}]
         val = {k: v for k, v in m.items() if k.startswith("val/")}
         if val:
@@ -252,6 +252,10 @@ def default_callbacks(trainer: Loop) -> list[Any]:
     checkpoint's copy of metrics.jsonl holds its own step."""
     cfg = trainer.config
     cbs: list[Any] = [MetricsLogger(cfg.log.log_dir, cfg.log.log_metrics)]
+    if cfg.train.eval_interval > 0:  # after the logger: its rows follow the step's train row
+        from astrai.train.rl.evaluation import GenerationEval
+
+        cbs.append(GenerationEval(cfg))
     if cfg.train.early_stopping_metric:
         cbs.append(EarlyStopping(cfg.train.early_stopping_metric, cfg.train.early_stopping_patience,
                                  cfg.train.early_stopping_min_delta, cfg.train.early_stopping_mode))

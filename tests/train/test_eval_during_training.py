@@ -1,0 +1,128 @@
+"""Evaluation during training (`eval_interval`, `eval_data_path`): `eval/` rows at step 0, every
+interval and the last step, from an engine over the live weights, in every loop; the same rows
+after an exact resume; the greedy accuracy equal to an independent generation from the final
+checkpoint."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import yaml
+
+from astrai.config import ConfigError, load_config
+from astrai.data.tasks import SCORERS, generate_items, prompt_record, sft_record
+from astrai.train.checkpoint import latest_checkpoint
+from astrai.train.cli import main
+from tests.train.resume_data import MODEL, write_tokenizer
+from tests.train.test_rl import sigterm_after_step, write_rl_run
+
+EVAL_KEYS = {"eval/accuracy", "eval/greedy_reward_mean", "eval/reward_mean", "eval/sampled_accuracy",
+             "eval/response_length", "eval/truncated_fraction", "eval/num_prompts", "eval/skipped_prompts",
+             "eval/seconds"}
+
+
+@pytest.fixture(scope="module")
+def tok_dir(tmp_path_factory):
+    return write_tokenizer(tmp_path_factory.mktemp("tok"))
+
+
+def eval_file(path: Path, num: int = 6) -> Path:
+    items = generate_items(num, ["add"], digits=2, seed=7)  # another seed than the training prompts
+    path.write_text("".join(json.dumps(prompt_record(it)) + "\n" for it in items))
+    return path
+
+
+def with_eval(config: Path, eval_path: Path, **train) -> Path:
+    cfg = yaml.safe_load(config.read_text())
+    cfg["data"]["eval_data_path"] = str(eval_path)
+    cfg["train"].update({"eval_interval": 2, "eval_num_samples": 2, **train})
+    config.write_text(yaml.safe_dump(cfg, sort_keys=False))
+    return config
+
+
+def eval_rows(run_dir: Path) -> list[dict]:
+    lines = (run_dir / "log" / "metrics.jsonl").read_text().splitlines()
+    return [m for m in map(json.loads, lines) if m.get("split") == "eval"]
+
+
+def greedy_accuracy(model_dir: Path, eval_path: Path, max_tokens: int) -> float:
+    """What eval/accuracy must be for the weights in `model_dir`: a separate engine, greedy."""
+    from astrai.infer.llm import LLM
+    from astrai.infer.sampling import SamplingParams
+
+    records = [json.loads(line) for line in eval_path.read_text().splitlines()]
+    outs = LLM(str(model_dir)).chat([r["messages"] for r in records], SamplingParams(temperature=0, max_tokens=max_tokens))
+    return sum(SCORERS["exact"](o.outputs[0].text, r["answer"]) for o, r in zip(outs, records)) / len(records)
+
+
+def test_online_grpo_logs_eval_rows_at_step_zero_every_interval_and_the_end(tmp_path, tok_dir):
+    run = tmp_path / "grpo"
+    config = with_eval(write_rl_run(run, tok_dir), eval_file(tmp_path / "eval.jsonl"))
+    cfg = yaml.safe_load(config.read_text())
+    cfg["train"]["max_steps"] = 5
+    cfg["ckpt"]["keep_last"] = 1
+    config.write_text(yaml.safe_dump(cfg, sort_keys=False))
+    assert main(["--config", str(config)]) == 0
+    rows = eval_rows(run)
+    assert [r["step"] for r in rows] == [0, 2, 4, 5]
+    for row in rows:
+        assert EVAL_KEYS <= set(row)
+        assert row["eval/num_prompts"] == 6 and row["eval/skipped_prompts"] == 0
+        for key in ("eval/accuracy", "eval/sampled_accuracy", "eval/truncated_fraction"):
+            assert 0.0 <= row[key] <= 1.0
+        assert 0 < row["eval/response_length"] <= 6  # rollout_max_tokens
+    # the live weights at the last step are the final checkpoint's: an independent engine agrees
+    final = latest_checkpoint(run / "ckpt")
+    assert rows[-1]["eval/accuracy"] == greedy_accuracy(final, tmp_path / "eval.jsonl", max_tokens=6)
+    # exact_match + format rewards on greedy answers: at least the accuracy (format adds, never subtracts)
+    assert rows[-1]["eval/greedy_reward_mean"] >= rows[-1]["eval/accuracy"]
+
+
+def test_sft_logs_eval_rows_from_an_engine_of_its_own(tmp_path, tok_dir):
+    items = generate_items(32, ["add"], digits=2, seed=1)
+    (tmp_path / "sft.jsonl").write_text("".join(json.dumps(sft_record(it)) + "\n" for it in items))
+    cfg = {"model": MODEL,
+           "data": {"train_type": "sft", "data_path": str(tmp_path / "sft.jsonl"), "tokenizer_path": str(tok_dir),
+                    "max_seq_len": 48, "eval_data_path": str(eval_file(tmp_path / "eval.jsonl"))},
+           "train": {"max_steps": 5, "batch_per_device": 4, "device": "cpu", "eval_interval": 3, "eval_num_samples": 0},
+           "optim": {"max_lr": 1e-2, "warmup_steps": 0},
+           "rl": {"rollout_max_tokens": 6, "rewards": ["exact_match"]},
+           "ckpt": {"ckpt_dir": str(tmp_path / "ckpt"), "ckpt_interval": 0},
+           "log": {"log_dir": str(tmp_path / "log"), "progress": False}}
+    (tmp_path / "run.yaml").write_text(yaml.safe_dump(cfg))
+    assert main(["--config", str(tmp_path / "run.yaml")]) == 0
+    rows = eval_rows(tmp_path)
+    assert [r["step"] for r in rows] == [0, 3, 5]
+    assert all("eval/reward_mean" not in r for r in rows)  # eval_num_samples 0: greedy only
+    assert rows[-1]["eval/greedy_reward_mean"] == rows[-1]["eval/accuracy"]  # exact_match is the accuracy
+    final = latest_checkpoint(tmp_path / "ckpt")
+    assert rows[-1]["eval/accuracy"] == greedy_accuracy(final, tmp_path / "eval.jsonl", max_tokens=6)
+    train_rows = [json.loads(line) for line in (tmp_path / "log" / "metrics.jsonl").read_text().splitlines()]
+    assert not any(k.startswith("eval/") for r in train_rows if r.get("split") == "train" for k in r)
+
+
+@pytest.mark.slow
+def test_a_resumed_run_logs_the_same_eval_rows(tmp_path, tok_dir):
+    evals = eval_file(tmp_path / "eval.jsonl")
+    straight = with_eval(write_rl_run(tmp_path / "straight", tok_dir, rollout_interval=2), evals, max_steps=6)
+    stopped = with_eval(write_rl_run(tmp_path / "stopped", tok_dir, rollout_interval=2), evals, max_steps=6)
+    assert main(["--config", str(straight)]) == 0
+    sigterm_after_step(stopped, 3, tmp_path)
+    assert main(["--config", str(stopped), "--resume"]) == 0
+
+    def numbers(run: Path) -> list[dict]:
+        return [{k: v for k, v in r.items() if k != "eval/seconds"} for r in eval_rows(run)]
+
+    assert [r["step"] for r in eval_rows(tmp_path / "stopped")] == [0, 2, 4, 6]
+    assert numbers(tmp_path / "stopped") == numbers(tmp_path / "straight")
+
+
+def test_eval_fields_are_checked():
+    with pytest.raises(ConfigError, match="eval_interval=5 needs eval_data_path"):
+        load_config(None, ["--eval_interval", "5"])
+    with pytest.raises(ConfigError, match="eval_num_samples=-1 must be >= 0"):
+        load_config(None, ["--eval_num_samples", "-1"])
+    with pytest.raises(ConfigError, match="eval_match"):
+        load_config(None, ["--eval_match", "fuzzy"])
