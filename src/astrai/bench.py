@@ -13,7 +13,7 @@ from pathlib import Path
 
 from astrai.flags import ArgumentParser
 
-BENCHMARKS = ["model", "preprocess", "train", "checkpoint", "generate", "serve", "hostile", "rl", "lora", "guided",
+BENCHMARKS = ["model", "preprocess", "train", "checkpoint", "generate", "serve", "hostile", "rl", "lora", "guided", "eval",
               "compare_trl"]
 
 

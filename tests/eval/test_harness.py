@@ -102,6 +102,17 @@ def test_seeded_sampling_repeats_and_the_seed_matters(astrai_lm):
     assert first != other and len(set(first)) > 1  # per-request seeds: the four samples differ too
 
 
+@pytest.mark.parametrize("add_generation_prompt", [True, False])
+def test_chat_template_renders_as_hf(astrai_lm, hf_lm, add_generation_prompt):
+    history = [{"role": "system", "content": "Answer with a number."}, {"role": "user", "content": "3+4="}]
+    if not add_generation_prompt:  # lm-eval prefills the assistant turn and continues it
+        history.append({"role": "assistant", "content": "The answer is"})
+    ours = astrai_lm.apply_chat_template(history, add_generation_prompt=add_generation_prompt)
+    assert ours == hf_lm.apply_chat_template(history, add_generation_prompt=add_generation_prompt)
+    assert ours.endswith("The answer is") != add_generation_prompt
+    assert astrai_lm.chat_template(True) == astrai_lm.tokenizer.chat_template and astrai_lm.chat_template(False) is None
+
+
 def test_local_tasks_agree_with_the_hf_backend(astrai_lm, model_dir, task_dir):
     import lm_eval
     from lm_eval.tasks import TaskManager

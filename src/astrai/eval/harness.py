@@ -32,8 +32,9 @@ class AstraiLM(TemplateLM):
     """lm-eval's LM interface on an astrai `LLMEngine` (built from `pretrained` when not given)."""
 
     def __init__(self, pretrained: str | None = None, engine: LLMEngine | None = None, batch_size: int | str = 64,
-                 max_gen_toks: int = DEFAULT_MAX_GEN_TOKS, seed: int | None = None, **engine_fields: Any) -> None:
-        super().__init__()
+                 max_gen_toks: int = DEFAULT_MAX_GEN_TOKS, seed: int | None = None, max_batch_size: int | None = None,
+                 **engine_fields: Any) -> None:
+        super().__init__()  # max_batch_size: lm-eval's, for batch_size="auto"; the engine sizes its own batches
         if engine is None:
             if pretrained is None:
                 raise ValueError("AstraiLM needs pretrained=DIR (a model directory) or engine=LLMEngine")
@@ -86,7 +87,7 @@ class AstraiLM(TemplateLM):
         prompts, params, stops = [], [], []
         for i, (context, gen_kwargs) in enumerate(args):
             p, until, max_ctx = self._sampling_params(gen_kwargs, eos, i)
-            prompts.append(self.tok_encode(context)[-max_ctx:])
+            prompts.append(self.tok_encode(context)[-max_ctx:] or [self.prefix_token_id])
             params.append(p)
             stops.append(until)
         texts: list[str] = []
