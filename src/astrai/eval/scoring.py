@@ -1,15 +1,17 @@
 """Log-likelihood of given tokens through the inference engine: what the lm-eval adapter and
 `astrai eval --perplexity` both score with.
 
-A scoring request is (prompt, tokens forced after it). The forced tokens are "generated" under
-a one-path grammar (`ForcedTokens`, the sampler's guide hook), so each gets the raw model's
-log-prob and rank like any sampled token, and the prompt stays an ordinary prompt that the
-prefix cache can serve: the choices of one multiple-choice question share their context's KV
-blocks, which the first choice prefilled. Rolling windows (perplexity) instead score most of
-their tokens as prompt log-probs (`SamplingParams.prompt_logprobs`) in one prefill and force
-only the last. The window rule is lm-eval's (`get_rolling_token_windows` with context 1 and
-`make_disjoint_window`), and a context longer than the model is cut from the left as lm-eval's
-`hf` backend cuts it, so numbers agree with `HFLM` on the same model directory.
+A scoring request is (prompt, tokens forced after it, how many of the prompt's last tokens are
+scored too). Forced tokens are "generated" under a one-path grammar (`ForcedTokens`, the
+sampler's guide hook), so each gets the raw model's log-prob and rank like any sampled token;
+scored prompt tokens get theirs from `SamplingParams.prompt_logprobs` in the prefill. The first
+choice of a question (and any short context) is scored in one prefill of context +
+continuation; its siblings send the bare context, which the prefix cache serves from the
+blocks the first one filled, and decode their continuation forced. Rolling windows
+(perplexity) score all but their last token as prompt log-probs. The window rule is lm-eval's
+(`get_rolling_token_windows` with context 1, then `make_disjoint_window`), and a context longer
+than the model is cut from the left as lm-eval's `hf` backend cuts it, so numbers agree with
+`HFLM` on the same model directory.
 """
 
 from __future__ import annotations
@@ -107,12 +109,20 @@ class Scorer:
     def loglikelihood(self, pairs: list[tuple[list[int], list[int]]]) -> list[tuple[float, bool]]:
         """(sum of log p(continuation | context), whether greedy decoding gives it) per
         (context ids, continuation ids) pair. Pairs with one context run as a group: its first
-        request prefills the context, the others reuse the cached KV blocks."""
+        request prefills the context, the others reuse its cached KV blocks."""
         groups: dict[tuple[int, ...], list[int]] = {}
         requests = []
+        block_size = self.engine.block_manager.block_size
         for i, (context, continuation) in enumerate(pairs):
             request = self._truncated(context, continuation)
-            groups.setdefault(tuple(request.prompt), []).append(i)
+            members = groups.setdefault(tuple(request.prompt), [])
+            # a sibling whose context fills a KV block reads it from the cache and decodes its
+            # continuation under the forced guide; the rest (first of a group, short contexts)
+            # score the continuation as prompt log-probs in one prefill (no decode steps)
+            if not members or len(request.prompt) - 1 < block_size:
+                request = ScoreRequest(request.prompt + request.forced[:-1], request.forced[-1:],
+                                       len(request.forced) - 1)
+            members.append(i)
             requests.append(request)
         results: list[tuple[float, bool] | None] = [None] * len(pairs)
         members = list(groups.values())
