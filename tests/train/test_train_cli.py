@@ -98,11 +98,12 @@ def test_train_then_resume_continues(workdir):
 
 def test_param_path_loads_weights_only(workdir, tmp_path, capsys):
     path = write_config(workdir)
-    assert main(["--config", str(path), "--max_steps", "1"]) == 0
+    # the module's ckpt_dir holds the runs of the tests before: a new run, on purpose
+    assert main(["--config", str(path), "--max_steps", "1", "--overwrite_ckpt_dir"]) == 0
     ckpt = workdir / "ckpt" / "step_00000001"
     # a model section together with param_path is ambiguous
-    assert main(["--config", str(path), "--param_path", str(ckpt)]) != 0
-    assert "param_path" in capsys.readouterr().err
+    assert main(["--config", str(path), "--param_path", str(ckpt), "--ckpt_dir", str(tmp_path / "amb")]) != 0
+    assert "param_path" in capsys.readouterr().err.splitlines()[-1]
     cfg = yaml.safe_load(path.read_text())
     del cfg["model"]
     cfg["ckpt"]["ckpt_dir"], cfg["log"]["log_dir"] = str(tmp_path / "ckpt"), str(tmp_path / "log")

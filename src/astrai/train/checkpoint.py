@@ -33,8 +33,10 @@ from astrai.train.publish import (  # noqa: F401 - re-exported: the checkpoint v
     STEP_DIR,
     VERSION,
     CheckpointError,
+    claim_ckpt_dir,
     cleanup_leftovers,
     is_complete,
+    last_published,
     latest_checkpoint,
     list_checkpoints,
     publish,
@@ -82,6 +84,30 @@ def checkpoint_to_resume(ckpt_dir: str | os.PathLike) -> Path:
     for problem in reversed(found.skipped):  # oldest first: the last line names the one just above the pick
         print(f"warning: skipping a damaged checkpoint newer than {found.path.name}: {problem}", file=sys.stderr)
     return found.path
+
+
+def prepare_ckpt_dir(cfg: Any) -> list[Path]:
+    """A run's start, on every rank, inside rank 0's run lock: rank 0 finishes what a killed save
+    left (`cleanup_leftovers`) and, for a fresh run (no --resume), claims the ckpt_dir
+    (`claim_ckpt_dir`: another run's checkpoints are refused, or deleted with
+    --overwrite_ckpt_dir). A refusal is raised on every rank, so no rank waits alone. Returns the
+    checkpoints deleted (rank 0)."""
+    removed: list[Path] = []
+    problem = None
+    if dist.get_rank() == 0:
+        cleanup_leftovers(cfg.ckpt.ckpt_dir)  # staging dirs of a killed save; half-done republishes
+        if not cfg.train.resume:
+            try:
+                removed = claim_ckpt_dir(cfg.ckpt.ckpt_dir, cfg.ckpt.overwrite_ckpt_dir, keep=cfg.train.param_path)
+            except CheckpointError as e:
+                problem = str(e)
+        if removed:
+            print(f"--overwrite_ckpt_dir: deleted {len(removed)} checkpoint(s) of an earlier run from "
+                  f"{cfg.ckpt.ckpt_dir} ({removed[0].name} .. {removed[-1].name})", file=sys.stderr)
+    problem = dist.broadcast_object(problem)
+    if problem:
+        raise CheckpointError(problem)
+    return removed
 
 
 def save_training_checkpoint(
@@ -139,6 +165,10 @@ def save_training_checkpoint(
                 raise CheckpointError(f"refusing to publish checkpoint step {step}: {bad} is not finite (NaN or "
                                       "inf); training diverged, the last published checkpoint stays the newest")
             state_json = _dump_json(trainer_state)
+            # what the files will take, for a full disk's message (the tensors dominate)
+            written = {k: v for k, v in (model_state if model_state is not None else dist.unwrap_model(model).state_dict()).items()
+                       if not has_lora(model) or k.endswith((".lora_A", ".lora_B"))}
+            num_bytes = sum(_tensor_bytes(s) for s in (written, optim_state, extra_state, per_rank))
 
             def write(staging: Path) -> None:
                 if has_lora(model):
@@ -158,7 +188,7 @@ def save_training_checkpoint(
                 if metrics_path is not None and Path(metrics_path).is_file():
                     shutil.copyfile(metrics_path, staging / METRICS)
 
-            final = publish(ckpt_dir, step, write, keep_last, background=background)
+            final = publish(ckpt_dir, step, write, keep_last, background=background, num_bytes=num_bytes)
         except BaseException as e:  # re-raised below, once the other ranks know
             error = e
     if dist.any_rank(error is not None):  # doubles as the barrier that ends the save
@@ -178,6 +208,14 @@ def _first_nonfinite(state: Any, where: str) -> str | None:
         if found:
             return found
     return None
+
+
+def _tensor_bytes(state: Any) -> int:
+    """Bytes of every tensor in a (nested) state."""
+    if isinstance(state, torch.Tensor):
+        return state.numel() * state.element_size()
+    items = state.values() if isinstance(state, dict) else state if isinstance(state, list | tuple) else ()
+    return sum(_tensor_bytes(v) for v in items)
 
 
 def _dump_json(state: dict[str, Any]) -> str:

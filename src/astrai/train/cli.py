@@ -55,14 +55,14 @@ def optimizer_summary(cfg: Config, total_steps: int) -> str:
 def run(cfg: Config, ctx: TrainContext) -> int:
     from astrai.config_values import is_online
     from astrai.train import dist, resume
-    from astrai.train.publish import cleanup_leftovers, run_lock
+    from astrai.train.checkpoint import prepare_ckpt_dir
+    from astrai.train.publish import run_lock
     from astrai.train.rl.loop import OnlineLoop
     from astrai.train.trainer import Trainer
 
     info = dist.init_distributed(cfg.train.device)
     with run_lock(cfg.ckpt.ckpt_dir) if info.rank == 0 else nullcontext():  # one run per ckpt_dir
-        if info.rank == 0:
-            cleanup_leftovers(cfg.ckpt.ckpt_dir)  # staging dirs of a killed save; half-done republishes
+        prepare_ckpt_dir(cfg)  # a killed save's leftovers; a used ckpt_dir needs --resume or --overwrite_ckpt_dir
         ckpt = resume.find(cfg)
         build_cfg = resume.initial_config(cfg, ckpt) if ckpt else cfg
         loop = OnlineLoop(build_cfg, ctx=ctx) if is_online(cfg.data.train_type) else Trainer(build_cfg, ctx=ctx)

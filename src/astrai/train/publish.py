@@ -13,6 +13,7 @@ top of it. Layout and manifest are fixed by DESIGN.md 3.2.
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import json
 import os
@@ -75,6 +76,14 @@ def _remove(path: Path) -> None:
 class _Pending:
     thread: threading.Thread | None = None
     error: BaseException | None = None
+    published: dict[str, Path] = {}  # ckpt_dir (resolved) -> the last checkpoint this process published there
+
+
+def last_published(ckpt_dir: str | os.PathLike) -> Path | None:
+    """The newest checkpoint this process published in `ckpt_dir` that is still there (retention
+    may have removed it), None when it published none: the run's own, whatever else the dir holds."""
+    path = _Pending.published.get(str(Path(ckpt_dir).resolve()))
+    return path if path is not None and path.is_dir() else None
 
 
 def wait_for_publish() -> None:
@@ -93,6 +102,7 @@ def publish(
     write_fn: Callable[[Path], None],
     keep_last: int | None = None,
     background: bool = False,
+    num_bytes: int | None = None,
 ) -> Path:
     """Write a checkpoint atomically as `<ckpt_dir>/step_<N:08d>` and return its path.
 
@@ -103,7 +113,9 @@ def publish(
     rename and retention finish on a thread (the caller trains on meanwhile), and the path
     appears once they are done. The next publish, and `wait_for_publish`, wait for it first.
     A crash in the meantime leaves only a hidden staging directory: the previous checkpoint
-    stays the newest complete one.
+    stays the newest complete one. A full disk (ENOSPC, EDQUOT) removes the staging directory and
+    is one CheckpointError naming the directory, the bytes needed (`num_bytes`, the caller's
+    estimate, else the last checkpoint's size) and the bytes free.
     """
     wait_for_publish()  # publishes happen one at a time, in order
     if step < 0:
@@ -121,8 +133,11 @@ def publish(
 
     try:
         write_fn(staging)
-    except BaseException:
+    except BaseException as e:
+        full = _disk_full(e, ckpt_dir, staging, num_bytes)
         shutil.rmtree(staging, ignore_errors=True)
+        if full is not None:
+            raise full from None
         raise
     if not background:
         _finish(staging, final, step, keep_last)
@@ -146,8 +161,11 @@ def _finish(staging: Path, final: Path, step: int, keep_last: int | None) -> Non
     pause_point(f"publish-staged:{step}")  # test hook: files written, nothing sealed yet
     try:
         _seal(staging, step)
-    except BaseException:
+    except BaseException as e:
+        full = _disk_full(e, ckpt_dir, staging, None)
         shutil.rmtree(staging, ignore_errors=True)
+        if full is not None:
+            raise full from None
         raise
     pause_point(f"publish-sealed:{step}")  # manifest written, not yet renamed into place
     retired = None
@@ -157,11 +175,33 @@ def _finish(staging: Path, final: Path, step: int, keep_last: int | None) -> Non
         os.replace(final, retired)
     os.replace(staging, final)
     _fsync_dir(ckpt_dir)
+    _Pending.published[str(ckpt_dir.resolve())] = final
     pause_point(f"publish-renamed:{step}")  # public, before the retired copy and retention go
     if retired is not None:
         shutil.rmtree(retired, ignore_errors=True)
     if keep_last is not None:
         _apply_retention(ckpt_dir, keep_last, keep=final)
+
+
+def _disk_full(error: BaseException, ckpt_dir: Path, staging: Path, num_bytes: int | None) -> CheckpointError | None:
+    """The one-line error for a write that failed because the disk (or quota) is full, None for
+    any other failure. torch.save and safetensors wrap the OSError, so its message counts too."""
+    cause: BaseException | None = error
+    while cause is not None and not (isinstance(cause, OSError) and cause.errno in (errno.ENOSPC, errno.EDQUOT)):
+        cause = cause.__cause__ or cause.__context__
+    text = str(error)
+    if cause is None and "No space left on device" not in text and "Disk quota exceeded" not in text:
+        return None
+    if num_bytes is None:  # the run's last checkpoint is as large as this one, else what was written
+        previous = manifest_io.newest_checkpoint(ckpt_dir, "manifest").path
+        num_bytes = _tree_bytes(previous) if previous is not None else _tree_bytes(staging)
+    free = shutil.disk_usage(ckpt_dir).free + _tree_bytes(staging)  # the staging dir is about to go
+    return CheckpointError(f"no space left in {ckpt_dir}: the checkpoint needs {num_bytes:,} bytes, {free:,} free; "
+                           "free space or set --ckpt_dir (the last published checkpoint is intact)")
+
+
+def _tree_bytes(path: Path) -> int:
+    return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
 
 
 def _seal(staging: Path, step: int) -> None:
@@ -261,6 +301,33 @@ def cleanup_leftovers(ckpt_dir: str | os.PathLike) -> list[Path]:
     return restored
 
 
+def claim_ckpt_dir(ckpt_dir: str | os.PathLike, overwrite: bool, keep: str | os.PathLike | None = None) -> list[Path]:
+    """A fresh run's (no --resume) claim on its ckpt_dir, under the run lock: a directory that holds
+    another run's step_N checkpoints is refused in one line naming --resume and
+    --overwrite_ckpt_dir, since this run's saves would mix with them (retention would delete its
+    own, "the newest" would be the old run's). With `overwrite` they are deleted (each renamed
+    hidden first, as retention does) and returned; never when `keep` (the run's param_path) lies
+    inside one of them."""
+    ckpt_dir = Path(ckpt_dir)
+    found = [p for _, p in manifest_io.step_dirs(ckpt_dir)]
+    if not found:
+        return []
+    if not overwrite:
+        raise CheckpointError(
+            f"ckpt_dir {str(ckpt_dir)!r} already holds {len(found)} checkpoint(s) of an earlier run (newest "
+            f"{found[-1].name}); continue that run with --resume, delete them with --overwrite_ckpt_dir, or give "
+            "this run its own --ckpt_dir")
+    if keep is not None:
+        inside = [p for p in found if Path(keep).resolve().is_relative_to(p.resolve())]
+        if inside:
+            raise CheckpointError(f"--overwrite_ckpt_dir would delete {inside[0]}, which is this run's param_path; "
+                                  "copy it elsewhere first or give this run its own --ckpt_dir")
+    for path in found:
+        _remove(path)
+    _fsync_dir(ckpt_dir)
+    return found
+
+
 # ---------------------------------------------------------------------------------- run lock
 
 LOCK_FILE = ".lock"
@@ -279,7 +346,14 @@ def run_lock(ckpt_dir: str | os.PathLike) -> Iterator[None]:
     if ckpt_dir.exists() and not ckpt_dir.is_dir():
         raise CheckpointError(f"ckpt_dir {str(ckpt_dir)!r} is a file, not a directory; give a directory path")
     ckpt_dir.mkdir(parents=True, exist_ok=True)
-    fd = os.open(ckpt_dir / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o644)
+    lock = ckpt_dir / LOCK_FILE
+    try:  # never through a symlink: the lock file is truncated and written, it must be this directory's own
+        fd = os.open(lock, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o644)
+    except OSError as e:
+        if e.errno != errno.ELOOP and not lock.is_symlink():
+            raise
+        raise CheckpointError(f"{lock} is a symlink (to {os.readlink(lock)!r}); a run's lock file must be a plain "
+                              "file in its ckpt_dir: remove the link") from None
     try:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)

@@ -4,7 +4,8 @@ Every loop (the offline ``Trainer``, the online RL loop) carries ``RunSummary`` 
 default callbacks, after the checkpoint saver, so by its ``on_train_end`` the last checkpoint is
 published. On rank 0 it prints, whatever ``progress`` says: how the run ended (finished, or
 stopped and why), the final step, the last train and validation loss (and the mean reward of an RL
-run), tokens/s and wall time of this process, the newest complete checkpoint, and the commands
+run), tokens/s and wall time of this process, the last checkpoint this run published (``ckpt_dir``
+may hold older runs' too), and the commands
 that serve it or resume the run. A run that fails prints its error instead (``train/cli.py``).
 """
 
@@ -123,10 +124,13 @@ class RunSummary:
     def on_train_end(self, trainer: Loop) -> None:
         if not trainer.is_main or self.failed:
             return
-        from astrai.train.publish import latest_checkpoint
+        from astrai.train.publish import last_published, latest_checkpoint
 
         ctx, cfg = trainer.ctx, trainer.config
-        checkpoint = latest_checkpoint(cfg.ckpt.ckpt_dir)
+        # this run's own: ckpt_dir may hold other runs' checkpoints, even of later steps
+        checkpoint = last_published(cfg.ckpt.ckpt_dir)
+        if checkpoint is None and cfg.train.resume:  # resumed, then stopped before its first save
+            checkpoint = latest_checkpoint(cfg.ckpt.ckpt_dir)
         self.report = RunReport(
             step=ctx.step, total_steps=trainer.total_steps,
             seconds=time.perf_counter() - self._t0, tokens=ctx.tokens_seen - self._tokens0,
