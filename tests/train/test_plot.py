@@ -101,3 +101,15 @@ def test_online_rl_debugging_metrics_are_grouped():
         "clip_fraction": "policy", "clip_fraction_low": "policy", "clip_fraction_high": "policy",
         "entropy": "policy", "kl": "policy", "sampler_logp_diff": "sampler", "is_weight_mean": "sampler",
         "is_weight_capped_fraction": "sampler", "truncated_fraction": "rollout", "frac_reward_zero_std": "rollout"}
+
+
+def test_eval_rows_get_their_own_group_drawn_raw(tmp_path):
+    from astrai.train.plot import group_of, plot_log_dir
+
+    rows = [{"split": "train", "step": s, "loss": 1.0 / s, "reward_mean": 0.1 * s} for s in range(1, 5)]
+    rows += [{"split": "eval", "step": s, "epoch": 0, "eval/accuracy": 0.2 * s, "eval/response_length": 4.0}
+             for s in (0, 2, 4)]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert group_of("eval/response_length") == "eval" and group_of("eval/reward_mean") == "eval"
+    written = {p.name for p in plot_log_dir(tmp_path)}
+    assert {"group_eval.png", "eval_accuracy.png", "group_reward.png"} <= written

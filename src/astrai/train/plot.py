@@ -3,7 +3,8 @@
 The end of the training data flow for humans: the metrics log written by the trainer's
 MetricsLogger becomes one PNG per metric (loss, lr, grad_norm, tokens_per_s and every objective
 metric), one PNG per metric group (``group_loss.png``, ``group_lr.png``, ``group_grad_norm.png``,
-``group_throughput.png``, ``group_reward.png``, ``group_length.png``, and for online RL
+``group_throughput.png``, ``group_reward.png``, ``group_length.png``, ``group_eval.png`` (the
+``eval/`` rows of evaluation during training), and for online RL
 ``group_policy.png``, ``group_sampler.png``, ``group_rollout.png``; ``group_other.png``: the
 group's metrics side by side) and ``curves.png`` with all of them on one page. Training curves
 are smoothed by an exponential moving average (``--smooth``, TensorBoard's debiased form) with
@@ -26,6 +27,8 @@ DEFAULT_SMOOTH = 0.6
 
 # metric groups, first match wins; each becomes group_<name>.png
 GROUPS: dict[str, Callable[[str], bool]] = {
+    # evaluation during training (eval_interval): held-out accuracy, reward, length, seconds
+    "eval": lambda m: m.startswith("eval/"),
     "loss": lambda m: "loss" in m,
     "lr": lambda m: m == "lr" or m.endswith("_lr"),
     "grad_norm": lambda m: "grad_norm" in m,
@@ -95,6 +98,8 @@ def _draw(ax, metric: str, train: Series | None, val: Series | None, smooth: flo
         if smooth > 0:
             line, = ax.plot(steps, values, linewidth=1.0, alpha=0.25)  # raw, faint
             ax.plot(steps, ema(list(values), smooth), color=line.get_color(), label="train", linewidth=1.4)
+        elif metric.startswith("eval/"):
+            ax.plot(steps, values, label="eval", marker="o", markersize=3, linewidth=1.2)
         else:
             ax.plot(steps, values, label="train", linewidth=1.2)
     if val:
@@ -114,7 +119,9 @@ def _page(plt, metrics: list[str], train: dict[str, Series], val: dict[str, Seri
     rows = math.ceil(len(metrics) / cols)
     fig, axes = plt.subplots(rows, cols, figsize=(5 * cols, 3.5 * rows), squeeze=False)
     for ax, metric in zip(axes.flat, metrics):
-        _draw(ax, metric, train.get(metric), val.get(metric), smooth, group_of(metric) in LOG_SCALE_GROUPS)
+        # eval/ points are few and each is an exact measurement: drawn raw
+        _draw(ax, metric, train.get(metric), val.get(metric), 0.0 if metric.startswith("eval/") else smooth,
+              group_of(metric) in LOG_SCALE_GROUPS)
     for ax in list(axes.flat)[len(metrics):]:
         ax.axis("off")
     fig.tight_layout()
