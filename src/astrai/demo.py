@@ -138,7 +138,8 @@ def stage_config(kind: str, out: Path, data: Path, tok: Path, steps: int, spec: 
                   "random_seed": seed, "param_path": str(param_path) if param_path else None},
         "optim": {"max_lr": spec["max_lr"], "schedule": "cosine", "warmup_ratio": 0.05,
                   "min_lr_ratio": 0.1, "weight_decay": 0.0},
-        "ckpt": {"ckpt_dir": str(stage / "ckpt"), "ckpt_interval": 0, "keep_last": 1},
+        # an unfinished stage (no stage.json) reruns from scratch over what it left in its ckpt_dir
+        "ckpt": {"ckpt_dir": str(stage / "ckpt"), "ckpt_interval": 0, "keep_last": 1, "overwrite_ckpt_dir": True},
         "log": {"log_dir": str(stage)},
     }
     if model is not None:
@@ -158,7 +159,8 @@ def rl_config(out: Path, algo: str, data: Path, tok: Path, steps: int, param_pat
         "rl": {"group_size": group_size, "rollout_interval": RL["rollout_interval"],
                "rollout_max_tokens": RL["max_tokens"], "rollout_temperature": 1.0, "max_prompt_len": 32,
                "kl_coef": 0.0, "rewards": ["exact_match"]},
-        "ckpt": {"ckpt_dir": str(stage / "ckpt"), "ckpt_interval": 0, "keep_last": 1},
+        # an unfinished stage (no stage.json) reruns from scratch over what it left in its ckpt_dir
+        "ckpt": {"ckpt_dir": str(stage / "ckpt"), "ckpt_interval": 0, "keep_last": 1, "overwrite_ckpt_dir": True},
         "log": {"log_dir": str(stage)},
     }
 

@@ -5,7 +5,10 @@ WORLD_SIZE / LOCAL_RANK / MASTER_ADDR / MASTER_PORT set (a free local port), exa
 `torchrun` would give it, so the trainer has one code path for both. The launcher forwards
 SIGTERM and SIGINT to the ranks (which stop at an agreed step and publish one checkpoint), waits
 up to `stop_timeout` seconds after the signal, then kills what is left and returns non-zero. If
-a rank fails, the others are stopped too. It returns 0 only when every rank exited 0.
+a rank fails, the others are stopped too. It returns 0 only when every rank exited 0. A launcher
+killed outright (SIGKILL) leaves no rank behind: each gets SIGTERM from the kernel when its parent
+dies (PR_SET_PDEATHSIG), its watchdog notices the changed parent pid too, and a rank blocked in a
+collective is ended `stop_timeout` after the signal (train/signals.py).
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ import socket
 import subprocess
 import sys
 import time
+from functools import partial
 from typing import Any
 
 from astrai.train import signals
@@ -33,15 +37,19 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _die_with_parent() -> None:
-    """In the child before exec: get SIGTERM if the launcher dies (Linux), so no rank is orphaned."""
+def _die_with_parent(launcher_pid: int) -> None:
+    """In the child before exec: get SIGTERM if the launcher dies (Linux), so no rank is orphaned.
+    (Each rank's watchdog, train/signals.py, also notices a changed parent pid, and ends a rank still
+    blocked `stop_timeout` seconds after the signal.)"""
     try:
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-    except OSError:
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
         pass
+    if os.getppid() != launcher_pid:  # the launcher died before prctl took effect
+        os._exit(1)
 
 
-def _rank_env(rank: int, nprocs: int, port: int) -> dict[str, str]:
+def _rank_env(rank: int, nprocs: int, port: int, stop_timeout: float = 600) -> dict[str, str]:
     # ranks share the machine's cores: more threads than cores makes OpenMP spin and slows
     # every rank several-fold, so split the cores unless the user chose a thread count
     threads = str(max(1, (os.cpu_count() or 1) // nprocs))
@@ -54,6 +62,7 @@ def _rank_env(rank: int, nprocs: int, port: int) -> dict[str, str]:
         "LOCAL_WORLD_SIZE": str(nprocs),
         "MASTER_ADDR": "127.0.0.1",
         "MASTER_PORT": str(port),
+        "ASTRAI_STOP_TIMEOUT": str(stop_timeout),  # the rank's watchdog exits this long after a signal
     }
 
 
@@ -94,8 +103,10 @@ def launch(argv: list[str], nprocs: int, stop_timeout: float = 600, program: lis
             # own session: a terminal's Ctrl-C reaches only the launcher, which forwards it once
             # the launcher's working directory, so relative paths and `module:function` rewards
             # resolve in every rank as in the launcher (`python -m` puts it first on sys.path)
-            procs.append(subprocess.Popen(cmd, env=_rank_env(rank, nprocs, port), cwd=os.getcwd(),
-                                          start_new_session=True, preexec_fn=_die_with_parent))
+            # the rank's watchdog (train/signals.py) takes a change of its parent pid as the launcher's death
+            env = {**_rank_env(rank, nprocs, port, stop_timeout), "ASTRAI_LAUNCHER_PID": str(os.getpid())}
+            procs.append(subprocess.Popen(cmd, env=env, cwd=os.getcwd(),
+                                          start_new_session=True, preexec_fn=partial(_die_with_parent, os.getpid())))
         if signals.last_signal() is not None:  # a signal arrived while the ranks were starting
             forward(signals.last_signal(), None)
         return _wait(procs, deadline, stop_timeout)

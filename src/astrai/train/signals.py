@@ -6,12 +6,23 @@ remembered and applied by `attach`. The training loop checks the context's stop 
 batch boundary, publishes a checkpoint and exits 0. A second SIGINT (an impatient Ctrl-C) exits
 at once with status 130 via `os._exit`, without running cleanup that could touch the last
 published checkpoint (an unfinished save only ever lives in a hidden staging directory).
+
+A rank blocked in a collective (its peer died or hung) never reaches a batch boundary, and Python
+runs signal handlers only between bytecodes of the main thread, so the stop request would never
+be seen. Ranks started by the local launcher (`train/launch.py` sets ``ASTRAI_STOP_TIMEOUT`` and
+``ASTRAI_LAUNCHER_PID``) therefore also run a watchdog thread: it learns of SIGTERM/SIGINT through
+`signal.set_wakeup_fd` (written by the C-level handler, even while the main thread is blocked) and
+ends the process `stop_timeout` seconds later if it is still alive; and it treats the launcher's
+death (the parent pid changes, e.g. after a SIGKILL) as a SIGTERM, in case the parent-death signal
+the launcher asks for did not arrive.
 """
 
 from __future__ import annotations
 
 import os
+import select
 import signal
+import socket
 import threading
 import time
 from pathlib import Path
@@ -31,6 +42,7 @@ class _State:
     num_signals = 0
     num_sigint = 0
     previous: dict[int, Any] = {}
+    watchdog: tuple[socket.socket, socket.socket] | None = None
 
 
 _state = _State()
@@ -69,7 +81,42 @@ def install_signal_handlers(ctx: StopTarget | None = None) -> bool:
             signal.signal(signum, _handle)
     if ctx is not None:
         attach(ctx)
+    if "ASTRAI_STOP_TIMEOUT" in os.environ and _state.watchdog is None:
+        parent = os.environ.get("ASTRAI_LAUNCHER_PID")
+        start_watchdog(float(os.environ["ASTRAI_STOP_TIMEOUT"]), int(parent) if parent else None)
     return True
+
+
+WATCHDOG_POLL_S = 0.2
+
+
+def start_watchdog(stop_timeout: float, parent_pid: int | None = None) -> None:
+    """From the main thread: a daemon thread that ends this process (exit 128 + the signal)
+    `stop_timeout` seconds after the first SIGTERM/SIGINT, however blocked the main thread is, and
+    that sends this process SIGTERM when `parent_pid` is no longer its parent (the launcher died)."""
+    reader, writer = socket.socketpair()
+    writer.setblocking(False)
+    signal.set_wakeup_fd(writer.fileno(), warn_on_full_buffer=False)
+    _state.watchdog = (reader, writer)  # kept open for the process's life
+
+    def watch() -> None:
+        deadline, signum, parent = None, signal.SIGTERM, parent_pid
+        while True:
+            ready, _, _ = select.select([reader], [], [], WATCHDOG_POLL_S)
+            if ready:
+                got = [n for n in reader.recv(64) if n in (signal.SIGTERM, signal.SIGINT)]
+                if got and deadline is None:
+                    deadline, signum = time.monotonic() + stop_timeout, got[0]
+            if parent is not None and os.getppid() != parent:
+                parent = None
+                os.write(2, b"the launcher is gone: stopping this rank\n")
+                os.kill(os.getpid(), signal.SIGTERM)  # the handler asks for a stop; the wakeup fd starts the clock
+            if deadline is not None and time.monotonic() > deadline:
+                os.write(2, f"still running {stop_timeout:g}s after {signal.Signals(signum).name} (blocked, e.g. in a "
+                            "collective whose peer is gone): exiting now\n".encode())
+                os._exit(128 + signum)
+
+    threading.Thread(target=watch, name="astrai-stop-watchdog", daemon=True).start()
 
 
 def attach(ctx: StopTarget) -> None:
