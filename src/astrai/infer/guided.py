@@ -13,13 +13,18 @@ The grammar work is llguidance's (Earley parser over the token trie, JSON Schema
 front ends; see docs/inference.md for why it was chosen over xgrammar and outlines-core).
 This module only adapts it: a `GuideCompiler` per tokenizer builds llguidance's tokenizer view
 once and turns schemas into guides, refusing a schema that uses features llguidance does not
-implement with an error that names them.
+implement with an error that names them. Compiling a grammar is the expensive part (about 0.5 s
+for a 5,000-branch `anyOf`), so it happens once per guide, where the guide is made (the server's
+prep pool, never the engine thread); each sequence then starts from a copy of that compiled
+matcher (`Guide.new_state`, milliseconds). The serialised grammar's length is the guide's `size`:
+the compiler refuses one above `max_grammar_bytes`, and `check_guide_budget` bounds size x n,
+since every one of a request's n sequences copies and advances its own matcher.
 """
 
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -37,16 +42,23 @@ class GuideError(ValueError):
 
 @dataclass(frozen=True)
 class Guide:
-    """A checked grammar for one tokenizer; `new_state()` starts a matcher for one sequence."""
+    """A compiled grammar for one tokenizer; `new_state()` starts a matcher for one sequence."""
 
     grammar: str  # llguidance's serialised grammar
     tokenizer: Any  # llguidance.LLTokenizer
     description: str = ""
+    matcher: Any = field(default=None, compare=False, repr=False)  # compiled, at the grammar's start
+
+    @property
+    def size(self) -> int:
+        """The serialised grammar's length in characters: what compiling and copying it cost."""
+        return len(self.grammar)
 
     def new_state(self) -> GuideState:
-        import llguidance
-
-        return GuideState(llguidance.LLMatcher(self.tokenizer, self.grammar, log_level=0))
+        # a copy of the compiled matcher (ms), not a second compile (0.5 s for a large schema):
+        # this runs on the engine thread, for every sequence
+        matcher = self.matcher if self.matcher is not None else compile_matcher(self.tokenizer, self.grammar)
+        return GuideState(matcher.deep_copy())
 
 
 class GuideState:
@@ -73,10 +85,13 @@ class GuideState:
 
 
 class GuideCompiler:
-    """Builds guides for one tokenizer (the tokenizer view takes tens of ms: built once)."""
+    """Builds guides for one tokenizer (the tokenizer view takes tens of ms: built once).
+    A grammar longer than `max_grammar_bytes` is refused before it is compiled (None: no limit)."""
 
-    def __init__(self, tokenizer: Any, vocab_size: int):
+    def __init__(self, tokenizer: Any, vocab_size: int, max_grammar_bytes: int | None = None):
         import llguidance
+
+        self.max_grammar_bytes = max_grammar_bytes
 
         backend = getattr(tokenizer, "backend", None)
         if backend is None or not hasattr(backend, "to_str"):
@@ -108,12 +123,34 @@ class GuideCompiler:
         return self._checked(llguidance.LLMatcher.grammar_from_lark(lark), "a tool call")
 
     def _checked(self, grammar: str, description: str) -> Guide:
-        import llguidance
-
-        is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(grammar, self.tokenizer)
-        if is_error or messages:  # a warning means part of the schema would be silently ignored
+        """Compile the grammar once (its errors and warnings are the compile's) into a Guide."""
+        limit = self.max_grammar_bytes
+        if limit is not None and len(grammar) > limit:
+            raise GuideError(f"cannot constrain the output to {description}: its grammar is {len(grammar):,} "
+                             f"bytes, more than max_guide_bytes {limit:,}; simplify the schema (fewer "
+                             f"anyOf/enum branches) or raise --max_guide_bytes")
+        matcher = compile_matcher(self.tokenizer, grammar)
+        messages = [matcher.get_error()] if matcher.is_error() else matcher.get_grammar_warnings()
+        if messages:  # a warning means part of the schema would be silently ignored
             raise GuideError(f"cannot constrain the output to {description}: {'; '.join(messages)}")
-        return Guide(grammar, self.tokenizer, description)
+        return Guide(grammar, self.tokenizer, description, matcher)
+
+
+def compile_matcher(tokenizer: Any, grammar: str) -> Any:
+    """Compile a serialised grammar into an llguidance matcher at its start (the costly step)."""
+    import llguidance
+
+    return llguidance.LLMatcher(tokenizer, grammar, log_level=0)
+
+
+def check_guide_budget(guide: Guide, n: int, max_bytes: int) -> None:
+    """Refuse a guided request whose n sequences would together carry more than `max_bytes` of
+    grammar (each copies, masks and advances its own matcher on the engine thread)."""
+    total = guide.size * n
+    if total > max_bytes:
+        raise GuideError(f"the grammar of {guide.description or 'this request'} is {guide.size:,} bytes and n is "
+                         f"{n}: {total:,} bytes in all, more than max_guide_bytes {max_bytes:,}; lower n to at "
+                         f"most {max(1, max_bytes // guide.size)}, simplify the schema, or raise --max_guide_bytes")
 
 
 def _grammar_from_schema(schema: dict[str, Any]) -> str:

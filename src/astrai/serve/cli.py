@@ -5,7 +5,10 @@ the server's flags plus one flag per `EngineConfig` field, refuses an unusable c
 one line on stderr (exit 2) before anything loads, builds the app of `app.py` and runs it on
 uvicorn. SIGTERM stops accepting connections, lets in-flight requests finish for
 `--shutdown_timeout` seconds, aborts the rest (each stream ends with finish_reason "abort") and
-exits 0.
+exits 0. Connections are bounded too (`uvicorn_config`): one that has not sent a complete
+request head within `--header_timeout` seconds of connecting or of its previous response (idle,
+or trickling header bytes) is closed, which uvicorn's keep-alive timeout alone does not do, and
+beyond `--limit_concurrency` open connections a request gets 503.
 """
 
 from __future__ import annotations
@@ -24,6 +27,9 @@ from astrai.infer.defaults import GENERATION_CONFIG_HELP, generation_defaults
 from astrai.model.manifest import VERIFY_HELP
 from astrai.serve.app import create_app
 from astrai.serve.state import ServeConfig, ServerState
+
+HEADER_TIMEOUT = 10.0  # seconds a connection may take to send a complete request head
+LIMIT_CONCURRENCY = 1024  # open connections served at once; each is a file descriptor (mind ulimit -n)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -44,6 +50,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--verify", action="store_true", default=None, help=VERIFY_HELP)
     p.add_argument("--shutdown_timeout", type=float, default=30.0,
                    help="seconds in-flight requests may run after SIGTERM before they are aborted")
+    p.add_argument("--header_timeout", type=float, default=HEADER_TIMEOUT,
+                   help="seconds a connection may go without a complete request head (after connecting or "
+                        f"after a response; idle or trickling) before it is closed (default: {HEADER_TIMEOUT})")
+    p.add_argument("--limit_concurrency", type=int, default=LIMIT_CONCURRENCY,
+                   help=f"open connections served at once; beyond it requests get 503 (default: {LIMIT_CONCURRENCY})")
+    p.add_argument("--max_guide_bytes", type=int, default=ServeConfig.max_guide_bytes,
+                   help="grammar bytes x n that one constrained request (response_format, tool_choice) may "
+                        f"carry; larger ones get 400 (default: {ServeConfig.max_guide_bytes})")
     p.add_argument("--log_level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     p.add_argument("--generation_config", default="auto", help=GENERATION_CONFIG_HELP)
     for name, default, help_ in _engine_fields():
@@ -54,7 +68,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 _SERVER_FLAGS = ("model", "host", "port", "api_key", "served_model_name", "max_request_bytes", "max_waiting",
-                 "body_timeout", "verify", "shutdown_timeout", "log_level", "generation_config")
+                 "body_timeout", "verify", "shutdown_timeout", "log_level", "generation_config", "header_timeout",
+                 "limit_concurrency", "max_guide_bytes")
 
 
 def _engine_fields() -> list[tuple[str, Any, str]]:
@@ -106,6 +121,66 @@ def _graceful_server_class(state: ServerState) -> type:
     return GracefulServer
 
 
+def header_timeout_protocol(header_timeout: float) -> type:
+    """uvicorn's h11 protocol with a deadline on the request head: the connection is closed when
+    no complete request head arrives within `header_timeout` seconds of the connection opening or
+    of the previous response. uvicorn's own keep-alive timer starts only after a response and is
+    cancelled by any byte, so a silent or trickling client would otherwise hold its socket forever."""
+    from uvicorn.protocols.http.h11_impl import H11Protocol
+
+    class HeaderTimeoutProtocol(H11Protocol):
+        _header_timer: asyncio.TimerHandle | None = None
+        _idle_cycle: Any = None  # the request cycle that was current when the deadline was armed
+
+        def connection_made(self, transport: Any) -> None:
+            super().connection_made(transport)
+            self._arm_header_deadline()
+
+        def connection_lost(self, exc: Exception | None) -> None:
+            self._disarm_header_deadline()
+            super().connection_lost(exc)
+
+        def handle_events(self) -> None:
+            super().handle_events()
+            if self._header_timer is not None and self.cycle is not self._idle_cycle:
+                self._disarm_header_deadline()  # a request head arrived: the body has its own timeout
+
+        def on_response_complete(self) -> None:
+            if not self.transport.is_closing():  # armed first: a pipelined request started below disarms it
+                self._arm_header_deadline()
+            super().on_response_complete()
+
+        def _arm_header_deadline(self) -> None:
+            self._disarm_header_deadline()
+            self._idle_cycle = self.cycle
+            self._header_timer = self.loop.call_later(header_timeout, self._header_deadline)
+
+        def _disarm_header_deadline(self) -> None:
+            if self._header_timer is not None:
+                self._header_timer.cancel()
+                self._header_timer = None
+
+        def _header_deadline(self) -> None:
+            self._header_timer = None
+            if not self.transport.is_closing():
+                self.transport.close()
+
+    return HeaderTimeoutProtocol
+
+
+def uvicorn_config(app: Any, *, host: str, port: int, log_level: str = "info", shutdown_timeout: float = 30.0,
+                   header_timeout: float = HEADER_TIMEOUT, limit_concurrency: int = LIMIT_CONCURRENCY,
+                   **extra: Any) -> Any:
+    """The uvicorn settings of `astrai serve` (tests start the same server in a thread)."""
+    import uvicorn
+
+    # uvicorn answers 503 once the open connections, the new one included, reach its limit: + 1
+    # makes limit_concurrency the number of connections served
+    return uvicorn.Config(app, host=host, port=port, log_level=log_level, access_log=False,
+                          timeout_graceful_shutdown=shutdown_timeout, http=header_timeout_protocol(header_timeout),
+                          limit_concurrency=limit_concurrency + 1, **extra)
+
+
 def _check_args(args: argparse.Namespace) -> str | None:
     """What makes this command line unusable, as one line for stderr; None when it is fine."""
     from astrai.model.hf import check_device
@@ -126,7 +201,8 @@ def _check_args(args: argparse.Namespace) -> str | None:
     if not (model_dir / "config.json").is_file():
         return (f"--model '{args.model}' is not a model directory (no config.json); point it at a "
                 "directory written by astrai.save_model or a training checkpoint")
-    for name, minimum in (("max_waiting", 0), ("body_timeout", 1e-9)):
+    for name, minimum in (("max_waiting", 0), ("body_timeout", 1e-9), ("header_timeout", 1e-9),
+                          ("limit_concurrency", 1), ("max_guide_bytes", 1)):
         value = getattr(args, name)
         if value is not None and not value >= minimum:
             return f"--{name} must be {'>= 0' if minimum == 0 else '> 0'}, got {value}"
@@ -154,8 +230,6 @@ def _is_loopback(host: str) -> bool:
 
 
 def main(argv: list[str] | None = None) -> int:
-    import uvicorn
-
     args = build_parser().parse_args(argv)
     problem = _check_args(args)
     if problem is not None:
@@ -168,12 +242,13 @@ def main(argv: list[str] | None = None) -> int:
     engine_kwargs = {k: v for k, v in vars(args).items() if k not in _SERVER_FLAGS}
     config = ServeConfig(str(model_dir), args.served_model_name, args.api_key, args.max_request_bytes,
                          engine_kwargs, args.max_waiting, args.body_timeout, args.verify,
-                         generation_config=args.generation_config)
+                         generation_config=args.generation_config, max_guide_bytes=args.max_guide_bytes)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     app = create_app(config)
     server_class = _graceful_server_class(app.state.serve)
-    server = server_class(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
-                                         timeout_graceful_shutdown=args.shutdown_timeout, access_log=False))
+    server = server_class(uvicorn_config(app, host=args.host, port=args.port, log_level=args.log_level,
+                                         shutdown_timeout=args.shutdown_timeout, header_timeout=args.header_timeout,
+                                         limit_concurrency=args.limit_concurrency))
     # uvicorn re-raises the signal it caught once it has shut down; a no-op handler installed
     # here is what it restores and re-raises into, so a SIGTERM ends with exit status 0.
     for sig in (signal.SIGTERM, signal.SIGINT):

@@ -25,7 +25,7 @@ from typing import Any
 from fastapi import Request
 
 from astrai.infer.defaults import describe, generation_defaults
-from astrai.infer.guided import GuideCompiler
+from astrai.infer.guided import GuideCompiler, GuideError, check_guide_budget
 from astrai.infer.sampling import SamplingParams
 from astrai.serve.async_engine import AsyncEngine, Engine
 from astrai.serve.metrics import ServerMetrics
@@ -47,6 +47,7 @@ class ServeConfig:
     body_timeout: float = 30.0  # seconds the whole request body may take to arrive
     verify: bool | None = None  # recompute manifest sha256s before loading; None: when small (check_model_dir)
     generation_config: str = "auto"  # unset sampling fields: the model's defaults (auto), none, or a dir
+    max_guide_bytes: int = 4 * 2**20  # grammar bytes x n a constrained request may carry (infer/guided.py)
 
     @property
     def model_name(self) -> str:
@@ -119,12 +120,19 @@ class ServerState:
         """The grammar compiler for constrained requests, built once on first use (on the prep pool)."""
         with self._guides_lock:
             if self._guides is None:
-                self._guides = GuideCompiler(self.tokenizer, self.vocab_size)
+                self._guides = GuideCompiler(self.tokenizer, self.vocab_size, self.config.max_guide_bytes)
             return self._guides
 
     def sampling_params(self, req: SamplingRequest, **renamed: Any) -> SamplingParams:
-        """The request's SamplingParams (requests.py), over the model's defaults; 400 when invalid."""
-        return to_sampling_params(req, self.generation_defaults, self.vocab_size, **renamed)
+        """The request's SamplingParams (requests.py), over the model's defaults; 400 when invalid,
+        or when its grammar times n is more than max_guide_bytes."""
+        params = to_sampling_params(req, self.generation_defaults, self.vocab_size, **renamed)
+        if params.guide is not None:
+            try:
+                check_guide_budget(params.guide, params.n, self.config.max_guide_bytes)
+            except GuideError as exc:
+                raise APIError(400, str(exc), param="n") from None
+        return params
 
     # ---- what the renderers read (render.RenderContext) ---------------------------------------
     def token_text(self, token_id: int) -> str:

@@ -1,0 +1,156 @@
+"""Connections cannot pile up: the request-head deadline and the concurrency cap of `astrai serve`.
+
+The server is `astrai serve`'s own uvicorn configuration (`cli.uvicorn_config`) in a thread of
+this process, talked to over raw sockets. Moments are events: a socket's recv returning b""
+(the server closed it), a response's status line. Deadlines appear only as guards against a
+hang, and no duration is asserted."""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from astrai.serve.app import ServeConfig, create_app
+from astrai.serve.cli import uvicorn_config
+from tests.serve.conftest import API_KEY, free_port
+
+GUARD_S = 30.0  # a bound against a hang, never a measured duration
+AUTH = {"Authorization": f"Bearer {API_KEY}"}
+CHAT = {"model": "tiny-model", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+ENGINE = {"max_model_len": 64, "kv_cache_tokens": 2048, "long_prefill_token_threshold": 0}
+
+
+class LiveServer:
+    """`create_app` under `astrai serve`'s uvicorn settings, in a thread, on a free port."""
+
+    def __init__(self, config: ServeConfig, **settings: Any):
+        import uvicorn
+
+        self.port = free_port()
+        self.base = f"http://127.0.0.1:{self.port}"
+        self.app = create_app(config)
+        self.server = uvicorn.Server(uvicorn_config(self.app, host="127.0.0.1", port=self.port,
+                                                    log_level="warning", log_config=None, **settings))
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+
+    def __enter__(self) -> LiveServer:
+        self.thread.start()
+        deadline = time.monotonic() + 60  # guard only
+        state = self.app.state.serve
+        while (not self.server.started or state.status == "loading") and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert self.server.started and state.status == "ready", state.error
+        return self
+
+    def connect(self) -> socket.socket:
+        sock = socket.create_connection(("127.0.0.1", self.port), timeout=GUARD_S)
+        return sock
+
+    def __exit__(self, *exc: Any) -> None:
+        self.server.should_exit = True
+        self.thread.join(30)
+
+
+def serve_config(model_dir: Path, **fields: Any) -> ServeConfig:
+    return ServeConfig(str(model_dir), api_key=API_KEY, engine_kwargs=dict(ENGINE), **fields)
+
+
+def read_until_closed(sock: socket.socket) -> bytes:
+    """Everything the server sends until it closes the connection (recv returns b"")."""
+    data = b""
+    while True:
+        try:
+            chunk = sock.recv(65536)
+        except TimeoutError:
+            raise AssertionError(f"the server kept the connection open for {GUARD_S} s (guard)") from None
+        if not chunk:
+            return data
+        data += chunk
+
+
+def request_bytes(path: str = "/health") -> bytes:
+    return f"GET {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n\r\n".encode()
+
+
+def test_silent_and_trickling_connections_are_closed_and_requests_still_work(model_dir: Path):
+    with LiveServer(serve_config(model_dir), header_timeout=0.5) as live:
+        silent = [live.connect() for _ in range(5)]
+        trickling = live.connect()
+        trickling.sendall(b"GET /health HTTP/1.1\r\n")
+        stop = threading.Event()
+
+        def trickle() -> None:  # one header byte at a time, never finishing the head
+            try:
+                while not stop.wait(0.05):
+                    trickling.sendall(b"X")
+            except OSError:  # the server closed it
+                pass
+
+        worker = threading.Thread(target=trickle, daemon=True)
+        worker.start()
+        try:
+            for sock in silent:
+                assert read_until_closed(sock) == b""  # closed without a response: nothing was asked
+            read_until_closed(trickling)  # closed although bytes kept arriving
+        finally:
+            stop.set()
+            worker.join(GUARD_S)
+            for sock in [*silent, trickling]:
+                sock.close()
+        # a normal request still works afterwards, and so does a whole chat completion
+        with live.connect() as sock:
+            sock.sendall(request_bytes())
+            assert read_until_closed(sock).startswith(b"HTTP/1.1 200")
+        response = httpx.post(live.base + "/v1/chat/completions", json=CHAT, headers=AUTH, timeout=GUARD_S)
+        assert response.status_code == 200, response.text
+
+
+def test_a_keep_alive_connection_that_goes_quiet_is_closed(model_dir: Path):
+    with LiveServer(serve_config(model_dir), header_timeout=0.5) as live, live.connect() as sock:
+        sock.sendall(b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")  # keep-alive
+        reply = b""
+        while b"\r\n\r\n" not in reply or not reply.endswith(b"}"):
+            chunk = sock.recv(65536)
+            assert chunk, "closed before the response"
+            reply += chunk
+        assert reply.startswith(b"HTTP/1.1 200")
+        sock.sendall(b"GET /health HTTP/1.1\r\n")  # the next head starts, and never ends
+        assert read_until_closed(sock) == b""
+
+
+def test_over_the_concurrency_cap_a_request_gets_503(model_dir: Path):
+    with LiveServer(serve_config(model_dir), header_timeout=GUARD_S * 4, limit_concurrency=3) as live:
+        held = [live.connect() for _ in range(3)]  # the cap: three open connections
+        try:
+            with live.connect() as extra:  # a fourth
+                extra.sendall(request_bytes())
+                assert read_until_closed(extra).startswith(b"HTTP/1.1 503")
+            held[0].sendall(request_bytes())  # the connections within the cap are served
+            assert read_until_closed(held[0]).startswith(b"HTTP/1.1 200")
+        finally:
+            for sock in held:
+                sock.close()
+        # once connections close, new ones are served again (uvicorn drops a closed one at once)
+        deadline = time.monotonic() + GUARD_S  # guard only
+        status = 0
+        while time.monotonic() < deadline:
+            status = httpx.get(live.base + "/health", timeout=GUARD_S).status_code
+            if status == 200:
+                break
+            time.sleep(0.02)
+        assert status == 200
+
+
+@pytest.mark.parametrize("flag,value", [("--header_timeout", "0"), ("--limit_concurrency", "0"),
+                                        ("--max_guide_bytes", "0")])
+def test_bad_connection_flags_are_refused(model_dir: Path, capsys, flag: str, value: str):
+    from astrai.serve.cli import main
+
+    assert main(["--model", str(model_dir), flag, value]) == 2
+    assert flag in capsys.readouterr().err
