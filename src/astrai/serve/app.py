@@ -36,7 +36,13 @@ from astrai.infer.sampling import SamplingParams
 from astrai.serve.anthropic import MessagesRenderer, MessagesRequest
 from astrai.serve.async_engine import AsyncEngine, Engine, EngineDeadError, OutputStream, QueueFullError
 from astrai.serve.metrics import ServerMetrics
-from astrai.serve.protocol import ChatCompletionRequest, CompletionRequest, ignored_fields
+from astrai.serve.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    TokenizeRequest,
+    ignored_fields,
+)
 from astrai.serve.render import ChatRenderer, CompletionRenderer, Renderer
 from astrai.serve.requests import (
     APIError,
@@ -47,12 +53,12 @@ from astrai.serve.requests import (
     parse_request,
     read_body,
     render_chat,
-    render_messages,
 )
 from astrai.serve.state import ServeConfig, ServerState, load_engine
 
 logger = logging.getLogger("astrai.serve")
-ROUTES = ("/v1/chat/completions", "/v1/completions", "/v1/messages", "/v1/models", "/health", "/metrics")
+ROUTES = ("/v1/chat/completions", "/v1/completions", "/v1/messages", "/v1/models", "/health", "/metrics",
+          "/tokenizer_info", "/tokenize", "/detokenize")
 ANTHROPIC_ROUTES = ("/v1/messages",)  # errors there use Anthropic's body
 RETRY_AFTER_S = 1  # what a 429 tells the client to wait
 
@@ -89,6 +95,74 @@ async def models(request: Request) -> Response:
     return JSONResponse({"object": "list", "data": [card]})
 
 
+# ---- lm-eval's remote tokenizer (vLLM's routes and shapes) -------------------------------------
+@router.get("/tokenizer_info")
+async def tokenizer_info(request: Request) -> Response:
+    state = _state(request)
+    state.check_auth(request)
+    state.check_ready()
+    return JSONResponse(_tokenizer_info(state))
+
+
+def _tokenizer_info(state: ServerState) -> dict[str, Any]:
+    """vLLM's: the tokenizer config (JSON values only), its special tokens and their ids, the chat
+    template, the class transformers loads it as; model_max_length is the served max_model_len."""
+    tok = state.tokenizer
+    config = getattr(tok, "config", None) or {}
+    info = {k: v for k, v in config.items() if isinstance(v, str | int | float | bool | list | dict | None)
+            and k not in ("vocab_file", "merges_file", "tokenizer_file")}
+    for key in ("bos_token", "eos_token", "pad_token", "unk_token"):
+        info[key] = getattr(tok, key, None)
+        info[f"{key}_id"] = getattr(tok, f"{key}_id", None) if info[key] is not None else None
+    if getattr(tok, "chat_template", None):
+        info["chat_template"] = tok.chat_template
+    info["model_max_length"] = state.max_model_len
+    info["tokenizer_class"] = config.get("tokenizer_class") or type(tok).__name__
+    return info
+
+
+@router.post("/tokenize")
+async def tokenize(request: Request) -> Response:
+    state = _state(request)
+    state.check_auth(request)
+    state.check_ready()
+    req = await read_request(request, TokenizeRequest, state)
+    if req.model is not None:
+        state.check_model(req.model)
+    ids, strs = await state.off_loop(_tokenize, state, req)
+    return JSONResponse({"count": len(ids), "max_model_len": state.max_model_len, "tokens": ids, "token_strs": strs})
+
+
+def _tokenize(state: ServerState, req: TokenizeRequest) -> tuple[list[int], list[str] | None]:
+    """vLLM's defaults: special tokens added to a prompt, not to a rendered chat (it has them)."""
+    tok, text = state.tokenizer, req.prompt
+    if req.messages is not None:
+        try:
+            text = tok.apply_chat_template([m.to_template() for m in req.messages], tokenize=False,
+                                           add_generation_prompt=req.add_generation_prompt, tools=req.template_tools())
+        except Exception as exc:  # noqa: BLE001 - template errors (e.g. role order) are the client's
+            raise APIError(400, f"the chat template cannot render these messages: {exc}", param="messages") from None
+    add_special = req.add_special_tokens if req.add_special_tokens is not None else req.messages is None
+    ids = tok.encode(text, add_special_tokens=add_special)
+    return ids, [state.token_text(i) for i in ids] if req.return_token_strs else None
+
+
+@router.post("/detokenize")
+async def detokenize(request: Request) -> Response:
+    state = _state(request)
+    state.check_auth(request)
+    state.check_ready()
+    req = await read_request(request, DetokenizeRequest, state)
+    if req.model is not None:
+        state.check_model(req.model)
+    vocab = len(state.tokenizer)
+    for i, token in enumerate(req.tokens):
+        if not 0 <= token < vocab:
+            raise APIError(400, f"tokens[{i}] is {token}, outside the vocabulary (ids 0..{vocab - 1}); send "
+                                "ids this model's tokenizer knows", param="tokens")
+    return JSONResponse({"prompt": await state.off_loop(state.decode, req.tokens)})
+
+
 # ------------------------------------------------------------------------------- the POST routes
 @dataclass(frozen=True)
 class Endpoint:
@@ -106,31 +180,46 @@ async def _serve(endpoint: Endpoint, request: Request) -> Response:
     state = _state(request)
     state.check_auth(request)
     engine = state.check_ready()
-    req = await read_request(request, endpoint.request, state)
+    chat = endpoint.request is not CompletionRequest  # each message renders to at least one token
+    req = await read_request(request, endpoint.request, state, state.max_model_len if chat else None)
     state.check_model(req.model)
     prompts = await endpoint.prompts(state, req)
     guide: Guide | None = None
     if endpoint.constrained:
         guide = await state.off_loop(grammar_guide, req, state.guide_compiler)
     params = state.sampling_params(req, guide=guide)
+    _check_admissible(engine, prompts, params)
     renderer = endpoint.renderer(state, req, prompts)
     stream = await _submit(engine, renderer, params, endpoint.want_logprobs(req))
     return await _respond(state, request, renderer, stream, req.stream)
 
 
-async def read_request(request: Request, model: type, state: ServerState) -> Any:
-    """Body (on the loop, bounded in time and size) -> JSON -> pydantic (on the prep pool)."""
+async def read_request(request: Request, model: type, state: ServerState,
+                       max_messages: int | None = None) -> Any:
+    """Body (on the loop, bounded in time and size) -> JSON -> pydantic -> the names of its ignored
+    fields (on the prep pool: each grows with the body)."""
     body = await read_body(request, state.config.max_request_bytes, state.config.body_timeout)
-    req = await state.off_loop(parse_request, body, model)
-    state.note_ignored(request.url.path, ignored_fields(req))
+    req, ignored = await state.off_loop(_parse, body, model, max_messages)
+    state.note_ignored(request.url.path, ignored)
     return req
 
 
-async def _chat_prompts(state: ServerState, req: ChatCompletionRequest) -> list[list[int]]:
-    num_chars = sum(len(m.to_template()["content"] or "") for m in req.messages)
-    state.check_chars(num_chars + sum(len(t.model_dump_json()) for t in req.tools or []), "messages")
-    prompt_ids = await state.off_loop(render_chat, state.tokenizer, req)
-    state.check_length(len(prompt_ids), req.requested_max_tokens(), "messages")
+def _parse(body: bytes, model: type, max_messages: int | None) -> tuple[Any, list[str]]:
+    req = parse_request(body, model, max_messages)
+    return req, ignored_fields(req)
+
+
+def _render(state: ServerState, req: ChatCompletionRequest | MessagesRequest) -> list[int]:
+    conversation = req.to_template() if isinstance(req, MessagesRequest) else [m.to_template() for m in req.messages]
+    return render_chat(state.tokenizer, conversation, req.template_tools(), state.check_chars)
+
+
+async def _chat_prompts(state: ServerState, req: ChatCompletionRequest | MessagesRequest) -> list[list[int]]:
+    """Messages (and tools) -> template -> ids, all on the prep pool, the text bounded before it is
+    tokenised (requests.render_chat)."""
+    prompt_ids = await state.off_loop(_render, state, req)
+    max_tokens = req.max_tokens if isinstance(req, MessagesRequest) else req.requested_max_tokens()
+    state.check_length(len(prompt_ids), max_tokens, "messages")
     return [prompt_ids]
 
 
@@ -151,18 +240,10 @@ async def _completion_prompts(state: ServerState, req: CompletionRequest) -> lis
     return prompts
 
 
-async def _messages_prompts(state: ServerState, req: MessagesRequest) -> list[list[int]]:
-    conversation = req.to_template()
-    state.check_chars(sum(len(m["content"]) for m in conversation), "messages")
-    prompt_ids = await state.off_loop(render_messages, state.tokenizer, conversation)
-    state.check_length(len(prompt_ids), req.max_tokens, "messages")
-    return [prompt_ids]
-
-
 CHAT = Endpoint(ChatCompletionRequest, _chat_prompts, ChatRenderer, lambda req: req.logprobs, constrained=True)
 COMPLETIONS = Endpoint(CompletionRequest, _completion_prompts, CompletionRenderer,
                        lambda req: req.logprobs is not None)
-MESSAGES = Endpoint(MessagesRequest, _messages_prompts, MessagesRenderer, lambda req: False)
+MESSAGES = Endpoint(MessagesRequest, _chat_prompts, MessagesRenderer, lambda req: False, constrained=True)
 
 
 @router.post("/v1/chat/completions")
@@ -178,6 +259,23 @@ async def completions(request: Request) -> Response:
 @router.post("/v1/messages")
 async def messages(request: Request) -> Response:
     return await _serve(MESSAGES, request)
+
+
+def _check_admissible(engine: AsyncEngine, prompts: list[list[int]], params: SamplingParams) -> None:
+    """A request with more sequences than the server ever admits at once can never run: a 400 with
+    the request's fix, not the 429 "retry later" of a server that is only busy now."""
+    num_seqs = len(prompts) * params.n
+    if num_seqs <= engine.capacity:
+        return
+    longest = max(len(p) for p in prompts) + (params.max_tokens or 0)
+    bm = getattr(engine.engine, "block_manager", None)
+    kv = f"a KV cache of {bm.num_blocks * bm.block_size} tokens" if bm is not None else "the KV cache"
+    raise APIError(400, f"the request needs {num_seqs} sequences ({len(prompts)} prompt(s) x n {params.n}) of "
+                        f"up to {longest} tokens, {num_seqs * longest} tokens in all, against {kv}; the server "
+                        f"admits at most {engine.capacity} sequences at once (max_num_seqs plus max_waiting "
+                        f"{engine.max_waiting}), so it can never run: send at most "
+                        f"{max(1, engine.capacity // params.n)} prompts per request, lower n, or raise "
+                        "--max_waiting", param="n" if params.n > 1 else "prompt", code="request_too_large")
 
 
 async def _submit(engine: AsyncEngine, renderer: Renderer, params: SamplingParams,

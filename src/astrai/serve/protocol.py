@@ -14,7 +14,7 @@ from __future__ import annotations
 import time
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
 # vLLM's bound: a -inf logprob (token removed by top-p/top-k) is not valid JSON.
 MIN_LOGPROB = -9999.0
@@ -25,6 +25,7 @@ MAX_STOP_STRINGS = 16
 MAX_STOP_CHARS = 256
 # The range a torch generator accepts as a seed; beyond it seeding would fail inside the engine.
 MIN_SEED, MAX_SEED = -(2**63), 2**64 - 1
+MAX_FIELD_NAME_CHARS = 100  # an ignored field's name as logged (see ignored_fields)
 
 
 class _Strict(BaseModel):
@@ -33,14 +34,32 @@ class _Strict(BaseModel):
 
 
 def ignored_fields(model: BaseModel, prefix: str = "") -> list[str]:
-    """Dotted names of the fields of a validated request (and its nested objects) astrai ignores."""
-    out = [prefix + name for name in model.model_extra or {}]
+    """Dotted names of the fields of a validated request (and its nested objects) astrai ignores.
+    A name the client chose is shown escaped as by `repr`, cut to MAX_FIELD_NAME_CHARS: a newline
+    in it cannot forge a log line, nor a megabyte-long name make a megabyte-long one."""
+    out = [prefix + shown_name(name) for name in model.model_extra or {}]
     for name in type(model).model_fields:
         value = getattr(model, name)
         for item in value if isinstance(value, list) else [value]:
             if isinstance(item, BaseModel):
                 out += ignored_fields(item, f"{prefix}{name}.")
     return out
+
+
+def shown_name(name: str) -> str:
+    """A client-chosen name as logs show it: its repr without the quotes (a newline is `\\n`), at
+    most MAX_FIELD_NAME_CHARS long."""
+    text = repr(name)[1:-1]
+    return text if len(text) <= MAX_FIELD_NAME_CHARS else text[:MAX_FIELD_NAME_CHARS - 3] + "..."
+
+
+def check_stops(stops: list[str]) -> None:
+    """The bounds on a stop list (OpenAI's `stop`, Anthropic's `stop_sequences`); ValueError beyond."""
+    if len(stops) > MAX_STOP_STRINGS:
+        raise ValueError(f"at most {MAX_STOP_STRINGS} stop strings are allowed, got {len(stops)}")
+    longest = max((len(s) for s in stops), default=0)
+    if longest > MAX_STOP_CHARS:
+        raise ValueError(f"each stop string may have at most {MAX_STOP_CHARS} characters, got one of {longest}")
 
 
 class StreamOptions(_Strict):
@@ -105,12 +124,7 @@ class _SamplingFields(_Strict):
     @field_validator("stop")
     @classmethod
     def _bounded_stops(cls, value: str | list[str] | None) -> str | list[str] | None:
-        stops = [value] if isinstance(value, str) else value or []
-        if len(stops) > MAX_STOP_STRINGS:
-            raise ValueError(f"at most {MAX_STOP_STRINGS} stop strings are allowed, got {len(stops)}")
-        longest = max((len(s) for s in stops), default=0)
-        if longest > MAX_STOP_CHARS:
-            raise ValueError(f"each stop string may have at most {MAX_STOP_CHARS} characters, got one of {longest}")
+        check_stops([value] if isinstance(value, str) else value or [])
         return value
 
     @field_validator("stream_options")
@@ -210,6 +224,21 @@ class ChatCompletionRequest(_SamplingFields):
     def tool_names(self) -> set[str]:
         return {t.function.name for t in self.tools or []}
 
+    def template_tools(self) -> list[dict[str, Any]] | None:
+        """The tools as the chat template's `tools` variable sees them (OpenAI's shape)."""
+        return [t.model_dump(exclude_none=True) for t in self.tools] if self.tools else None
+
+    def forced_tools(self) -> list[tuple[str, dict[str, Any] | None]] | None:
+        """(name, parameters) of the functions one of which must be called (tool_choice 'required'
+        or a named function), or None when the model may answer in text."""
+        choice = self.effective_tool_choice()
+        if choice == "required":
+            return [(t.function.name, t.function.parameters) for t in self.tools or []]
+        if isinstance(choice, NamedToolChoice):
+            return [(t.function.name, t.function.parameters) for t in self.tools or []
+                    if t.function.name == choice.function.name]
+        return None
+
     @field_validator("top_logprobs")
     @classmethod
     def _top_logprobs_need_logprobs(cls, value: int | None, info: ValidationInfo) -> int | None:
@@ -252,6 +281,34 @@ class CompletionRequest(_SamplingFields):
         if p and isinstance(p[0], int):
             return [p]  # one prompt given as token ids
         return list(p)
+
+
+class TokenizeRequest(_Strict):
+    """`POST /tokenize` (vLLM's shape): a `prompt`, or chat `messages` rendered by the template."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = Field(None, min_length=1)
+    add_special_tokens: bool | None = None  # vLLM's default: true for a prompt, false for messages
+    add_generation_prompt: bool = True
+    tools: list[ToolDef] | None = None
+    return_token_strs: bool = False
+
+    @model_validator(mode="after")
+    def _prompt_or_messages(self) -> TokenizeRequest:
+        if (self.messages is None) == (self.prompt is None):
+            raise ValueError("give exactly one of 'prompt' (text) or 'messages' (a chat)")
+        return self
+
+    def template_tools(self) -> list[dict[str, Any]] | None:
+        return [t.model_dump(exclude_none=True) for t in self.tools] if self.tools else None
+
+
+class DetokenizeRequest(_Strict):
+    """`POST /detokenize` (vLLM's shape): token ids back to text."""
+
+    model: str | None = None
+    tokens: list[int]
 
 
 # ----------------------------------------------------------------------------- responses

@@ -29,7 +29,7 @@ from starlette.requests import ClientDisconnect
 from astrai.infer.guided import Guide, GuideCompiler, GuideError
 from astrai.infer.sampling import SamplingParams
 from astrai.serve.anthropic import MessagesRequest, anthropic_error_body
-from astrai.serve.protocol import ChatCompletionRequest, CompletionRequest, error_body
+from astrai.serve.protocol import ChatCompletionRequest, CompletionRequest, error_body, shown_name
 
 MAX_JSON_DEPTH = 64  # deeper bodies are refused (422) before pydantic or a template recurses into them
 
@@ -86,8 +86,11 @@ async def read_body(request: Request, limit: int, timeout: float) -> bytes:
     return bytes(body)
 
 
-def parse_request(body: bytes, model: type) -> Any:
-    """JSON -> pydantic (on the prep pool): 422 for malformed or too deeply nested JSON, 400 for bad values."""
+def parse_request(body: bytes, model: type, max_messages: int | None = None) -> Any:
+    """JSON -> pydantic (on the prep pool): 422 for malformed or too deeply nested JSON, 400 for bad
+    values, for a lone UTF-16 surrogate in any string (it has no UTF-8 form, so no tokenizer,
+    template or response could carry it), and for more `messages` than `max_messages` (counted
+    before validation, whose cost grows with the count and holds the interpreter lock)."""
     try:
         data = json.loads(body)
     except RecursionError:
@@ -100,6 +103,18 @@ def parse_request(body: bytes, model: type) -> Any:
     if depth > MAX_JSON_DEPTH:
         raise APIError(422, f"request body nests JSON deeper than {MAX_JSON_DEPTH} levels; flatten it",
                        code="invalid_json")
+    if _SURROGATE.search(body):  # a cheap look at the bytes first: the walk is for suspects only
+        where = _surrogate_at(data)
+        if where is not None:
+            where = shown_name(where)
+            raise APIError(400, f"'{where or 'the body'}' holds a lone UTF-16 surrogate (a \\ud800-\\udfff "
+                                "escape without its pair), which is not Unicode text; send valid UTF-8",
+                           param=where or None)
+    messages = data.get("messages") if isinstance(data, dict) else None
+    if max_messages is not None and isinstance(messages, list) and len(messages) > max_messages:
+        raise APIError(400, f"'messages' has {len(messages)} entries but max_model_len is {max_messages} tokens "
+                            f"and every message renders to at least one; send at most {max_messages} messages",
+                       param="messages")
     try:
         return model.model_validate(data)
     except ValidationError as exc:
@@ -108,6 +123,36 @@ def parse_request(body: bytes, model: type) -> Any:
         where = f"'{param}': " if param else ""
         raise APIError(400, f"invalid value for {where}{first['msg']} (got {_short(first.get('input'))})",
                        param=param) from None
+
+
+# a \uD800-\uDFFF escape (even a paired one: the walk decides) or raw surrogate bytes (CESU-8)
+_SURROGATE = re.compile(rb"\\u[dD][89a-fA-F]|\xed[\xa0-\xbf]")
+
+
+def _surrogate_at(data: Any) -> str | None:
+    """The dotted path of the first string (key or value) holding a lone surrogate, or None."""
+    todo: list[tuple[Any, str]] = [(data, "")]
+    while todo:
+        node, path = todo.pop()
+        if isinstance(node, str):
+            if not node.isascii() and not _is_unicode(node):
+                return path
+        elif isinstance(node, dict):
+            for key, value in node.items():
+                if not _is_unicode(key):
+                    return path
+                todo.append((value, f"{path}.{key}" if path else key))
+        elif isinstance(node, list):
+            todo.extend((item, f"{path}[{i}]") for i, item in enumerate(node))
+    return None
+
+
+def _is_unicode(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 def _json_depth(data: Any) -> int:
@@ -143,22 +188,20 @@ def _short(value: Any) -> str:
 
 
 # ------------------------------------------------------------------------------- prompt token ids
-def render_messages(tokenizer: Any, conversation: list[dict[str, Any]]) -> list[int]:
-    """An Anthropic conversation through the chat template + tokenisation (on the prep pool)."""
+def render_chat(tokenizer: Any, conversation: list[dict[str, Any]], tools: list[dict[str, Any]] | None,
+                check_chars: Callable[[int, str], None]) -> list[int]:
+    """A conversation (chat-template messages, OpenAI's or Anthropic's made into them) and the
+    template's `tools` -> prompt token ids, on the prep pool. The rendered text is bounded by
+    `check_chars` (an `APIError` when too long) before it is tokenised: empty messages cost no
+    content but each still renders its role markers."""
+    num_chars = sum(len(m.get("content") or "") for m in conversation)
+    check_chars(num_chars + (len(json.dumps(tools, ensure_ascii=False)) if tools else 0), "messages")
     try:
-        return tokenizer.apply_chat_template(conversation, add_generation_prompt=True, tokenize=True)
+        text = tokenizer.apply_chat_template(conversation, add_generation_prompt=True, tokenize=False, tools=tools)
     except Exception as exc:  # noqa: BLE001 - template errors (e.g. role order) are the client's
         raise APIError(400, f"the chat template cannot render these messages: {exc}", param="messages") from None
-
-
-def render_chat(tokenizer: Any, req: ChatCompletionRequest) -> list[int]:
-    """Chat template + tokenisation (on the prep pool); the tools go to the template's `tools`."""
-    tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
-    try:
-        return tokenizer.apply_chat_template([m.to_template() for m in req.messages], add_generation_prompt=True,
-                                             tokenize=True, tools=tools)
-    except Exception as exc:  # noqa: BLE001 - template errors (e.g. role order) are the client's
-        raise APIError(400, f"the chat template cannot render these messages: {exc}", param="messages") from None
+    check_chars(len(text), "messages")
+    return tokenizer.encode(text, add_special_tokens=False)
 
 
 def encode_prompts(tokenizer: Any, prompts: list[str | list[int]]) -> list[list[int]]:
@@ -210,23 +253,30 @@ def to_sampling_params(req: SamplingRequest, defaults: dict[str, Any], vocab_siz
     return params
 
 
-def grammar_guide(req: ChatCompletionRequest, compiler: Callable[[], GuideCompiler]) -> Guide | None:
-    """The grammar a chat request's output must follow (on the prep pool), or None: its JSON
-    response_format, or the tool calls that tool_choice 'required' or a named function demands."""
-    fmt, choice = req.response_format, req.effective_tool_choice()
-    constrained = (fmt is not None and fmt.type != "text") or choice == "required" or not isinstance(choice, str)
-    if not constrained:
+def grammar_guide(req: ChatCompletionRequest | MessagesRequest,
+                  compiler: Callable[[], GuideCompiler]) -> Guide | None:
+    """The grammar a chat or Anthropic request's output must follow (on the prep pool), or None:
+    a JSON response_format, or the tool calls of `forced_tools` (OpenAI's tool_choice 'required' or
+    a named function; Anthropic's 'any' or a named tool)."""
+    fmt, forced = req.response_format, req.forced_tools()
+    if (fmt is None or fmt.type == "text") and forced is None:
         return None
-    param = "response_format" if fmt is not None and fmt.type != "text" else "tool_choice"
     try:
         guides = compiler()
-        if param == "response_format":
-            if fmt.type == "json_object":
-                return guides.json_object()
+        if fmt is not None and fmt.type == "json_object":
+            return guides.json_object()
+        if fmt is not None and fmt.type == "json_schema":
             return guides.json_schema(fmt.json_schema.schema_)
-        tools = [(t.function.name, t.function.parameters) for t in req.tools or []]
-        if not isinstance(choice, str):  # a named function
-            tools = [t for t in tools if t[0] == choice.function.name]
-        return guides.tool_calls(tools, req.parallel_tool_calls)
+        return guides.tool_calls([(name, rooted(name, params)) for name, params in forced or []],
+                                 req.parallel_tool_calls)
     except GuideError as exc:
-        raise APIError(400, str(exc), param=param if param == "response_format" else "tools") from None
+        raise APIError(400, str(exc), param="response_format" if forced is None else "tools") from None
+
+
+def rooted(name: str, schema: dict[str, Any] | None) -> dict[str, Any] | None:
+    """A tool's parameter schema made its own JSON-pointer root: the tool-call grammar nests it
+    inside a wrapper object, where its `#/$defs/...` references would point into the wrapper. A
+    `$id` makes `#` resolve to the schema itself again (JSON Schema's base-URI rule)."""
+    if not isinstance(schema, dict) or "$id" in schema or "$ref" not in json.dumps(schema):
+        return schema
+    return {"$id": f"urn:astrai:tool:{name}", **schema}
