@@ -80,7 +80,7 @@ def test_online_grpo_logs_eval_rows_at_step_zero_every_interval_and_the_end(tmp_
     assert rows[-1]["eval/greedy_reward_mean"] >= rows[-1]["eval/accuracy"]
 
 
-def test_sft_logs_eval_rows_from_an_engine_of_its_own(tmp_path, tok_dir):
+def test_sft_logs_eval_rows_from_an_engine_of_its_own(tmp_path, tok_dir, capsys):
     items = generate_items(32, ["add"], digits=2, seed=1)
     (tmp_path / "sft.jsonl").write_text("".join(json.dumps(sft_record(it)) + "\n" for it in items))
     cfg = {"model": MODEL,
@@ -95,6 +95,9 @@ def test_sft_logs_eval_rows_from_an_engine_of_its_own(tmp_path, tok_dir):
     assert main(["--config", str(tmp_path / "run.yaml")]) == 0
     rows = eval_rows(tmp_path)
     assert [r["step"] for r in rows] == [0, 3, 5]
+    summary = capsys.readouterr().err
+    assert (f"eval accuracy {rows[0]['eval/accuracy']:.1%} -> {rows[-1]['eval/accuracy']:.1%} (step 5; 3 evaluations"
+            in summary), summary[-800:]
     assert all("eval/reward_mean" not in r for r in rows)  # eval_num_samples 0: greedy only
     assert rows[-1]["eval/greedy_reward_mean"] == rows[-1]["eval/accuracy"]  # exact_match is the accuracy
     final = latest_checkpoint(tmp_path / "ckpt")

@@ -4,7 +4,7 @@ Every loop (the offline ``Trainer``, the online RL loop) carries ``RunSummary`` 
 default callbacks, after the checkpoint saver, so by its ``on_train_end`` the last checkpoint is
 published. On rank 0 it prints, whatever ``progress`` says: how the run ended (finished, or
 stopped and why), the final step, the last train and validation loss (and the mean reward of an RL
-run), tokens/s and wall time of this process, the last checkpoint this run published (``ckpt_dir``
+run), the held-out accuracy of evaluation during training (first -> last, their count and time), tokens/s and wall time of this process, the last checkpoint this run published (``ckpt_dir``
 may hold older runs' too), and the commands
 that serve it or resume the run. A run that fails prints its error instead (``train/cli.py``).
 """
@@ -33,6 +33,10 @@ class RunReport:
     train_loss: tuple[int, float] | None = None  # (step, value) of the last optimizer step
     val_loss: tuple[int, float] | None = None  # (step, value) of the last validation
     reward_mean: float | None = None  # online RL: the last rollout's mean reward
+    eval_accuracy: tuple[int, float] | None = None  # (step, value) of the last evaluation (eval_interval)
+    eval_first_accuracy: float | None = None  # this process's first evaluation (step 0 of a fresh run)
+    eval_seconds: float = 0.0  # all evaluations of this process
+    num_evals: int = 0
     checkpoint: Path | None = None
     resume_command: str | None = None  # None: "rerun with --resume"
 
@@ -60,9 +64,13 @@ def format_summary(r: RunReport) -> str:
     losses.append(f"val loss {r.val_loss[1]:.4f} (step {r.val_loss[0]})" if r.val_loss else "val loss - (no validation)")
     if r.reward_mean is not None:
         losses.append(f"reward_mean {r.reward_mean:.4f}")
-    lines = [head, "  " + ", ".join(losses),
-             f"  {r.tokens / max(r.seconds, 1e-9):,.0f} tokens/s ({r.tokens:,} tokens), wall time "
-             f"{format_duration(r.seconds)}"]
+    lines = [head, "  " + ", ".join(losses)]
+    if r.eval_accuracy is not None:
+        first = f"{r.eval_first_accuracy:.1%} -> " if r.num_evals > 1 and r.eval_first_accuracy is not None else ""
+        lines.append(f"  eval accuracy {first}{r.eval_accuracy[1]:.1%} (step {r.eval_accuracy[0]}; {r.num_evals} "
+                     f"evaluation{'s' if r.num_evals != 1 else ''}, {format_duration(r.eval_seconds)})")
+    lines.append(f"  {r.tokens / max(r.seconds, 1e-9):,.0f} tokens/s ({r.tokens:,} tokens), wall time "
+                 f"{format_duration(r.seconds)}")
     if r.checkpoint is None:
         lines.append("  last checkpoint: none")
     else:
@@ -108,6 +116,9 @@ class RunSummary:
         self._train: tuple[int, float] | None = None
         self._val: tuple[int, float] | None = None
         self._reward: float | None = None
+        self._evals: list[tuple[int, float, float]] = []  # (step, eval/accuracy, eval/seconds)
+        self._note_eval(trainer.step_metrics if isinstance(getattr(trainer, "step_metrics", None), dict) else {},
+                        trainer.ctx.step)  # the step-0 evaluation runs in on_train_begin, before this
 
     def after_optimizer_step(self, trainer: Loop) -> None:
         m = trainer.step_metrics
@@ -117,6 +128,11 @@ class RunSummary:
             self._val = (m["step"], float(m["val/loss"]))
         if "reward_mean" in m:
             self._reward = float(m["reward_mean"])
+        self._note_eval(m, m.get("step", trainer.ctx.step))
+
+    def _note_eval(self, m: dict[str, Any], step: int) -> None:
+        if "eval/accuracy" in m:
+            self._evals.append((step, float(m["eval/accuracy"]), float(m.get("eval/seconds", 0.0))))
 
     def on_error(self, trainer: Loop, error: BaseException) -> None:
         self.failed = True  # the error is the run's last word
@@ -137,5 +153,8 @@ class RunSummary:
             stop_reason=(ctx.stop_reason or "requested") if ctx.stop_requested and ctx.step < trainer.total_steps
             else None,
             train_loss=self._train, val_loss=self._val, reward_mean=self._reward, checkpoint=checkpoint,
+            eval_accuracy=self._evals[-1][:2] if self._evals else None,
+            eval_first_accuracy=self._evals[0][1] if self._evals else None,
+            eval_seconds=sum(e[2] for e in self._evals), num_evals=len(self._evals),
             resume_command=resume_command(self.command, cfg, checkpoint))
         print(format_summary(self.report), file=self.stream or sys.stderr, flush=True)
