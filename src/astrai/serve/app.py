@@ -4,7 +4,9 @@ Data flow: HTTP body -> size limit -> JSON -> pydantic request (`protocol.py`, `
 prompt token ids (chat template or plain text) and `SamplingParams` (those steps are in
 `requests.py`) -> `AsyncEngine.submit` (engine thread) -> `RequestUpdate`s -> OpenAI JSON or SSE
 chunks (`render.py`). The three POST routes share one skeleton (`_serve`): each names only its
-request model, how its prompts become checked token ids, and its renderer (`Endpoint`).
+request model, how its prompts become checked token ids, and its renderer (`Endpoint`). At the
+root, lm-eval's remote tokenizer routes (vLLM's `/tokenizer_info`, `/tokenize`, `/detokenize`)
+expose the served tokenizer, behind the same key and error bodies.
 Everything a client can get wrong is answered with OpenAI's error body before the request reaches
 the engine, so a bad request never touches the requests already running. What the routes share
 (config, engine, limits, checks) is `state.py`'s `ServerState`. The model loads in the
@@ -13,8 +15,10 @@ background after the socket is bound: `/health` answers 503 until it is ready. T
 
 No one request may stall the others: the body must arrive within `--body_timeout` (408);
 JSON parsing, template rendering and tokenisation run on a small thread pool, after a
-character-count check that refuses a prompt too long to fit before encoding it; admission is
-bounded by max_num_seqs plus `--max_waiting` (429 with Retry-After beyond it).
+character-count check that refuses a prompt too long to fit before encoding it (for a chat: its
+message count before validation, its rendered text before tokenising); admission is bounded by
+max_num_seqs plus `--max_waiting` (429 with Retry-After beyond it; 400 for a request with more
+sequences than that, which could never be admitted).
 """
 
 from __future__ import annotations

@@ -2,7 +2,8 @@
 gets when it fails.
 
 The first steps of a request in `app.py`'s routes: the body within `--body_timeout` seconds
-(408) and `--max_request_bytes` (413), JSON no deeper than MAX_JSON_DEPTH (422), the pydantic
+(408) and `--max_request_bytes` (413), JSON no deeper than MAX_JSON_DEPTH (422), with no lone
+UTF-16 surrogate and, for a chat, no more messages than max_model_len (400), the pydantic
 request of `protocol.py` / `anthropic.py` (400 naming the parameter), then the chat template or
 the tokenizer turning it into prompt token ids (a template error is the client's, 400), the
 grammar a constrained chat request's output must follow (`infer/guided.py`), and the request's
