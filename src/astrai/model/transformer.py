@@ -9,8 +9,10 @@ parameter names match Hugging Face's Llama/Qwen layout, so checkpoints map by na
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from contextlib import nullcontext
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -31,10 +33,11 @@ from astrai.model.moe import MLP, MoE
 
 @dataclass
 class ModelOutput:
-    logits: Tensor  # (B, T, V), or (B, K, V) when logits_indices selects K positions
+    logits: Tensor | None  # (B, T, V), or (B, K, V) when logits_indices selects K positions; None with `head`
     hidden_states: Tensor  # after the final norm: (B, T, C); (B, K, C) at logits_indices in padded batches
     aux_loss: Tensor | None = None  # MoE load-balancing loss (training mode only)
     router_stats: dict[str, Tensor] = field(default_factory=dict)
+    head: Any = None  # what forward's `head` returned (chunked log-probs), when one was given
 
 
 class DecoderLayer(nn.Module):
@@ -182,14 +185,20 @@ class CausalLM(nn.Module):
         document_ids: Tensor | None = None,
         attn_metadata: PagedAttentionMetadata | None = None,
         logits_indices: Tensor | None = None,
+        head: Callable[[Tensor, nn.Module], Any] | None = None,
     ) -> ModelOutput:
         """Logits at every position, or at `logits_indices` only: in padded batches (K,) positions
         of every row, for which the last layer computes just those rows; in paged batches (K,)
-        indices into the flat row."""
+        indices into the flat row. `head` (padded batches): called as head(hidden, lm_head)
+        instead of the lm head, e.g. chunked log-probs (`model/chunked_head.py`) that never hold
+        the logits; its result is `head` of the output and `logits` is None. It runs here, inside
+        the model's forward, so FSDP's unshard and reshard hooks cover the lm head's weight."""
         if attn_metadata is None:
             hidden, aux_loss, router_stats = self.model(
                 input_ids, attention_mask, position_ids, document_ids, keep=logits_indices
             )
+            if head is not None:
+                return ModelOutput(None, hidden, aux_loss, router_stats, head=head(hidden, self.lm_head))
             return ModelOutput(self.lm_head(hidden), hidden, aux_loss, router_stats)
         hidden, aux_loss, router_stats = self.model(input_ids, attention_mask, position_ids, document_ids, attn_metadata)
         h = hidden if logits_indices is None else hidden[:, logits_indices]

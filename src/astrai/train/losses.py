@@ -86,6 +86,27 @@ def token_cross_entropy(
     return loss_sum, num_tokens
 
 
+def cross_entropy_from_logps(logps: Tensor, mean_logps: Tensor | None, label_smoothing: float = 0.0) -> Tensor:
+    """``token_cross_entropy``'s sum from the loss tokens' log pi(label) (M,) and, with label
+    smoothing eps, their mean_v log pi_v (M,): sum of -(1 - eps) * log pi(label) - eps * mean_v log pi_v."""
+    if not 0.0 <= label_smoothing < 1.0:
+        raise ValueError(f"label_smoothing must be in [0, 1), got {label_smoothing}; use e.g. 0.1")
+    if not label_smoothing:
+        return -logps.sum()
+    return -((1 - label_smoothing) * logps + label_smoothing * mean_logps).sum()
+
+
+def sum_token_logps(token_logps: Tensor, mask: Tensor, average: bool = False) -> Tensor:
+    """Per-sequence sums (or means, ``average``) (B,) of the loss tokens' log-probs: given (B, T)
+    with `mask` (B, T), or the mask's M set tokens row by row (M,)."""
+    if token_logps.shape != mask.shape:
+        token_logps = token_logps.new_zeros(mask.shape).masked_scatter(mask, token_logps)  # (B, T)
+    total = masked_sum(token_logps, mask, dim=-1)  # (B,)
+    if not average:
+        return total
+    return total / mask.sum(dim=-1).clamp(min=1).to(total.dtype)
+
+
 def sequence_logps(
     logits: Tensor, labels: Tensor, average: bool = False, ignore_index: int = IGNORE_INDEX
 ) -> Tensor:
@@ -97,11 +118,7 @@ def sequence_logps(
     """
     mask = labels != ignore_index  # (B, T)
     safe_labels = torch.where(mask, labels, torch.zeros_like(labels))
-    token_logps = selective_log_softmax(logits, safe_labels)  # (B, T) float32
-    total = masked_sum(token_logps, mask, dim=-1)  # (B,)
-    if not average:
-        return total
-    return total / mask.sum(dim=-1).clamp(min=1).to(total.dtype)
+    return sum_token_logps(selective_log_softmax(logits, safe_labels), mask, average)  # (B,)
 
 
 # ---------------------------------------------------------------------------------------------

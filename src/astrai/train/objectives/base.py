@@ -25,8 +25,9 @@ import torch
 from torch import Tensor, nn
 
 from astrai.config import Config, RLConfig
-from astrai.model.logprobs import selective_log_softmax, truncated_token_logps
-from astrai.train.losses import IGNORE_INDEX, aggregate_token_loss, importance_weights, token_entropy
+from astrai.model.chunked_head import HeadLogps, head_logps
+from astrai.train.losses import IGNORE_INDEX, aggregate_token_loss, importance_weights
+from astrai.train.objectives.packing import RowLayout
 
 if TYPE_CHECKING:
     from astrai.train.build import Run
@@ -79,6 +80,25 @@ def labelled_positions(labels: Tensor) -> Tensor | None:
     if bool(keep.all()):
         return None
     return keep.nonzero().squeeze(1)
+
+
+def labelled_logps(model: Any, batch: Batch, prefix: str = "", smoothing: bool = False) -> tuple[Any, Tensor, Tensor]:
+    """(model output, log pi(label) (M,), mean_v log pi_v (M,) or None) of the M labelled tokens
+    of a batch (its ``{prefix}input_ids``, ``labels``, ``attention_mask``, ``position_ids``), row
+    by row in order, through the chunked lm head at those tokens only: SFT and DPO."""
+    labels = batch[f"{prefix}labels"]
+    idx = labelled_positions(labels)
+    mask = labels != IGNORE_INDEX
+    if idx is not None:
+        mask = mask[:, idx]  # (B, K)
+        labels = labels[:, idx]
+
+    def head(hidden: Tensor, lm_head: nn.Module) -> HeadLogps:
+        return head_logps(hidden[mask], lm_head, labels[mask], smoothing=smoothing)
+
+    out = model(batch[f"{prefix}input_ids"], attention_mask=batch.get(f"{prefix}attention_mask"),
+                position_ids=batch.get(f"{prefix}position_ids"), logits_indices=idx, head=head)
+    return out, out.head.logps, out.head.mean_logps
 
 
 def aux_coef(cfg: Config, model: nn.Module) -> float:
@@ -138,24 +158,43 @@ class Objective:
         return loss + coef * aux
 
 
-def token_logps(model: nn.Module, batch: Batch, rl: RLConfig) -> tuple[Tensor, Tensor, Any]:
-    """(log-probs (B, K), loss mask (B, K), (model output, positions)) of the labelled tokens
-    under the distribution the rollout sampler drew from: logits / rollout_temperature, truncated
-    to rollout_top_k and rollout_top_p and renormalised (docs/training.md, "The log-prob
-    contract"); temperature 0 (greedy) uses the plain logits, as the sampler does."""
+@dataclass
+class PolicyLogps:
+    """What ``token_logps`` gives an objective, at the labelled positions ``idx`` (K,) of the
+    padded rows (every position when None): log-probs and loss mask (B, K), the entropy metric
+    (B, K) when asked for, and the forward's MoE terms."""
+
+    logps: Tensor
+    mask: Tensor
+    idx: Tensor | None
+    entropy: Tensor | None = None
+    aux_loss: Tensor | None = None
+    router_stats: dict[str, Tensor] = field(default_factory=dict)
+    rows: RowLayout | None = None  # how the rows went through the model (PPO's critic runs them the same way)
+
+
+def token_logps(model: Any, batch: Batch, rl: RLConfig, entropy: bool = False, layout: str = "pack") -> PolicyLogps:
+    """The labelled tokens' log-probs under the distribution the rollout sampler drew from:
+    logits / rollout_temperature, truncated to rollout_top_k and rollout_top_p and renormalised
+    (docs/training.md, "The log-prob contract"); temperature 0 (greedy) uses the plain logits, as
+    the sampler does. The rows run through the model in `layout` (``packing.py``: padding-free by
+    default) and the lm head runs chunked on the labelled tokens only (``model/chunked_head.py``:
+    no (rows, vocab) logits tensor); results come back in the padded (B, K) layout, 0 off-label."""
     labels = batch["labels"]
+    labelled = labels != IGNORE_INDEX
+    rows = RowLayout.build(batch["attention_mask"], labelled, layout)
+    keep = rows.keep()
+    targets = labels[rows.src]  # (M,)
+
+    def head(hidden: Tensor, lm_head: nn.Module) -> HeadLogps:
+        return head_logps(rows.gather(hidden, keep), lm_head, targets, rl.rollout_temperature, rl.rollout_top_k,
+                          rl.rollout_top_p, entropy=entropy)
+
+    out = model(**rows.inputs(batch["input_ids"], batch["attention_mask"]), logits_indices=keep, head=head)
     idx = labelled_positions(labels)
-    out = model(batch["input_ids"], attention_mask=batch["attention_mask"], logits_indices=idx)  # (B, K, V)
-    if idx is not None:
-        labels = labels[:, idx]  # (B, K)
-    mask = labels != IGNORE_INDEX
-    targets = torch.where(mask, labels, torch.zeros_like(labels))
-    if rl.rollout_temperature > 0:
-        logits = out.logits.float() / rl.rollout_temperature
-        logps = truncated_token_logps(logits, targets, rl.rollout_top_k, rl.rollout_top_p)  # (B, K)
-    else:
-        logps = selective_log_softmax(out.logits.float(), targets)  # (B, K)
-    return logps, mask, (out, idx)
+    mask = labelled if idx is None else labelled[:, idx]  # (B, K)
+    ent = rows.scatter(out.head.entropy, idx) if entropy else None
+    return PolicyLogps(rows.scatter(out.head.logps, idx), mask, idx, ent, out.aux_loss, out.router_stats, rows)
 
 
 @torch.no_grad()
@@ -166,9 +205,9 @@ def reference_logps(reference: Any, rollout: Any, rl: RLConfig, device: torch.de
     for rows in torch.arange(rollout.num_samples).split(16):
         batch = {"input_ids": rollout.input_ids[rows].to(device), "attention_mask": rollout.attention_mask[rows].to(device),
                  "labels": rollout.labels[rows].to(device)}
-        lp, _, (_, idx) = token_logps(reference, batch, rl)
+        ref = token_logps(reference, batch, rl)
         full = torch.zeros(len(rows), out.size(1))
-        full[:, idx if idx is not None else slice(None)] = lp.cpu()
+        full[:, ref.idx if ref.idx is not None else slice(None)] = ref.logps.cpu()
         out[rows] = full
     return out
 
@@ -192,8 +231,13 @@ class RolloutObjective(Objective):
     correct the sampler-trainer mismatch (``behaviour``)."""
 
     online = False
+    # how micro-batches go through the model (measured in benchmarks/bench_rl_scale.py): "pack"
+    # (padding-free rows), "sort" (samples sorted by length into micro-batches, each trimmed to
+    # its longest), "pad" (every micro-batch at the rollout's width, as before)
+    layout = "pack"
 
     def __init__(self, rl: RLConfig):
+        self.rl = rl
         self.agg = rl.rl_loss_agg
         self.is_level, self.is_cap = rl.rollout_is_level, rl.rollout_is_cap
         self.mask_truncated = rl.mask_truncated_completions
@@ -224,8 +268,17 @@ class RolloutObjective(Objective):
         rollout.trainer_logps = torch.where(rollout.labels != IGNORE_INDEX, unknown, 0.0)
 
     def batches(self, rollout: Any, num_micro: int) -> list[Batch]:
-        chunks = torch.arange(rollout.num_samples).tensor_split(min(num_micro, rollout.num_samples))
+        """Micro-batches of whole samples, in order (or, layout "sort", longest first, so that
+        each micro-batch holds samples of similar lengths)."""
+        order = torch.arange(rollout.num_samples)
+        if self.layout == "sort":
+            order = rollout.attention_mask.sum(dim=1).argsort(descending=True, stable=True)
+        chunks = order.tensor_split(min(num_micro, rollout.num_samples))
         return [rollout.rows(idx) for idx in chunks if len(idx)]
+
+    def logps(self, model: Any, batch: Batch, entropy: bool = False) -> PolicyLogps:
+        """``token_logps`` in this objective's layout."""
+        return token_logps(model, batch, self.rl, entropy, "trim" if self.layout == "sort" else self.layout)
 
     def behaviour(self, batch: Batch, logps: Tensor, mask: Tensor, idx: Tensor | None) -> Behaviour:
         """The ratio's denominator and the importance weights (docs/training.md, "The log-prob
@@ -250,20 +303,19 @@ class RolloutObjective(Objective):
         once the window divides by its units)."""
         return aggregate_token_loss(per_token, mask, "token_mean" if self.agg == "token_mean" else "seq_mean")[0]
 
-    def common_metrics(self, logps: Tensor, out: Any, mask: Tensor, beh: Behaviour, clipped: Tensor,
-                       sampler: Tensor, temperature: float) -> dict[str, Tensor]:
+    def common_metrics(self, pol: PolicyLogps, mask: Tensor, beh: Behaviour, clipped: Tensor,
+                       sampler: Tensor) -> dict[str, Tensor]:
         """The metrics every rollout objective reports, computed only when asked for (TRL / verl
         names where they exist): clip fractions (all, below 1 - eps, above 1 + eps_high), approx_kl
         to the old policy, sampler_logp_diff, the policy's mean token entropy, importance weights."""
-        diff_old, diff_sampler = logps.detach() - beh.old, logps.detach() - sampler
-        scale = temperature if temperature > 0 else 1.0
+        diff_old, diff_sampler = pol.logps.detach() - beh.old, pol.logps.detach() - sampler
         candidates = {
             "clip_fraction": lambda: clipped.float(),
             "clip_fraction_low": lambda: (clipped & (diff_old < 0)).float(),  # ratio below 1 - clip_eps
             "clip_fraction_high": lambda: (clipped & (diff_old > 0)).float(),  # ratio above 1 + clip_eps_high
             "approx_kl": lambda: 0.5 * diff_old**2,  # between the current and the old policy
             "sampler_logp_diff": lambda: diff_sampler.abs(),  # |trainer - sampler| log-prob; ~0 on a fresh rollout
-            "entropy": lambda: token_entropy(out.logits.float() / scale),  # (B, K, V) only when asked for
+            "entropy": lambda: pol.entropy,  # computed chunk by chunk by token_logps when asked for
             "is_weight_mean": lambda: beh.weights,
             "is_weight_capped_fraction": lambda: beh.capped.float(),
         }

@@ -11,14 +11,14 @@ import torch
 from torch import Tensor, nn
 
 from astrai.config import Config
-from astrai.train.losses import IGNORE_INDEX, dpo_loss, sequence_logps
+from astrai.train.losses import IGNORE_INDEX, dpo_loss, sum_token_logps
 from astrai.train.objectives.base import (
     Batch,
     LossOutput,
     Objective,
     aux_coef,
     frozen_reference,
-    labelled_positions,
+    labelled_logps,
 )
 
 
@@ -52,12 +52,10 @@ class DPOObjective(Objective):
         return torch.tensor(batch["chosen_input_ids"].size(0), device=batch["chosen_input_ids"].device)
 
     def _logps(self, model: nn.Module, ids: Tensor, labels: Tensor, mask: Tensor, pos: Tensor) -> tuple[Any, Tensor]:
-        idx = labelled_positions(labels)
-        out = model(ids, attention_mask=mask, position_ids=pos, logits_indices=idx)  # logits (2B, K, V)
-        if idx is not None:
-            labels = labels[:, idx]  # (2B, K)
+        batch = {"input_ids": ids, "labels": labels, "attention_mask": mask, "position_ids": pos}
+        out, token_logps, _ = labelled_logps(model, batch)  # (M,), the chunked lm head at labelled tokens
         # IPO compares per-token mean log-probs (its length normalisation)
-        return out, sequence_logps(out.logits, labels, average=self.loss_type == "ipo")  # (2B,)
+        return out, sum_token_logps(token_logps, labels != IGNORE_INDEX, average=self.loss_type == "ipo")  # (2B,)
 
     def __call__(self, model: nn.Module, batch: Batch) -> LossOutput:
         ids, labels, mask, pos = concat_pairs(batch)  # (2B, T) each

@@ -39,7 +39,6 @@ from astrai.train.objectives.base import (
     RolloutObjective,
     frozen_reference,
     reference_logps,
-    token_logps,
 )
 
 
@@ -88,8 +87,9 @@ class GRPOObjective(RolloutObjective):
         return advantages
 
     def __call__(self, model: nn.Module, batch: Batch) -> LossOutput:
-        logps, mask, (out, idx) = token_logps(model, batch, self.rl)
-        mask = self.loss_mask(batch, mask)
+        pol = self.logps(model, batch, entropy=self.wants("entropy"))
+        logps, idx = pol.logps, pol.idx
+        mask = self.loss_mask(batch, pol.mask)
         beh = self.behaviour(batch, logps, mask, idx)  # the ratio's old log-probs, importance weights
         advantages = batch["advantages"] if "advantages" in batch else self._group_advantages(batch)
         if advantages.dim() == 2 and idx is not None:
@@ -103,7 +103,7 @@ class GRPOObjective(RolloutObjective):
         metrics: dict[str, Tensor] = {}
         if self.kl_in_loss:
             with torch.no_grad():
-                ref_logps, _, _ = token_logps(self.reference, batch, self.rl)
+                ref_logps = self.logps(self.reference, batch).logps
             kl = kl_estimate(logps, ref_logps, self.rl.kl_estimator)  # (B, K)
             loss = loss + self.kl_coef * kl
             if self.wants("kl"):
@@ -111,7 +111,7 @@ class GRPOObjective(RolloutObjective):
         total, _ = aggregate_token_loss(loss, mask, self.agg, self.max_len)
         sampler = batch["old_logps"] if idx is None else batch["old_logps"][:, idx]
         sampler = torch.where(torch.isnan(sampler), logps.detach(), sampler)
-        metrics.update(self.common_metrics(logps, out, mask, beh, clipped, sampler, self.temperature))
+        metrics.update(self.common_metrics(pol, mask, beh, clipped, sampler))
         return LossOutput(total, metrics, beh.pins)
 
     def prepare(self, rollout: Any) -> None:

@@ -1,14 +1,15 @@
 """Language-modelling objectives: next-token cross entropy (``seq``, pre-training) and its masked
 form (``sft``, where the dataset labels only assistant turns), with label smoothing and the MoE
-load-balancing term. The arithmetic is ``losses.token_cross_entropy``."""
+load-balancing term. The arithmetic is ``losses.cross_entropy_from_logps`` (``token_cross_entropy``'s
+on log-probs from the chunked lm head)."""
 
 from __future__ import annotations
 
 from torch import Tensor, nn
 
 from astrai.config import Config
-from astrai.train.losses import IGNORE_INDEX, token_cross_entropy
-from astrai.train.objectives.base import Batch, LossOutput, Objective, aux_coef, labelled_positions
+from astrai.train.losses import IGNORE_INDEX, cross_entropy_from_logps
+from astrai.train.objectives.base import Batch, LossOutput, Objective, aux_coef, labelled_logps
 
 
 class SeqObjective(Objective):
@@ -22,13 +23,10 @@ class SeqObjective(Objective):
         return (batch["labels"] != IGNORE_INDEX).sum()
 
     def __call__(self, model: nn.Module, batch: Batch) -> LossOutput:
-        labels = batch["labels"]  # (B, T)
-        idx = labelled_positions(labels)
-        out = model(batch["input_ids"], attention_mask=batch.get("attention_mask"),
-                    position_ids=batch.get("position_ids"), logits_indices=idx)  # logits (B, K, V)
-        if idx is not None:
-            labels = labels[:, idx]  # (B, K)
-        loss_sum, num_tokens = token_cross_entropy(out.logits, labels, self.label_smoothing)
+        # the lm head runs chunked at the labelled tokens only: no (B, T, V) logits
+        out, logps, mean_logps = labelled_logps(model, batch, smoothing=self.label_smoothing > 0)  # (M,) each
+        loss_sum = cross_entropy_from_logps(logps, mean_logps, self.label_smoothing)
+        num_tokens = (batch["labels"] != IGNORE_INDEX).sum()
         metrics: dict[str, Tensor] = {}
         loss = self._add_moe_terms(out, loss_sum, num_tokens, self.aux_coef, metrics)
         return LossOutput(loss, metrics)

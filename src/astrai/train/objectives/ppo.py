@@ -37,7 +37,6 @@ from astrai.train.objectives.base import (
     RolloutObjective,
     frozen_reference,
     reference_logps,
-    token_logps,
 )
 
 if TYPE_CHECKING:
@@ -156,8 +155,9 @@ class OnlinePPOObjective(RolloutObjective):
 
     def __call__(self, model: nn.Module, batch: Batch) -> LossOutput:
         rl = self.rl
-        logps, mask, (out, idx) = token_logps(model, batch, self.rl)
-        mask = self.loss_mask(batch, mask)
+        pol = self.logps(model, batch, entropy=self.wants("entropy"))
+        logps, idx, rows = pol.logps, pol.idx, pol.rows
+        mask = self.loss_mask(batch, pol.mask)
 
         def at(key: str) -> Tensor:  # a pinned (B, T) tensor at the labelled positions (B, K)
             return batch[key] if idx is None else batch[key][:, idx]
@@ -166,8 +166,8 @@ class OnlinePPOObjective(RolloutObjective):
         beh = self.behaviour(batch, logps, mask, idx)  # the ratio's old log-probs, importance weights
         policy, clipped = clipped_surrogate(logps, beh.old, at("advantages"), rl.clip_eps, rl.clip_eps_high)
         policy = policy * beh.weights
-        values = self.critic_module(batch["input_ids"], attention_mask=batch["attention_mask"])  # (B, T)
-        values = values if idx is None else values[:, idx]
+        values = self.critic_module(**rows.inputs(batch["input_ids"], batch["attention_mask"]))  # (R, W), as the policy ran
+        values = rows.scatter(values[rows.dst], idx)  # (B, K)
         vloss, vclipped = value_loss(values, at("old_values"), at("returns"), rl.value_clip, coef=1.0)
         policy_sum, _ = aggregate_token_loss(policy, mask, rl.rl_loss_agg, rl.rollout_max_tokens)
         value_sum, _ = aggregate_token_loss(vloss, mask, rl.rl_loss_agg, rl.rollout_max_tokens)
@@ -177,5 +177,5 @@ class OnlinePPOObjective(RolloutObjective):
             "value_clip_fraction": lambda: self.per_unit(vclipped.float(), mask),
         }
         metrics = {k: f() for k, f in candidates.items() if self.wants(k)}
-        metrics.update(self.common_metrics(logps, out, mask, beh, clipped, at("old_logps"), self.temperature))
+        metrics.update(self.common_metrics(pol, mask, beh, clipped, at("old_logps")))
         return LossOutput(policy_sum + rl.ppo_vf_coef * value_sum, metrics, beh.pins)

@@ -1,0 +1,129 @@
+"""One online-GRPO training step at SmolLM2-135M's shape: the full-logits path vs the chunked lm
+head, and padded vs sorted vs packed micro-batches.
+
+The model is random (hidden 576, 30 layers, 9 heads / 3 KV heads, MLP 1536, vocabulary 49,152,
+tied embeddings: SmolLM2-135M's shape, nothing downloaded); the rollout is synthetic: 8 prompts
+x 4 samples, prompts of 24-64 tokens and responses of 1-64 tokens (seeded), right-padded as
+``Rollout`` holds them. A step is the objective's forward and backward over every micro-batch
+(no optimizer: the lever under test is the loss's memory and time); the rollout's first step,
+so the trainer's old log-probs are computed in it too, as online GRPO's first step does.
+
+Each setting runs in a fresh subprocess (peak resident memory is per process: ``ru_maxrss``),
+``--steps`` steps, and reports the median seconds per step and the peak RSS minus the RSS after
+building model and rollout (what the step adds). Settings:
+  old    the path before: full logits at the labelled columns, log-softmax on them, padded rows
+  pad    chunked lm head at the labelled tokens, padded rows
+  sort   chunked head, samples sorted by length into micro-batches, each trimmed to its longest
+  pack   chunked head, rows packed padding-free (first-fit decreasing, document ids)
+
+    .venv/bin/python benchmarks/bench_rl_scale.py [--settings old,pad,sort,pack] [--repeats 2]
+        [--micro 2] [--entropy] [--chunk ELEMENTS] [--layers 30] [--tiny]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+SMOL = {"vocab_size": 49152, "hidden_size": 576, "intermediate_size": 1536, "num_hidden_layers": 30,
+        "num_attention_heads": 9, "num_key_value_heads": 3, "max_position_embeddings": 2048,
+        "tie_word_embeddings": True}
+TINY = {"vocab_size": 384, "hidden_size": 128, "intermediate_size": 384, "num_hidden_layers": 4,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 256,
+        "tie_word_embeddings": True}
+
+
+def rss_mb() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def current_rss_mb() -> float:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+
+
+def child(args: argparse.Namespace) -> dict:
+    import torch
+
+    torch.set_num_threads(args.threads)
+    import astrai.model.chunked_head as chunked_head
+    from astrai.config import load_config
+    from astrai.model.config import ModelConfig
+    from astrai.model.transformer import CausalLM
+    from astrai.train.objectives import OBJECTIVES
+    from tests.train.test_packed_rollouts import make_rollout, old_logps
+
+    if args.chunk:
+        chunked_head.LOGITS_CHUNK_ELEMENTS = args.chunk
+    shape = dict(TINY if args.tiny else SMOL, num_hidden_layers=args.layers or (TINY if args.tiny else SMOL)["num_hidden_layers"])
+    model = CausalLM(ModelConfig(**shape), seed=0)
+    cfg = load_config(None, ["--train_type", "online_grpo"])
+    objective = OBJECTIVES["online_grpo"](cfg, model)
+    objective.requested_metrics = frozenset({"entropy"}) if args.entropy else frozenset()
+    gen = torch.Generator().manual_seed(0)
+    prompts = torch.randint(24, 65, (32,), generator=gen).tolist()
+    responses = torch.randint(1, 65, (32,), generator=gen).tolist()
+    rollout = make_rollout(prompts, responses, seed=0)
+    rollout.input_ids.clamp_(max=shape["vocab_size"] - 1)
+    rollout.labels = torch.where(rollout.labels >= 0, rollout.labels.clamp(max=shape["vocab_size"] - 1), -100)
+    objective.prepare(rollout)
+    if args.setting == "old":
+        objective.logps = old_logps(cfg.rl)
+        objective.layout = "pad"
+    else:
+        objective.layout = args.setting
+    base = current_rss_mb()
+    seconds = []
+    for _ in range(args.steps):
+        t0 = time.perf_counter()
+        for batch in objective.batches(rollout, args.micro):
+            objective(model, batch).loss.backward()
+        seconds.append(time.perf_counter() - t0)
+        model.zero_grad(set_to_none=True)
+    return {"setting": args.setting, "s_per_step": statistics.median(seconds[1:] or seconds),
+            "peak_rss_mb": rss_mb(), "step_rss_mb": rss_mb() - base,
+            "tokens": int(rollout.attention_mask.sum()), "padded": int(rollout.attention_mask.numel())}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--settings", default="old,pad,sort,pack")
+    p.add_argument("--repeats", type=int, default=2, help="fresh processes per setting, interleaved")
+    p.add_argument("--steps", type=int, default=3)
+    p.add_argument("--micro", type=int, default=2, help="micro-batches per step (grad_accum_steps)")
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--entropy", action="store_true", help="also compute the entropy metric")
+    p.add_argument("--chunk", type=int, default=0, help="LOGITS_CHUNK_ELEMENTS override")
+    p.add_argument("--layers", type=int, default=0)
+    p.add_argument("--tiny", action="store_true", help="bench_rl's tiny model shape instead")
+    p.add_argument("--setting", help=argparse.SUPPRESS)
+    args = p.parse_args()
+    if args.setting:
+        print(json.dumps(child(args)))
+        return
+    results: dict[str, list[dict]] = {}
+    for _ in range(args.repeats):
+        for setting in args.settings.split(","):
+            cmd = [sys.executable, __file__, "--setting", setting, *sys.argv[1:]]
+            line = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout.strip().splitlines()[-1]
+            results.setdefault(setting, []).append(json.loads(line))
+    print(f"{'setting':8} {'s/step':>8} {'peak RSS MB':>12} {'step adds MB':>13}  (median of {args.repeats})")
+    for setting, rows in results.items():
+        med = {k: statistics.median(r[k] for r in rows) for k in ("s_per_step", "peak_rss_mb", "step_rss_mb")}
+        print(f"{setting:8} {med['s_per_step']:8.2f} {med['peak_rss_mb']:12.0f} {med['step_rss_mb']:13.0f}")
+    first = next(iter(results.values()))[0]
+    print(f"rollout: {first['tokens']} real tokens in {first['padded']} padded positions")
+
+
+if __name__ == "__main__":
+    main()

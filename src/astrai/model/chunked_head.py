@@ -1,0 +1,150 @@
+"""Per-token log-probs through the LM head in chunks of rows: no (rows, vocab) logits tensor.
+
+Every loss that needs log pi(token) (SFT's cross entropy, DPO's sequence log-probs, the RL
+objectives and their reference, the entropy metric) calls `head_logps` on the final hidden states
+instead of materialising logits. `ChunkedHeadLogps` runs the lm head on `chunk_rows` rows at a
+time (logits, temperature, the sampler's top-k / top-p truncation exactly as `apply_truncation`
+does, logsumexp, gather, entropy) and keeps only per-row results; its backward recomputes each
+chunk's logits from the saved hidden states, weights, targets and per-row logsumexp. So at any
+moment at most one (chunk_rows, V) float32 block lives, in forward and in backward; today's path
+held the (rows, V) logits, their float32 copy, the log-softmax and its gradient. The truncation
+mask is a constant in backward (autograd through `masked_fill` treats it the same way), and is
+recomputed per chunk rather than saved. `CausalLM.forward(..., head=...)` calls this inside the
+model's forward so FSDP's unshard hooks cover the lm head weight, and a tied head
+(`lm_head.weight is embed_tokens.weight`) gets its gradient like any input of a Function.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor, nn
+
+from astrai.model.logprobs import apply_truncation
+
+# rows per chunk = LOGITS_CHUNK_ELEMENTS // vocab: 1,365 rows of SmolLM2's 49,152 tokens, a 256 MiB
+# float32 block (measured in benchmarks/bench_head.py: smaller chunks add per-chunk overhead, larger
+# ones add memory and no speed)
+LOGITS_CHUNK_ELEMENTS = 1 << 26
+
+
+@dataclass
+class HeadLogps:
+    """Per-row results of `head_logps`, each shaped like the targets."""
+
+    logps: Tensor  # log pi(target) under the (tempered, truncated) distribution; differentiable
+    mean_logps: Tensor | None = None  # mean over the vocabulary of log pi (label smoothing); differentiable
+    entropy: Tensor | None = None  # entropy of the tempered, untruncated distribution; detached
+
+
+def chunk_rows_for(vocab_size: int) -> int:
+    return max(1, LOGITS_CHUNK_ELEMENTS // vocab_size)
+
+
+def head_logps(hidden: Tensor, lm_head: nn.Module, targets: Tensor, temperature: float = 1.0, top_k: int = 0,
+               top_p: float = 1.0, smoothing: bool = False, entropy: bool = False,
+               chunk_rows: int | None = None) -> HeadLogps:
+    """log pi(targets) for hidden states (..., C) through `lm_head` (an nn.Linear), targets (...).
+
+    temperature 0 means greedy: the plain logits, no truncation (as the sampler records it);
+    otherwise logits / temperature truncated to top_k then top_p (0 / 1.0: off), with the target
+    always kept. `smoothing` adds mean_v log pi_v (untruncated only), `entropy` the entropy of
+    the tempered untruncated distribution, both per row.
+    """
+    weight, bias = lm_head.weight, getattr(lm_head, "bias", None)
+    V = weight.size(0)
+    truncate = temperature > 0 and ((0 < top_k < V) or top_p < 1.0)
+    if smoothing and truncate:
+        raise ValueError(f"label smoothing needs the untruncated distribution, got top_k={top_k}, top_p={top_p}; "
+                         "set top_k 0 and top_p 1.0")
+    shape = targets.shape
+    flat = hidden.reshape(-1, hidden.size(-1))  # (N, C)
+    rows = chunk_rows or chunk_rows_for(V)
+    options = (float(temperature), int(top_k) if truncate and 0 < top_k < V else V,
+               float(top_p) if truncate else 1.0, bool(smoothing), bool(entropy), rows)
+    logps, means, ent = ChunkedHeadLogps.apply(flat, weight, bias, targets.reshape(-1), options)
+    return HeadLogps(logps.reshape(shape), means.reshape(shape) if smoothing else None,
+                     ent.reshape(shape) if entropy else None)
+
+
+def _tempered(h: Tensor, weight: Tensor, bias: Tensor | None, temperature: float) -> Tensor:
+    """One chunk's float32 logits (n, V) / temperature (greedy, 0: as they are)."""
+    z = nn.functional.linear(h, weight, bias).float()  # (n, V)
+    return z / temperature if temperature > 0 else z
+
+
+def _truncated(z: Tensor, targets: Tensor, options: tuple) -> Tensor:
+    """Tempered logits (n, V) as the sampler truncates them: top_k, then top_p, masked entries
+    -inf, the target always kept (chosen on these values, so a constant for the gradient)."""
+    temperature, top_k, top_p = options[:3]
+    n, V = z.shape
+    if temperature <= 0 or (top_k >= V and top_p >= 1.0):
+        return z
+    k = torch.full((n,), top_k, device=z.device)
+    p = torch.full((n,), top_p, device=z.device)
+    kept = torch.isfinite(apply_truncation(z, k, p, torch.zeros(n, device=z.device)))  # (n, V)
+    kept[torch.arange(n, device=z.device), targets] = True
+    return z.masked_fill(~kept, -math.inf)
+
+
+class ChunkedHeadLogps(torch.autograd.Function):
+    """(hidden (N, C), weight (V, C), bias (V,) | None, targets (N,)) -> (log pi(target) (N,),
+    mean_v log pi_v (N,), entropy (N,)), the lm head applied chunk by chunk (see the module)."""
+
+    @staticmethod
+    def forward(ctx, hidden: Tensor, weight: Tensor, bias: Tensor | None, targets: Tensor,
+                options: tuple) -> tuple[Tensor, Tensor, Tensor]:
+        temperature, _, _, smoothing, want_entropy, rows = options
+        N = hidden.size(0)
+        logps = hidden.new_zeros(N, dtype=torch.float32)
+        lse = torch.zeros_like(logps)
+        means = torch.zeros_like(logps)
+        ent = torch.zeros_like(logps)
+        for start in range(0, N, rows):
+            sl = slice(start, start + rows)
+            tempered = _tempered(hidden[sl], weight, bias, temperature)  # (n, V)
+            z = _truncated(tempered, targets[sl], options)
+            lse[sl] = torch.logsumexp(z, dim=-1)
+            logps[sl] = z.gather(-1, targets[sl, None]).squeeze(-1) - lse[sl]
+            if smoothing:
+                means[sl] = z.mean(dim=-1) - lse[sl]
+            if want_entropy:  # of the tempered distribution before truncation, as the metric always was
+                lp = torch.log_softmax(tempered, dim=-1)
+                ent[sl] = -(lp.exp() * lp).sum(dim=-1)
+        ctx.save_for_backward(hidden, weight, bias, targets, lse)
+        ctx.options = options
+        ctx.mark_non_differentiable(ent)
+        return logps, means, ent
+
+    @staticmethod
+    def backward(ctx, g_logps: Tensor, g_means: Tensor, _g_ent: Tensor) -> tuple:
+        hidden, weight, bias, targets, lse = ctx.saved_tensors
+        temperature, _, _, smoothing, _, rows = ctx.options
+        need_h, need_w, need_b = ctx.needs_input_grad[0], ctx.needs_input_grad[1], bias is not None and ctx.needs_input_grad[2]
+        g_h = torch.zeros_like(hidden) if need_h else None
+        g_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_w else None
+        g_b = torch.zeros(bias.shape, dtype=torch.float32, device=bias.device) if need_b else None
+        V = weight.size(0)
+        for start in range(0, hidden.size(0), rows):
+            sl = slice(start, start + rows)
+            h, t = hidden[sl], targets[sl]
+            z = _truncated(_tempered(h, weight, bias, temperature), t, ctx.options)  # (n, V), recomputed
+            probs = (z - lse[sl, None]).exp()  # 0 where truncated
+            ga = g_logps[sl].float()
+            total = ga + g_means[sl].float() if smoothing else ga
+            dz = probs.mul_(-total[:, None])  # d/dz of ga * log p_t + gm * mean_v log p_v
+            dz[torch.arange(dz.size(0), device=dz.device), t] += ga
+            if smoothing:
+                dz += g_means[sl].float()[:, None] / V
+            if temperature > 0:
+                dz = dz / temperature
+            dz = dz.to(weight.dtype)
+            if need_h:
+                g_h[sl] = dz @ weight
+            if need_w:
+                g_w += (dz.t() @ h).float()
+            if need_b:
+                g_b += dz.float().sum(dim=0)
+        return (g_h, g_w.to(weight.dtype) if need_w else None, g_b.to(bias.dtype) if need_b else None, None, None)
