@@ -106,7 +106,7 @@ class RLConfig:
     rollout_temperature: float = 1.0  # the trainer's log-probs use the same temperature
     rollout_top_p: float = 1.0
     rollout_top_k: int = 0  # 0 = off
-    max_prompt_len: int = 256  # longer prompts are skipped and counted, never a crash
+    max_prompt_len: int | None = None  # None = 256 or what fits the model's positions; longer prompts are skipped
     max_policy_lag: int = 8  # a rollout more policy versions old than this is an error
     rollout_is_level: str = "token"  # none | token | sequence: truncated importance weights for sampler-trainer mismatch
     rollout_is_cap: float = 2.0  # the weight min(pi_trainer_old / pi_sampler, cap) is capped here
@@ -123,6 +123,7 @@ class RLConfig:
     rl_loss_agg: str = "token_mean"  # token_mean | seq_mean | seq_mean_token_sum_norm
     rewards: list[str] = field(default_factory=lambda: ["exact_match"])  # names or module:function
     reward_weights: list[float] | None = None  # one per reward; None = all 1.0
+    reward_timeout: float = 60.0  # seconds one user reward call may take; 0 = no limit
     format_pattern: str = r"^\s*-?\d+\s*$"  # the `format` reward: 1 when the completion matches
     length_target: int = 64  # the `length` reward: 0 up to this many characters, then down to -1 at twice
     overlong_buffer: int = 16  # the `overlong` reward (DAPO): 0 to -1 over the last this many of rollout_max_tokens

@@ -22,16 +22,17 @@ def validate(cfg: Config) -> None:
         if flat[name] not in allowed:
             raise ConfigError(f"{name}={flat[name]!r} is not one of {', '.join(allowed)}")
     for name, value in flat.items():
-        if isinstance(value, float) and not math.isfinite(value):
+        items = value if isinstance(value, list) else [value]  # reward_weights: [.nan] is a list
+        if any(isinstance(v, float) and not math.isfinite(v) for v in items):
             raise ConfigError(f"{name}={value} is not a finite number; give a finite value")
     if cfg.rl.max_resample_batches < 0:
         raise ConfigError(f"max_resample_batches={cfg.rl.max_resample_batches} must be >= 0")
     positive = ["n_epoch", "batch_per_device", "grad_accum_steps", "max_seq_len", "nprocs", "max_nonfinite_steps",
-                "group_size", "rollout_interval", "rollout_max_tokens", "max_prompt_len"]
+                "group_size", "rollout_interval", "rollout_max_tokens"]
     for name in positive:
         if flat[name] < 1:
             raise ConfigError(f"{name}={flat[name]} must be >= 1")
-    for name in ["max_steps", "warmup_steps", "seq_stride", "val_max_batches", "keep_last"]:
+    for name in ["max_steps", "warmup_steps", "seq_stride", "val_max_batches", "keep_last", "max_prompt_len"]:
         if flat[name] is not None and flat[name] < (0 if name == "warmup_steps" else 1):
             raise ConfigError(f"{name}={flat[name]} must be positive (or null)")
     for name in ["max_lr", "weight_decay", "max_grad_norm", "ckpt_interval", "val_interval", "beta",
@@ -57,7 +58,7 @@ def validate(cfg: Config) -> None:
                           f"{rl.group_size}; set --group_size 2 or more")
     if rl.rollout_is_cap < 1:
         raise ConfigError(f"rollout_is_cap={rl.rollout_is_cap} must be >= 1 (a weight of 1 is no correction)")
-    for name in ["rollout_temperature", "clip_eps", "kl_coef", "max_policy_lag", "ppo_vf_coef"]:
+    for name in ["rollout_temperature", "clip_eps", "kl_coef", "max_policy_lag", "ppo_vf_coef", "reward_timeout"]:
         if flat[name] < 0:
             raise ConfigError(f"{name}={flat[name]} must be >= 0")
     if not (0.0 <= rl.ppo_gamma <= 1.0 and 0.0 <= rl.ppo_gae_lambda <= 1.0):

@@ -73,6 +73,15 @@ def is_online(train_type: str) -> bool:
     return TRAIN_TYPES.get(train_type) == "prompt"
 
 
+DEFAULT_MAX_PROMPT_LEN = 256  # rl.max_prompt_len when unset and the model's positions have room
+
+
+def default_max_prompt_len(rollout_max_tokens: int, max_positions: int) -> int:
+    """``rl.max_prompt_len`` when it is unset (None): 256 tokens, or what the model's positions
+    leave beside ``rollout_max_tokens``, so a prompt + completion row always fits the model."""
+    return min(DEFAULT_MAX_PROMPT_LEN, max_positions - rollout_max_tokens)
+
+
 def missing_package(name: str) -> str | None:
     """The fix when report_to's backend `name` cannot be imported (checked without importing it)."""
     top = "tensorboard" if name == "tensorboard" else REPORTERS[name][0]  # torch.utils.tensorboard needs it

@@ -119,9 +119,12 @@ def test_compile_trains_online_rl_and_leaves_the_engine_eager(tmp_path, tok_dir,
 def test_rollouts_are_fitted_to_the_models_positions():
     from astrai.train.build import fit_rollouts_to_model
 
-    cfg = load_config(None, ["--train_type", "online_grpo", "--max_prompt_len", "256", "--rollout_max_tokens", "8"])
+    cfg = load_config(None, ["--train_type", "online_grpo", "--rollout_max_tokens", "8"])
     fit_rollouts_to_model(cfg, 128)
-    assert cfg.rl.max_prompt_len == 120  # 120 + 8 rollout tokens = the model's 128 positions
+    assert cfg.rl.max_prompt_len == 120  # unset: 120 + 8 rollout tokens = the model's 128 positions
+    cfg = load_config(None, ["--train_type", "online_grpo", "--max_prompt_len", "256", "--rollout_max_tokens", "8"])
+    with pytest.raises(ValueError, match="set --max_prompt_len to at most 120"):  # given: refused, not lowered
+        fit_rollouts_to_model(cfg, 128)
     cfg = load_config(None, ["--train_type", "online_grpo", "--rollout_max_tokens", "128"])
     with pytest.raises(ValueError, match="rollout_max_tokens=128 leaves no room for a prompt"):
         fit_rollouts_to_model(cfg, 128)

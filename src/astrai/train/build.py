@@ -27,7 +27,7 @@ import torch
 from torch import nn
 
 from astrai.config import Config, OptimConfig
-from astrai.config_values import TRAIN_TYPES, is_online
+from astrai.config_values import DEFAULT_MAX_PROMPT_LEN, TRAIN_TYPES, default_max_prompt_len, is_online
 from astrai.train import dist, resume
 from astrai.train.callbacks import CallbackList, arrange_callbacks, default_callbacks, requested_metrics
 from astrai.train.context import Loop
@@ -241,7 +241,12 @@ def build_run(cfg: Config, model: nn.Module | None = None, tokenizer: Any = None
     raw.gradient_checkpointing = cfg.train.gradient_checkpointing
     if online:
         fit_rollouts_to_model(cfg, raw.config.max_position_embeddings, info.rank == 0)
+        warn_if_no_signal(cfg, info.rank == 0)
         disable_dropout(raw)  # before the objective: its reference and critic copies inherit it
+    elif cfg.rl.max_prompt_len is None:  # evaluation during training renders prompts with it
+        positions = getattr(getattr(raw, "config", None), "max_position_embeddings", None)
+        cfg.rl.max_prompt_len = DEFAULT_MAX_PROMPT_LEN if positions is None else \
+            max(1, default_max_prompt_len(cfg.rl.rollout_max_tokens, positions))
     # objective first: a frozen reference (DPO, a KL term) is a copy of the unwrapped initial policy
     objective = objective if objective is not None else build_objective(cfg, raw)
     if cfg.train.compile and not online:
@@ -268,20 +273,51 @@ def companions(objective: Any) -> tuple[Any, ...]:
 
 
 def fit_rollouts_to_model(cfg: Config, max_positions: int, is_main: bool = True) -> None:
-    """A rollout row (prompt + completion) must fit the model's positions: ``rollout_max_tokens``
-    at or above them is an error; a ``max_prompt_len`` that leaves too little room is lowered to
-    what fits (longer prompts are then skipped and counted), and the run says so."""
+    """A rollout row (prompt + completion) must fit the model's positions. An unset
+    ``max_prompt_len`` becomes 256 or what the positions leave beside ``rollout_max_tokens``
+    (the run says so when that is less); a given one that does not fit is refused, never
+    quietly lowered: longer prompts would then be skipped without the user having chosen it."""
     rl = cfg.rl
     if rl.rollout_max_tokens >= max_positions:
         raise ValueError(f"rollout_max_tokens={rl.rollout_max_tokens} leaves no room for a prompt in the model's "
                          f"max_position_embeddings={max_positions}; lower --rollout_max_tokens")
-    if rl.max_prompt_len + rl.rollout_max_tokens > max_positions:
-        fitted = max_positions - rl.rollout_max_tokens
-        if is_main:
-            print(f"note: max_prompt_len={rl.max_prompt_len} + rollout_max_tokens={rl.rollout_max_tokens} exceeds the "
-                  f"model's max_position_embeddings={max_positions}; max_prompt_len is {fitted} for this run "
-                  "(longer prompts are skipped and counted)", file=sys.stderr)
-        rl.max_prompt_len = fitted
+    room = max_positions - rl.rollout_max_tokens
+    if rl.max_prompt_len is None:
+        rl.max_prompt_len = default_max_prompt_len(rl.rollout_max_tokens, max_positions)
+        if is_main and rl.max_prompt_len < DEFAULT_MAX_PROMPT_LEN:
+            print(f"note: max_prompt_len is {rl.max_prompt_len} (the model's max_position_embeddings={max_positions} "
+                  f"less rollout_max_tokens={rl.rollout_max_tokens}); longer prompts are skipped and counted",
+                  file=sys.stderr)
+    elif rl.max_prompt_len + rl.rollout_max_tokens > max_positions:
+        raise ValueError(f"max_prompt_len={rl.max_prompt_len} + rollout_max_tokens={rl.rollout_max_tokens} = "
+                         f"{rl.max_prompt_len + rl.rollout_max_tokens} exceeds the model's max_position_embeddings="
+                         f"{max_positions}; set --max_prompt_len to at most {room} (or lower --rollout_max_tokens)")
+
+
+# advantage estimators that compare a prompt's samples with each other: zero when they are all equal
+GROUP_RELATIVE = ("grpo", "rloo")
+
+
+def warn_if_no_signal(cfg: Config, is_main: bool = True) -> str | None:
+    """One line when the settings make every advantage zero, so the run trains nothing: a group of
+    one sample (GRPO's group-relative estimators) or greedy sampling (temperature 0: the group's
+    samples are identical; online DPO finds no pair). Returns the line (None when there is none)."""
+    rl, train_type = cfg.rl, cfg.data.train_type
+    relative = train_type == "online_dpo" or (train_type == "online_grpo" and rl.advantage_estimator in GROUP_RELATIVE)
+    if not relative:
+        return None
+    what = "online_dpo's pairs" if train_type == "online_dpo" else f"advantage_estimator {rl.advantage_estimator}"
+    if rl.group_size == 1:
+        why = f"group_size=1: {what} compare a prompt's samples, so every advantage is zero"
+    elif rl.rollout_temperature == 0:
+        why = (f"rollout_temperature=0 samples each prompt's group greedily, all {rl.group_size} alike, so "
+               f"{what} see no difference and every advantage is zero")
+    else:
+        return None
+    line = f"warning: {why} and the run trains nothing; raise --group_size / --rollout_temperature"
+    if is_main:
+        print(line, file=sys.stderr)
+    return line
 
 
 def disable_dropout(model: nn.Module) -> int:

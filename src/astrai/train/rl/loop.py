@@ -39,9 +39,32 @@ from astrai.train.build import (
 )
 from astrai.train.context import TrainContext
 from astrai.train.objectives import LossOutput, num_tokens
+from astrai.train.rl.guard import RewardsInterrupted
 from astrai.train.rl.rewards import RewardSet
 from astrai.train.rl.rollout import Rollout, RolloutRunner, concat_rollouts, groups_with_signal, select_groups
 from astrai.train.signals import pause_point
+
+MAX_EMPTY_DRAWS = 10  # prompt batches passed over in a row (no prompt within max_prompt_len), then an error
+
+
+def prompt_lengths(prompts: Any) -> list[int]:
+    """Every prompt's token count: from the record store when the data set has one (no decoding)."""
+    store = getattr(prompts, "store", None)
+    if store is not None and hasattr(store, "lengths"):
+        return [int(n) for n in store.lengths("prompt_ids")]
+    return [len(prompts[i]["prompt_ids"]) for i in range(len(prompts))]
+
+
+def check_prompts_fit(lengths: list[int], max_prompt_len: int, room: int) -> None:
+    """At start: a data set with no prompt within max_prompt_len would only ever be skipped.
+    `room`: the longest prompt the model's positions allow beside rollout_max_tokens."""
+    if not lengths or min(lengths) <= max_prompt_len:
+        return
+    shortest = min(lengths)
+    fix = (f"raise --max_prompt_len to at least {shortest}" if shortest <= room else
+           f"shorten the prompts or lower --rollout_max_tokens: the model's positions leave {room} tokens for one")
+    raise ValueError(f"every one of the {len(lengths)} prompts is longer than max_prompt_len={max_prompt_len} "
+                     f"tokens (the shortest has {shortest}), so no rollout could be drawn; {fix}")
 
 
 def check_policy_lag(rollout_version: int, current: int, max_lag: int) -> None:
@@ -74,7 +97,8 @@ class OnlineLoop:
         self.optimizer, self.scheduler, self.grad_step = run.optimization(self.raw_model, cfg.optim, self.total_steps)
         setup_objective(run, self.total_steps)  # PPO: the critic's wrapping, optimizer and gradient step
         self.companions = companions(self.objective)
-        rewards = RewardSet(cfg.rl, self.device, tokenizer=self.tokenizer)  # a reward model with its own re-encodes
+        # a reward model with its own tokenizer re-encodes; a stop request interrupts a slow user reward
+        rewards = RewardSet(cfg.rl, self.device, tokenizer=self.tokenizer, should_stop=lambda: self.ctx.stop_requested)
         self.runner = RolloutRunner(self.raw_model, self.tokenizer, cfg.rl, self.num_prompts, rewards,
                                     cfg.train.random_seed, bf16=cfg.train.bf16)  # bf16: rollouts in the training precision
         if self.runner.replica is not None and self.is_main:  # FSDP: the memory the replica costs, said once
@@ -82,6 +106,8 @@ class OnlineLoop:
             size = sum(t.numel() * t.element_size() for t in [*replica.parameters(), *replica.buffers()])
             print(f"note: parallel_mode fsdp: each rank generates rollouts on an unsharded replica of the policy "
                   f"({size / 2**20:.1f} MiB per rank), refreshed once per policy version", file=sys.stderr)
+        check_prompts_fit(prompt_lengths(self.prompts), self.runner.max_prompt_len,
+                          self.raw_model.config.max_position_embeddings - cfg.rl.rollout_max_tokens)
         self.callbacks = build_callbacks(self, run, callbacks)
         self.rollout: Rollout | None = None
         self.step_metrics: dict[str, Any] = {}
@@ -98,7 +124,13 @@ class OnlineLoop:
                 if fresh:
                     # FSDP: the engine's replica gathers the new weights; every rank, same point
                     self.runner.refresh_replica(ctx.policy_version)
-                    self.rollout = self._next_rollout()
+                    position, rng = (ctx.epoch, ctx.consumed_samples), resume.rng_state()
+                    if (drawn := self._next_rollout()) is None:  # a stop request came while drawing
+                        # as after the last step: a checkpoint now resumes into the same draws
+                        ctx.epoch, ctx.consumed_samples = position
+                        resume.set_rng_state(rng)
+                        break
+                    self.rollout = drawn
                 rollout = self.rollout
                 check_policy_lag(rollout.policy_version, ctx.policy_version, cfg.rl.max_policy_lag)
                 batches = self.objective.batches(rollout, cfg.train.grad_accum_steps)
@@ -134,33 +166,72 @@ class OnlineLoop:
                 self.step_metrics = self._metrics(result, rollout, fresh, seconds)
                 pause_point(f"step:{ctx.step}")  # test hook: a kill or a stop lands exactly here
                 cbs.after_optimizer_step(self)
+            if self.runner.num_skipped_total:  # the total of what was warned about once
+                where = f"rank {self.dist.rank}: " if self.dist.world_size > 1 else ""
+                print(f"{where}skipped {self.runner.num_skipped_total} prompt(s) in all longer than max_prompt_len="
+                      f"{self.runner.max_prompt_len}", file=sys.stderr)
         return ctx
 
-    def _next_rollout(self) -> Rollout:
-        """Draw prompts (skipping batches whose prompts are all too long) and generate a rollout."""
-        if self.config.rl.dynamic_sampling:
-            rollout = self._rollout_with_signal()
-        else:
-            while (rollout := self._generate(self._next_prompts(), 0)) is None:
-                pass
-        self.objective.prepare(rollout)
+    def _next_rollout(self) -> Rollout | None:
+        """Draw prompts and generate a rollout; None when a stop request came first (agreed by
+        every rank: checked after each draw, and a user reward waits for it in short slices)."""
+        before = self.runner.num_skipped_total
+        rollout = self._rollout_with_signal() if self.config.rl.dynamic_sampling else self._fitting_rollout()
+        if rollout is not None:
+            rollout.stats["skipped_prompts"] = float(self.runner.num_skipped_total - before)  # every draw's
+            self.objective.prepare(rollout)
         return rollout
 
     def _generate(self, batch: dict[str, list[Any]], draw: int) -> Rollout | None:
+        """This rank's rollout of `batch`; None when no prompt fits max_prompt_len, or a stop
+        request interrupted a reward (the stop check after each draw then ends the draws)."""
         first = (self.dist.rank + draw * self.dist.world_size) * self.num_prompts  # seeds differ per draw
-        return self.runner.generate(batch, self.ctx.step, self.ctx.policy_version, first_index=first)
+        try:
+            return self.runner.generate(batch, self.ctx.step, self.ctx.policy_version, first_index=first)
+        except RewardsInterrupted as e:
+            print(f"note: {e}; the rollout is dropped and the run stops after step {self.ctx.step}", file=sys.stderr)
+            return None
 
-    def _rollout_with_signal(self) -> Rollout:
+    def _any_rank(self, flag: bool) -> bool:
+        return dist.any_rank(flag) if self.dist.world_size > 1 else flag
+
+    def _fitting_rollout(self) -> Rollout | None:
+        """The rollout of the next batch with a prompt within max_prompt_len: a batch of only
+        longer prompts is passed over for the next one, at most MAX_EMPTY_DRAWS times in a row,
+        then the run stops with an error. Ranks redraw together, so their sampler positions stay
+        in step: while any rank has no rollout, a rank that has one passes over its next batch."""
+        rollout = None
+        for draw in range(MAX_EMPTY_DRAWS + 1):
+            batch = self._next_prompts()
+            if rollout is None:
+                rollout = self._generate(batch, draw)
+            if self._should_stop():
+                return None
+            if not self._any_rank(rollout is None):
+                return rollout
+        raise self._no_fitting_prompts(MAX_EMPTY_DRAWS + 1)
+
+    def _no_fitting_prompts(self, draws: int) -> ValueError:
+        shortest = self.runner.shortest_skipped
+        fix = f"raise --max_prompt_len to at least {shortest}" if shortest else "raise --max_prompt_len"
+        return ValueError(f"{draws} prompt batches drawn in a row held no prompt within max_prompt_len="
+                          f"{self.runner.max_prompt_len} tokens (on some rank); {fix} or drop the long prompts from "
+                          "the data")
+
+    def _rollout_with_signal(self) -> Rollout | None:
         """``dynamic_sampling`` (DAPO): groups whose rewards are all equal are dropped and further
         prompt batches drawn until ``batch_per_device`` groups with signal are collected, at most
-        ``max_resample_batches`` extra draws; every rank draws as many batches as the rank that
-        needs most, so the sampler positions stay in step. ``filtered_groups`` counts the drops."""
+        ``max_resample_batches`` extra draws (up to MAX_EMPTY_DRAWS while no prompt fitted); every
+        rank draws as many batches as the rank that needs most, so the sampler positions stay in
+        step. ``filtered_groups`` counts the drops. None: a stop request came first."""
         parts: list[Rollout] = []
         num_groups = filtered = draws = 0
         last = None
         while True:
             rollout = self._generate(self._next_prompts(), draws)
             draws += 1
+            if self._should_stop():
+                return None
             if rollout is not None:
                 last = rollout
                 signal = groups_with_signal(rollout)
@@ -168,14 +239,15 @@ class OnlineLoop:
                 parts.append(select_groups(rollout, signal.nonzero().squeeze(1)))
                 num_groups += int(signal.sum())
             short = num_groups < self.num_prompts and draws <= self.config.rl.max_resample_batches
-            if dist.any_rank(short) if self.dist.world_size > 1 else short:
+            if self._any_rank(short or (last is None and draws <= MAX_EMPTY_DRAWS)):
                 continue
+            if self._any_rank(last is None):  # every rank raises: none waits in a collective alone
+                raise self._no_fitting_prompts(draws)
             collected = self._collected(parts, filtered)
             if collected is not None:
                 return collected
-            if last is not None:  # no group with signal in any draw: the last one as it is (no update)
-                last.stats["filtered_groups"] = float(filtered)
-                return last
+            last.stats["filtered_groups"] = float(filtered)  # no group with signal: as it is (no update)
+            return last
 
     def _collected(self, parts: list[Rollout], filtered: int) -> Rollout | None:
         """Dynamic sampling's rollout: the first ``batch_per_device`` groups with signal of all

@@ -23,7 +23,10 @@ function's own scores. A reward entry in the config (``rewards``) is one of:
     the policy's tokenizer (or none in its directory) it reads the policy's token ids; with a
     tokenizer of its own it reads the decoded text re-encoded by that tokenizer (through its
     chat template when it has one).
-Every score must be a finite number; anything else is an error naming the function and prompt.
+Every score must be a number finite in float32 (Python, numpy or 0-d torch scalars); anything
+else is an error naming the function and prompt. User functions run on a worker thread, each call
+bounded by ``reward_timeout`` and interrupted by a stop request (``RewardSet``); whatever they
+raise, ``sys.exit`` included, is one error line naming the function and the prompt.
 """
 
 from __future__ import annotations
@@ -37,14 +40,16 @@ import os
 import re
 import sys
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
+from functools import partial
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
 from astrai.config import RLConfig
 from astrai.data.tasks import SCORERS
+from astrai.train.rl.guard import call_in_worker, outcome
 
 RewardFn = Callable[[str, str, dict[str, Any]], float]
 
@@ -142,6 +147,11 @@ def _user_function(spec: str) -> RewardFn:
         raise ValueError(f"reward {spec!r}: no module {module_name!r} in the working directory {cwd} or on "
                          f"PYTHONPATH; run astrai from the directory that holds {module_name.replace('.', '/')}.py "
                          "or add that directory to PYTHONPATH") from e
+    except (Exception, SystemExit) as e:  # a SyntaxError, or the module's own code failing on import
+        where = f" ({e.filename}, line {e.lineno})" if isinstance(e, SyntaxError) else ""
+        what = f"called sys.exit({e.code!r})" if isinstance(e, SystemExit) else f"raised {type(e).__name__}: {e}"
+        raise ValueError(f"reward {spec!r}: importing module {module_name!r} {' '.join(what.split())}{where}; fix "
+                         "the module (python -c 'import " + module_name + "' shows the traceback)") from e
     fn = getattr(module, attr, None)
     if fn is None:
         raise ValueError(f"reward {spec!r}: module {module_name!r} ({getattr(module, '__file__', '?')}) has no "
@@ -236,13 +246,27 @@ class RewardModel:
 
 
 class RewardSet:
-    """The configured rewards and weights: ``__call__`` scores a rollout's completions."""
+    """The configured rewards and weights: ``__call__`` scores a rollout's completions.
 
-    def __init__(self, cfg: RLConfig, device: torch.device | None = None, tokenizer: Any | None = None):
+    User functions (``module:function``) run on a worker thread, one call at a time, while the
+    caller waits in short slices: a call longer than ``reward_timeout`` seconds is an error naming
+    the function and the prompt, and ``should_stop()`` turning true (a SIGTERM's stop request)
+    raises ``RewardsInterrupted`` within a slice. Whatever a function raises, ``SystemExit`` and
+    ``KeyboardInterrupt`` from inside it included, is one ``ValueError`` naming it and the prompt.
+    A thread that never returns is left behind as a daemon: it cannot keep the process alive."""
+
+    def __init__(self, cfg: RLConfig, device: torch.device | None = None, tokenizer: Any | None = None,
+                 should_stop: Callable[[], bool] | None = None):
         """`tokenizer` is the policy's: a reward model with a different one re-encodes the texts;
-        None keeps the policy's ids for every reward model."""
+        None keeps the policy's ids for every reward model. `should_stop`: polled while a user
+        function runs (the loop's stop request)."""
         self.names = list(cfg.rewards)
         self.weights = list(cfg.reward_weights) if cfg.reward_weights is not None else [1.0] * len(self.names)
+        for i, (name, weight) in enumerate(zip(self.names, self.weights)):
+            if _number(weight) is None:
+                raise ValueError(f"reward_weights[{i}]={weight!r} (the weight of reward {name!r}) is not a number "
+                                 f"finite in float32 (|w| <= {F32_MAX:.3g}); give a finite weight")
+        self.timeout, self.should_stop = float(cfg.reward_timeout), should_stop
         self.functions: list[RewardFn | RewardModel] = []
         for name in self.names:
             if name in BUILTINS:
@@ -263,30 +287,109 @@ class RewardSet:
         prompt i // group_size (used in error messages). `completion_ids`: each completion's token
         ids, for TRL-style functions and ``overlong``. A TRL-style user function adds the term
         ``<name>_none``: 1 where it returned None (its score there is 0)."""
-        raw: dict[str, Any] = {}
-        for name, fn in zip(self.names, self.functions):
-            if isinstance(fn, RewardModel):
-                raw[name] = fn.score(fn.inputs(prompts, completions, records, sequences))
-            elif is_batched(fn):
-                raw[name] = fn(**_trl_kwargs(name, fn, prompts, completions, records, completion_ids))
-            else:
-                raw[name] = [fn(p, c, r) for p, c, r in zip(prompts, completions, records)]
-                if any(inspect.isawaitable(v) for v in raw[name]):
-                    raw[name] = _all(raw[name])
-        raw = _awaited(raw)
+        raw = self._raw_scores(prompts, completions, records, sequences, group_size, completion_ids)
         per_fn: dict[str, torch.Tensor] = {}
         for name, fn in zip(self.names, self.functions):
             scores = raw[name]
             if name not in BUILTINS and not isinstance(fn, RewardModel) and is_batched(fn):
                 # TRL turns None into NaN and sums with nansum: no score adds 0; counted, not hidden
-                none = [v is None for v in scores] if isinstance(scores, list | tuple) else []
+                scores = _as_list(scores)
+                none = [v is None for v in scores] if isinstance(scores, list) else []
                 scores = [0.0 if v is None else v for v in scores] if none else scores
                 per_fn[name] = _checked(name, scores, len(completions), group_size)
                 per_fn[f"{name}_none"] = torch.tensor(none, dtype=torch.float32)
             else:
                 per_fn[name] = _checked(name, scores, len(completions), group_size)
-        total = sum(w * per_fn[n] for n, w in zip(self.names, self.weights))
-        return total, per_fn
+        total = sum(w * per_fn[n].double() for n, w in zip(self.names, self.weights))
+        bad = (~torch.isfinite(total) | (total.abs() > F32_MAX)).nonzero()
+        if len(bad):
+            i = int(bad[0])
+            raise ValueError(f"the weighted sum of rewards {self.names} with reward_weights {self.weights} is "
+                             f"{float(total[i]):g} for completion {i % group_size} of prompt {i // group_size}, "
+                             "not finite in float32; lower the weights or the scores")
+        return total.float(), per_fn
+
+    def _raw_scores(self, prompts: list[str], completions: list[str], records: list[dict[str, Any]],
+                    sequences: list[list[int]], group_size: int,
+                    completion_ids: list[list[int]] | None) -> dict[str, Any]:
+        """Each function's scores as it returned them; user functions guarded, awaitables awaited
+        together at the end (async functions run concurrently)."""
+        raw: dict[str, Any] = {}
+        pending: list[tuple[str, int | None, Any]] = []  # (name, sample index or None, awaitable)
+        try:
+            for name, fn in zip(self.names, self.functions):
+                if isinstance(fn, RewardModel):
+                    raw[name] = fn.score(fn.inputs(prompts, completions, records, sequences))
+                elif name in BUILTINS:  # ours: called directly
+                    raw[name] = fn(**_trl_kwargs(name, fn, prompts, completions, records, completion_ids)) \
+                        if is_batched(fn) else [fn(p, c, r) for p, c, r in zip(prompts, completions, records)]
+                elif is_batched(fn):
+                    kwargs = _trl_kwargs(name, fn, prompts, completions, records, completion_ids)
+                    raw[name] = self._guarded(name, _batch_where(len(prompts), group_size), partial(fn, **kwargs))
+                    if inspect.isawaitable(raw[name]):
+                        pending.append((name, None, raw[name]))
+                else:
+                    raw[name] = []
+                    for i, args in enumerate(zip(prompts, completions, records)):
+                        raw[name].append(self._guarded(name, _where(i, group_size), partial(fn, *args)))
+                        if inspect.isawaitable(raw[name][-1]):
+                            pending.append((name, i, raw[name][-1]))
+            if pending:
+                self._await_all(pending, raw, len(prompts), group_size)
+        finally:
+            for _, _, awaitable in pending:  # an error before awaiting them: no never-awaited warnings
+                getattr(awaitable, "close", lambda: None)()
+        return raw
+
+    def _guarded(self, name: str, where: str, call: Callable[[], Any]) -> Any:
+        return outcome(name, where, *call_in_worker(call, self.timeout, self.should_stop), self.timeout)
+
+    def _await_all(self, pending: list[tuple[str, int | None, Any]], raw: dict[str, Any], num: int,
+                   group_size: int) -> None:
+        """Await every awaitable concurrently on one event loop of a worker thread, each bounded by
+        ``reward_timeout``; results go back into `raw`, the first failure is raised."""
+        timeout = self.timeout
+        outcomes: list[tuple[str, Any] | None] = [None] * len(pending)
+
+        async def one(k: int, awaitable: Any) -> None:
+            try:
+                outcomes[k] = ("value", await (asyncio.wait_for(awaitable, timeout) if timeout > 0 else awaitable))
+            except TimeoutError:
+                outcomes[k] = ("timeout", None)
+            except BaseException as e:  # one line naming the reward, whatever it raised
+                outcomes[k] = ("error", e)
+
+        async def gather() -> None:
+            await asyncio.gather(*(one(k, aw) for k, (_, _, aw) in enumerate(pending)))
+
+        def where(k: int) -> str:
+            index = pending[k][1]
+            return _batch_where(num, group_size) if index is None else _where(index, group_size)
+
+        # the outer bound (one slice of slack) catches a coroutine that blocks its event loop outright
+        kind, value = call_in_worker(lambda: asyncio.run(gather()), timeout + 1.0 if timeout > 0 else 0.0,
+                                     self.should_stop)
+        if kind != "value":  # name the first one still running
+            k = next((k for k, o in enumerate(outcomes) if o is None), 0)
+            outcome(pending[k][0], where(k), kind, value, timeout)
+        for k, (name, index, _) in enumerate(pending):
+            result = outcome(name, where(k), *outcomes[k], timeout)
+            if index is None:
+                raw[name] = result
+            else:
+                raw[name][index] = result
+        pending.clear()  # all awaited
+
+
+F32_MAX = float(torch.finfo(torch.float32).max)
+
+
+def _where(index: int, group_size: int) -> str:
+    return f"completion {index % group_size} of prompt {index // group_size}"
+
+
+def _batch_where(num: int, group_size: int) -> str:
+    return f"its one call for the rollout's {num // max(group_size, 1)} prompts ({num} completions)"
 
 
 def _trl_kwargs(name: str, fn: Callable[..., Any], prompts: list[str], completions: list[str],
@@ -313,34 +416,38 @@ def _trl_kwargs(name: str, fn: Callable[..., Any], prompts: list[str], completio
     return kwargs
 
 
-async def _all(awaitables: list[Any]) -> list[Any]:
-    return list(await asyncio.gather(*awaitables))
-
-
-def _awaited(raw: dict[str, Any]) -> dict[str, Any]:
-    """The scores with every awaitable awaited together, so async reward functions run concurrently."""
-    pending = {k: v for k, v in raw.items() if inspect.isawaitable(v)}
-    if not pending:
-        return raw
-
-    async def gather() -> dict[str, Any]:
-        return dict(zip(pending, await asyncio.gather(*pending.values())))
-
+def _number(value: Any) -> float | None:
+    """`value` as a float when it is a number finite in float32: Python, numpy and 0-d torch
+    scalars (bools count as 0 / 1); None otherwise."""
+    if isinstance(value, torch.Tensor):
+        value = value.item() if value.dim() == 0 else None
+    elif isinstance(value, np.generic):
+        value = value.item()
+    if not isinstance(value, bool | int | float):
+        return None
     try:
-        asyncio.get_running_loop()
-    except RuntimeError:
-        return {**raw, **asyncio.run(gather())}
-    with ThreadPoolExecutor(1) as pool:  # called inside a running loop (a notebook): run one of its own
-        return {**raw, **pool.submit(asyncio.run, gather()).result()}
+        number = float(value)
+    except OverflowError:  # an int beyond float64
+        return None
+    return number if math.isfinite(number) and abs(number) <= F32_MAX else None
+
+
+def _as_list(scores: Any) -> Any:
+    """A batched function's scores: a 1-d tensor or array is taken as its list of values."""
+    if isinstance(scores, torch.Tensor | np.ndarray) and scores.ndim == 1:
+        return list(scores)
+    return scores
 
 
 def _checked(name: str, scores: Any, expected: int, group_size: int) -> torch.Tensor:
+    scores = _as_list(scores)
     if not isinstance(scores, list | tuple) or len(scores) != expected:
         got = len(scores) if hasattr(scores, "__len__") else type(scores).__name__
         raise ValueError(f"reward {name!r} returned {got} scores for {expected} completions; return one float "
                          "per completion")
-    for i, value in enumerate(scores):
-        if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
-            raise ValueError(f"reward {name!r} gave {value!r} for completion {i % group_size} of prompt "
-                             f"{i // group_size}; a reward must be a finite number")
-    return torch.tensor([float(v) for v in scores], dtype=torch.float32)
+    numbers = [_number(v) for v in scores]
+    for i, (value, number) in enumerate(zip(scores, numbers)):
+        if number is None:
+            raise ValueError(f"reward {name!r} gave {value!r} for {_where(i, group_size)}; a reward must be a "
+                             f"number finite in float32 (|r| <= {F32_MAX:.3g})")
+    return torch.tensor(numbers, dtype=torch.float32)

@@ -23,6 +23,7 @@ import torch
 from torch import Tensor, nn
 
 from astrai.config import RLConfig
+from astrai.config_values import default_max_prompt_len
 from astrai.infer.engine import LLMEngine
 from astrai.infer.sampling import SamplingParams
 from astrai.train import dist
@@ -138,7 +139,10 @@ class RolloutRunner:
     def __init__(self, model: torch.nn.Module, tokenizer: Any, cfg: RLConfig, num_prompts: int, rewards: RewardSet,
                  random_seed: int = 0, bf16: bool = False):
         self.cfg, self.rewards, self.random_seed, self.tokenizer = cfg, rewards, random_seed, tokenizer
-        max_len = cfg.max_prompt_len + cfg.rollout_max_tokens
+        # the Python API may hand an unresolved RLConfig: None is what build_run would fill in
+        self.max_prompt_len = cfg.max_prompt_len or default_max_prompt_len(
+            cfg.rollout_max_tokens, model.config.max_position_embeddings)
+        max_len = self.max_prompt_len + cfg.rollout_max_tokens
         num_seqs = max(1, num_prompts * cfg.group_size)
         # FSDP: every forward of the sharded module all-gathers its weights, a collective; ranks
         # whose samples end at different lengths take different numbers of engine steps and would
@@ -152,7 +156,8 @@ class RolloutRunner:
         self.engine = LLMEngine(self.replica or model, tokenizer, max_num_seqs=num_seqs, max_model_len=max_len,
                                 kv_cache_tokens=num_seqs * (max_len + 16), max_num_batched_tokens=max(2048, max_len),
                                 long_prefill_token_threshold=0, autocast_dtype="bfloat16" if bf16 else None)
-        self.num_skipped_total = 0
+        self.num_skipped_total = 0  # prompts over max_prompt_len, this rank, whole run (warned once)
+        self.shortest_skipped: int | None = None  # the shortest of them: the max_prompt_len that keeps one
 
     def set_policy_version(self, version: int) -> None:
         self.engine.set_policy_version(version)  # monotonic; older prefixes are never served again
@@ -175,14 +180,10 @@ class RolloutRunner:
         if self.replica is not None and self.replica_version != policy_version:
             raise ValueError(f"the engine's replica holds the weights of policy version {self.replica_version}, "
                              f"not {policy_version}; call refresh_replica({policy_version}) on every rank first")
-        keep = [i for i, ids in enumerate(batch["prompt_ids"]) if len(ids) <= cfg.max_prompt_len]
+        keep = [i for i, ids in enumerate(batch["prompt_ids"]) if len(ids) <= self.max_prompt_len]
         skipped = len(batch["prompt_ids"]) - len(keep)
         if skipped:
-            self.num_skipped_total += skipped
-            longest = max(len(ids) for ids in batch["prompt_ids"])
-            print(f"warning: step {step}: skipped {skipped} prompt(s) longer than max_prompt_len="
-                  f"{cfg.max_prompt_len} (longest {longest} tokens); raise --max_prompt_len to keep them",
-                  file=sys.stderr)
+            self._count_skipped(step, [len(ids) for ids in batch["prompt_ids"] if len(ids) > self.max_prompt_len])
         if not keep:
             return None
         prompts = [list(batch["prompt_ids"][i]) for i in keep]
@@ -213,6 +214,18 @@ class RolloutRunner:
                          "rollout_tokens_per_s": num_new / max(seconds, 1e-9), "skipped_prompts": float(skipped),
                          **rollout_signal_stats(rollout.rewards, [c.finish_reason for _, c in samples])}
         return rollout
+
+
+    def _count_skipped(self, step: int, lengths: list[int]) -> None:
+        """Prompts over max_prompt_len: counted (``skipped_prompts``); the first time, one warning
+        (a data set of long prompts would otherwise print a line per batch)."""
+        if not self.num_skipped_total:
+            print(f"warning: step {step}: skipped {len(lengths)} prompt(s) longer than max_prompt_len="
+                  f"{self.max_prompt_len} (longest {max(lengths)} tokens); raise --max_prompt_len to keep them "
+                  "(said once: the metric skipped_prompts counts them, the run's end gives the total)",
+                  file=sys.stderr)
+        self.num_skipped_total += len(lengths)
+        self.shortest_skipped = min(lengths + ([self.shortest_skipped] if self.shortest_skipped else []))
 
 
 def unsharded_replica(policy: nn.Module) -> nn.Module:
