@@ -23,30 +23,42 @@ class RewardsInterrupted(Exception):
     """A stop request arrived while a user reward function ran: the rollout is abandoned."""
 
 
-def call_in_worker(call: Callable[[], Any], timeout: float, should_stop: Callable[[], bool] | None) -> tuple[str, Any]:
-    """`call()` on a daemon worker thread, waited for in slices of WAIT_SLICE seconds with the
-    stop flag and the timeout checked between them: (kind, value), kind one of value, error,
-    timeout, stop."""
-    box: list[tuple[str, Any]] = []
+def call_in_worker(calls: list[Callable[[], Any]], timeout: float,
+                   should_stop: Callable[[], bool] | None) -> tuple[str, Any, int]:
+    """Each of `calls` in turn on one daemon worker thread, waited for in slices of WAIT_SLICE
+    seconds with the stop flag and the running call's time checked between them: (kind, value,
+    index). kind "value": value is the list of results; else ("error", the exception), "timeout"
+    or "stop", for the call at `index`. One thread for all the calls: a thread per call would
+    cost more than a quick reward itself."""
+    results: list[Any] = []
+    running = [(0, time.monotonic())]  # (index, start) of the call in progress: one tuple, swapped whole
+    failed: list[BaseException] = []
     done = threading.Event()
 
     def work() -> None:
         try:
-            box.append(("value", call()))
+            for i, call in enumerate(calls):
+                running[0] = (i, time.monotonic())
+                results.append(call())
         except BaseException as e:  # SystemExit / KeyboardInterrupt too: an error of this reward
-            box.append(("error", e))
+            failed.append(e)
         finally:
             done.set()
 
     threading.Thread(target=work, name="astrai-reward", daemon=True).start()
-    deadline = time.monotonic() + timeout if timeout > 0 else None
-    while not done.wait(WAIT_SLICE if deadline is None else max(0.0, min(WAIT_SLICE, deadline - time.monotonic()))):
+    while True:
+        index, start = running[0]
+        left = start + timeout - time.monotonic() if timeout > 0 else WAIT_SLICE
         # the main thread waits here: a signal handler (the stop request) runs between slices
+        if done.wait(max(0.0, min(WAIT_SLICE, left))):
+            break
         if should_stop is not None and should_stop():
-            return "stop", None
-        if deadline is not None and time.monotonic() >= deadline:
-            return "timeout", None
-    return box[0]
+            return "stop", None, running[0][0]
+        if timeout > 0 and running[0] == (index, start) and time.monotonic() - start >= timeout:
+            return "timeout", None, index
+    if failed:
+        return "error", failed[0], len(results)
+    return "value", results, len(results)
 
 
 def outcome(name: str, where: str, kind: str, value: Any, timeout: float) -> Any:

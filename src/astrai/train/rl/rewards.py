@@ -325,15 +325,14 @@ class RewardSet:
                         if is_batched(fn) else [fn(p, c, r) for p, c, r in zip(prompts, completions, records)]
                 elif is_batched(fn):
                     kwargs = _trl_kwargs(name, fn, prompts, completions, records, completion_ids)
-                    raw[name] = self._guarded(name, _batch_where(len(prompts), group_size), partial(fn, **kwargs))
+                    whole = self._guarded(name, [partial(fn, **kwargs)], lambda i: _batch_where(len(prompts), group_size))
+                    raw[name] = whole[0]
                     if inspect.isawaitable(raw[name]):
                         pending.append((name, None, raw[name]))
                 else:
-                    raw[name] = []
-                    for i, args in enumerate(zip(prompts, completions, records)):
-                        raw[name].append(self._guarded(name, _where(i, group_size), partial(fn, *args)))
-                        if inspect.isawaitable(raw[name][-1]):
-                            pending.append((name, i, raw[name][-1]))
+                    calls = [partial(fn, *args) for args in zip(prompts, completions, records)]
+                    raw[name] = self._guarded(name, calls, lambda i: _where(i, group_size))
+                    pending += [(name, i, v) for i, v in enumerate(raw[name]) if inspect.isawaitable(v)]
             if pending:
                 self._await_all(pending, raw, len(prompts), group_size)
         finally:
@@ -341,8 +340,11 @@ class RewardSet:
                 getattr(awaitable, "close", lambda: None)()
         return raw
 
-    def _guarded(self, name: str, where: str, call: Callable[[], Any]) -> Any:
-        return outcome(name, where, *call_in_worker(call, self.timeout, self.should_stop), self.timeout)
+    def _guarded(self, name: str, calls: list[Callable[[], Any]], where: Callable[[int], str]) -> list[Any]:
+        """The results of `calls` to user function `name`, each bounded by reward_timeout, on a
+        worker thread; a failure names the function and, through `where`, the call's prompt."""
+        kind, value, index = call_in_worker(calls, self.timeout, self.should_stop)
+        return outcome(name, where(index), kind, value, self.timeout)
 
     def _await_all(self, pending: list[tuple[str, int | None, Any]], raw: dict[str, Any], num: int,
                    group_size: int) -> None:
@@ -367,8 +369,8 @@ class RewardSet:
             return _batch_where(num, group_size) if index is None else _where(index, group_size)
 
         # the outer bound (one slice of slack) catches a coroutine that blocks its event loop outright
-        kind, value = call_in_worker(lambda: asyncio.run(gather()), timeout + 1.0 if timeout > 0 else 0.0,
-                                     self.should_stop)
+        kind, value, _ = call_in_worker([lambda: asyncio.run(gather())], timeout + 1.0 if timeout > 0 else 0.0,
+                                        self.should_stop)
         if kind != "value":  # name the first one still running
             k = next((k for k, o in enumerate(outcomes) if o is None), 0)
             outcome(pending[k][0], where(k), kind, value, timeout)
