@@ -1,4 +1,5 @@
-"""Shared test setup: offline hub, deterministic torch, small thread count."""
+"""Shared test setup: offline hub, deterministic torch, small thread count, `cuda` tests skipped
+without a CUDA device."""
 
 from __future__ import annotations
 
@@ -16,3 +17,12 @@ import torch  # noqa: E402
 def _seed_torch():
     torch.manual_seed(0)
     yield
+
+
+def pytest_collection_modifyitems(config, items):
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA device (cuda marker)")
+    for item in items:
+        if item.get_closest_marker("cuda") is not None:
+            item.add_marker(skip)

@@ -76,6 +76,8 @@ class EngineConfig:
     compile: bool = False  # decode steps' MLPs under torch.compile, per batch-size bucket (warm-up at start)
     autocast_dtype: str | None = None  # "bfloat16": forward passes under torch.autocast (a bf16 trainer's precision)
     kv_cache_dtype: str | None = None  # KV pool dtype; None: the autocast dtype if set, else the weights'
+    cuda_graphs: bool = False  # CUDA only: decode steps replay graphs per batch bucket (runner.py); an error on CPU
+    paged_kernel: str = "gather"  # "varlen", CUDA only: decode reads KV blocks in place (no device run yet)
 
 
 @dataclass
@@ -131,7 +133,9 @@ class LLMEngine:
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, batched, config.enable_chunked_prefill,
                                    threshold, config.max_request_kv_share)
         self.runner = ModelRunner(model, num_blocks, config.block_size, dtype=self.kv_cache_dtype, device=device,
-                                  decode_view_bytes=decode_view_bytes(config.decode_view_memory_gb))
+                                  decode_view_bytes=decode_view_bytes(config.decode_view_memory_gb),
+                                  paged_kernel=config.paged_kernel, cuda_graphs=config.cuda_graphs,
+                                  max_num_seqs=config.max_num_seqs, max_model_len=self.max_model_len)
         if config.compile:
             self.runner.compiled = CompiledDecode(model, config.max_num_seqs)
             # warmed up in the steps' precision; under autocast the compiled MLP rounds differently
@@ -208,25 +212,22 @@ class LLMEngine:
         prompt_text, prompt_ids = self._tokenize(prompt)
         check_request(prompt_ids, params, vocab_size=self.vocab_size, max_model_len=self.max_model_len,
                       max_num_seqs=self.config.max_num_seqs, block_manager=self.block_manager)
-        stop_ids = set(params.stop_token_ids)
         eos_ids = frozenset() if params.ignore_eos else self.eos_token_ids
         req = _Request(
             request_id, prompt_text, prompt_ids, params, RequestMetrics(arrival_time or time.time()),
-            eos_ids=eos_ids, stop_ids=frozenset(stop_ids | eos_ids), with_logprobs=with_logprobs,
+            eos_ids=eos_ids, stop_ids=frozenset(set(params.stop_token_ids) | eos_ids), with_logprobs=with_logprobs,
         )
         if params.stop and self.tokenizer is None:
             raise ValueError("stop strings need a tokenizer to detokenise; pass stop_token_ids instead")
         self._requests[request_id] = req
-        seq = self._new_sequence(req, 0)
-        self.scheduler.add(seq)
+        self.scheduler.add(self._new_sequence(req, 0))
 
     def _tokenize(self, prompt: str | list[int]) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise ValueError("a text prompt needs a tokenizer; pass token ids or give the engine a tokenizer")
             return prompt, self.tokenizer.encode(prompt, add_special_tokens=True)
-        ids = [int(t) for t in prompt]
-        return None, ids
+        return None, [int(t) for t in prompt]
 
     def _new_sequence(self, req: _Request, index: int) -> Sequence:
         params = req.params

@@ -7,7 +7,10 @@ length and block table), applies the block manager's pending copy-on-write block
 runs the model, asking only for the logits of the last token of each sequence that completes
 its computation this step (those are the ones the sampler turns into new tokens), plus, for a
 sequence that wants prompt log-probs, the logits of its prompt positions in this step's chunk.
-It also states the engine's precision (`resolve_precision`, `forward_precision`): forward passes
+Decode-only steps can replay CUDA graphs (cuda_graphs.py; a scratch KV block past the block
+manager's pool serves their padding rows) and read KV in place through the varlen kernel
+(`paged_kernel="varlen"`); both are CUDA-only and off by default. Host-built index tensors go
+to the device from pinned memory when the device is CUDA. It also states the engine's precision (`resolve_precision`, `forward_precision`): forward passes
 in the weights' dtype, or under `torch.autocast` as a bf16 trainer runs them, and the KV pool's
 dtype (the written keys and values are cast to it).
 """
@@ -22,6 +25,7 @@ import torch
 from torch import Tensor, nn
 
 from astrai.infer.compiled import CompiledDecode
+from astrai.infer.cuda_graphs import CUDAGraphDecode
 from astrai.infer.scheduler import Sequence
 from astrai.model.attention import DecodeKVView, PagedAttentionMetadata
 
@@ -83,14 +87,40 @@ class ModelRunner:
         dtype: torch.dtype | None = None,
         device: torch.device | str | None = None,
         decode_view_bytes: int = 0,
+        paged_kernel: str = "gather",
+        cuda_graphs: bool = False,
+        max_num_seqs: int = 256,
+        max_model_len: int = 2048,
     ) -> None:
         self.model = model
         self.block_size = block_size
+        self.num_blocks = num_blocks
         self.device = torch.device(device) if device is not None else next(model.parameters()).device
+        for name, on in (("paged_kernel='varlen'", paged_kernel == "varlen"), ("cuda_graphs", cuda_graphs)):
+            if on and self.device.type != "cuda":
+                raise ValueError(f"{name} needs a CUDA device but the model is on {self.device}; leave it off "
+                                 f"on {self.device.type} (the default path is the tested one there)")
+        self.paged_kernel = paged_kernel
+        self.dtype = dtype
         self.kv_caches = model.allocate_kv_cache(num_blocks, block_size, dtype=dtype, device=self.device)
         # decode steps read a kept dense copy of their context instead of gathering it every step
-        self.decode_view = DecodeKVView(decode_view_bytes) if decode_view_bytes > 0 else None
+        # (not with the varlen kernel, which reads the paged cache in place)
+        use_view = decode_view_bytes > 0 and paged_kernel == "gather"
+        self.decode_view = DecodeKVView(decode_view_bytes) if use_view else None
         self.compiled: CompiledDecode | None = None  # EngineConfig.compile: decode steps' MLPs compiled
+        self.graphs: CUDAGraphDecode | None = None
+        if cuda_graphs:
+            self.use_graphs(max_num_seqs, max_model_len, capture=True)
+
+    def use_graphs(self, max_num_seqs: int, max_model_len: int, capture: bool = True) -> CUDAGraphDecode:
+        """Decode steps replay CUDA graphs (capture=False: the same static forward, eagerly, as on
+        CPU in tests). The KV pool gets one scratch block past the block manager's for padding rows;
+        call before the first step."""
+        self.kv_caches = self.model.allocate_kv_cache(self.num_blocks + 1, self.block_size, dtype=self.dtype,
+                                                      device=self.device)
+        self.graphs = CUDAGraphDecode.for_engine(self.model, self.kv_caches, self.block_size, self.num_blocks,
+                                                 max_num_seqs, max_model_len, capture)
+        return self.graphs
 
     def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
         """Copy-on-write: duplicate block src into dst in every layer's cache."""
@@ -155,6 +185,12 @@ class ModelRunner:
     def _execute_decode(self, seqs: list[Sequence]) -> StepLogits:
         """The steady state: every sequence feeds its last token and samples the next one."""
         positions = [seq.num_computed_tokens for seq in seqs]
+        if self.graphs is not None:
+            logits = self.graphs.run([seq.token_ids[-1] for seq in seqs], positions, [seq.block_table for seq in seqs])
+            if logits is not None:
+                if self.decode_view is not None:
+                    self.decode_view.invalidate()  # the graph wrote KV the kept copy has not seen
+                return StepLogits(logits, seqs)
         if self.compiled is not None:
             self.compiled.active = True
         try:
@@ -171,10 +207,9 @@ class ModelRunner:
         """Logits (len(logits_indices), V) of one flat batch; all positions when logits_indices is None."""
         meta = PagedAttentionMetadata.build(
             query_lens, context_lens, block_tables, self.block_size, self.kv_caches, self.device,
-            seq_ids, self.decode_view,
+            seq_ids, self.decode_view, self.paged_kernel,
         )
-        ids = torch.tensor(input_ids, dtype=torch.long, device=self.device)[None]  # (1, N)
-        pos = torch.tensor(positions, dtype=torch.long, device=self.device)[None]  # (1, N)
+        ids, pos = self._to_device([input_ids, positions])[:, None]  # (1, N) each
         idx = None if logits_indices is None else torch.tensor(logits_indices, dtype=torch.long, device=self.device)
         try:
             logits = self.model(ids, position_ids=pos, attn_metadata=meta, logits_indices=idx).logits[0]
@@ -185,3 +220,11 @@ class ModelRunner:
         if self.decode_view is not None:
             self.decode_view.commit()
         return logits
+
+    def _to_device(self, rows: list[list[int]]) -> Tensor:
+        """Equal-length int lists -> one (len(rows), N) int64 device tensor in one transfer, from
+        pinned memory on CUDA (so the copy is asynchronous)."""
+        host = torch.tensor(rows, dtype=torch.long)
+        if self.device.type != "cuda":
+            return host if self.device.type == "cpu" else host.to(self.device)
+        return host.pin_memory().to(self.device, non_blocking=True)

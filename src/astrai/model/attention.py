@@ -18,6 +18,13 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from astrai.model.config import ModelConfig
+from astrai.model.kernels import (
+    PackedSegments,
+    PagedDecodeTables,
+    packed_attention,
+    packed_segments,
+    paged_decode,
+)
 from astrai.model.ops import apply_rope, rms_norm
 
 
@@ -75,12 +82,21 @@ def document_ids_from_positions(position_ids: Tensor) -> Tensor | None:
 
 def build_attention_mask(
     attention_mask: Tensor | None, document_ids: Tensor | None, T: int, device: torch.device
-) -> Tensor | None:
-    """Boolean mask (B, 1, T, T), True = may attend; None when plain causal attention suffices."""
+) -> Tensor | PackedSegments | None:
+    """Boolean mask (B, 1, T, T), True = may attend; None when plain causal attention suffices;
+    on CUDA, packed rows without padding as `PackedSegments` (the varlen kernel, no mask)."""
     if attention_mask is not None and bool(attention_mask.all()):
         attention_mask = None  # no padding: plain causal attention takes the faster kernel
     if attention_mask is None and document_ids is None:
         return None
+    if attention_mask is None and torch.device(device).type == "cuda":
+        return packed_segments(document_ids)  # flash varlen kernel: no (B, T, T) mask at all
+    return dense_document_mask(attention_mask, document_ids, T, device)
+
+
+def dense_document_mask(attention_mask: Tensor | None, document_ids: Tensor | None, T: int,
+                        device: torch.device | str) -> Tensor:
+    """The CPU form: causal and block-diagonal over documents, minus padding keys (B, 1, T, T)."""
     allowed = torch.ones(T, T, dtype=torch.bool, device=device).tril()[None]  # (1, T, T)
     if document_ids is not None:
         allowed = allowed & (document_ids[:, :, None] == document_ids[:, None, :])  # (B, T, T)
@@ -113,6 +129,7 @@ class PagedAttentionMetadata:
     # or with a decode_view the longest context
     prefills: list[PrefillSegment]
     decode_view: DecodeViewStep | None = None  # read decode context from a kept dense copy instead
+    paged_decode: PagedDecodeTables | None = None  # or read it in place (the varlen kernel; no mask, no blocks)
 
     @classmethod
     def build(
@@ -125,16 +142,22 @@ class PagedAttentionMetadata:
         device: torch.device | str = "cpu",
         seq_ids: list[int] | None = None,
         decode_view: DecodeKVView | None = None,
+        paged_kernel: str = "gather",
     ) -> PagedAttentionMetadata:
         """`decode_view` with `seq_ids` (one stable id per sequence): decoding sequences read their
-        context from the view's dense copy, which is updated in place from step to step."""
+        context from the view's dense copy, which is updated in place from step to step.
+        `paged_kernel="varlen"`: they read it where it lies in the cache (PagedDecodeTables)."""
+        if paged_kernel not in ("gather", "varlen"):
+            raise ValueError(f"paged_kernel is {paged_kernel!r}; use 'gather' or 'varlen'")
+        if paged_kernel == "varlen":
+            decode_view = None
         # built once per engine step and shared by every layer: vectorised over sequences,
         # since a Python loop here costs more than the attention itself for tiny models
         if decode_view is not None and seq_ids is None:
             raise ValueError("a decode_view needs the seq_ids of the sequences")
         if all(n == 1 for n in query_lens) and all(c > 1 for c in context_lens):
             return cls._build_decode_only(context_lens, block_tables, block_size, kv_caches, device,
-                                          seq_ids, decode_view)
+                                          seq_ids, decode_view, paged_kernel)
         S = len(query_lens)
         q = torch.tensor(query_lens, dtype=torch.long)  # (S,)
         ctx = torch.tensor(context_lens, dtype=torch.long)  # (S,)
@@ -166,7 +189,7 @@ class PagedAttentionMetadata:
                 blocks = tables[i, : -(-ctx_len // block_size)]
                 mask = key_pos[None, :] <= (ctx_len - q_len + torch.arange(q_len))[:, None]
                 prefills.append(PrefillSegment(start, start + q_len, blocks.to(device), ctx_len, mask.to(device)))
-        dec_idx = dec_blocks = dec_mask = view = None
+        dec_idx = dec_blocks = dec_mask = view = tables_d = None
         dec = is_decode.nonzero()[:, 0]
         if decode_view is not None and not len(dec):
             decode_view.invalidate()  # its copy must come from the step right before
@@ -179,20 +202,24 @@ class PagedAttentionMetadata:
                 d = dec.tolist()
                 view = decode_view.plan([seq_ids[i] for i in d], ctx_d.tolist(), [block_tables[i] for i in d],
                                         block_size, kv_caches, device)
-            if view is None:
+            if paged_kernel == "varlen":
+                d = dec.tolist()
+                tables_d = PagedDecodeTables.build(ctx_d.tolist(), [block_tables[i] for i in d], block_size, device)
+            elif view is None:
                 dec_blocks = tables[dec, :w].to(device)  # (Sd, w)
                 dec_mask = _decode_mask(ctx_d, w * block_size, kv_caches, device)
             else:
                 dec_mask = view.mask
             dec_idx = starts[dec].to(device)
         return cls(kv_caches=kv_caches, slot_mapping=slot_mapping.to(device), decode_token_idx=dec_idx,
-                   decode_blocks=dec_blocks, decode_mask=dec_mask, prefills=prefills, decode_view=view)
+                   decode_blocks=dec_blocks, decode_mask=dec_mask, prefills=prefills, decode_view=view,
+                   paged_decode=tables_d)
 
     @classmethod
     def _build_decode_only(
         cls, context_lens: list[int], block_tables: list[list[int]], block_size: int,
         kv_caches: list[tuple[Tensor, Tensor]], device: torch.device | str,
-        seq_ids: list[int] | None, decode_view: DecodeKVView | None,
+        seq_ids: list[int] | None, decode_view: DecodeKVView | None, paged_kernel: str = "gather",
     ) -> PagedAttentionMetadata:
         """The common steady state, every sequence adding one token: plain Python over the
         sequences is cheaper here than the general path's tensor bookkeeping."""
@@ -203,17 +230,19 @@ class PagedAttentionMetadata:
                 raise ValueError(f"sequence {i}: context_len {ctx} exceeds its {len(table)} blocks of "
                                  f"{block_size} tokens")
             slots.append(table[(ctx - 1) // block_size] * block_size + (ctx - 1) % block_size)
-        view = blocks = None
-        if decode_view is not None:
+        view = blocks = mask = tables = None
+        if paged_kernel == "varlen":
+            tables = PagedDecodeTables.build(context_lens, block_tables, block_size, device)
+        elif decode_view is not None:
             view = decode_view.plan(seq_ids, context_lens, block_tables, block_size, kv_caches, device)
-        if view is None:
+        if view is None and tables is None:
             blocks = torch.tensor(_pad_tables(block_tables, w), dtype=torch.long, device=device)
             mask = _decode_mask(torch.tensor(context_lens, dtype=torch.long), w * block_size, kv_caches, device)
-        else:
+        elif view is not None:
             mask = view.mask
         return cls(kv_caches=kv_caches, slot_mapping=torch.tensor(slots, dtype=torch.long, device=device),
                    decode_token_idx=torch.arange(len(context_lens), device=device),
-                   decode_blocks=blocks, decode_mask=mask, prefills=[], decode_view=view)
+                   decode_blocks=blocks, decode_mask=mask, prefills=[], decode_view=view, paged_decode=tables)
 
 
 def _pad_tables(block_tables: list[list[int]], width: int) -> list[list[int]]:
@@ -354,6 +383,11 @@ class Attention(nn.Module):
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, cos_q, sin_q), apply_rope(k, cos, sin)
+        if isinstance(mask, PackedSegments):
+            if query_idx is None:
+                out = packed_attention(q, k, v, mask, self.num_kv_heads != self.num_heads)
+                return self.o_proj(out.reshape(B, T, self.num_heads * self.head_dim))
+            mask = dense_document_mask(None, mask.document_ids, T, x.device)  # a few query rows: dense is fine
         if meta is None:
             if query_idx is not None:  # rows of the (T, T) mask for the querying positions only
                 if mask is None:
@@ -395,7 +429,12 @@ class Attention(nn.Module):
                 qs, ks, vs, attn_mask=seg.mask, is_causal=seg.mask is None, enable_gqa=gqa
             )
             out[seg.start : seg.end] = o[0].transpose(0, 1)
-        if meta.decode_token_idx is not None:
+        if meta.paged_decode is not None:
+            o = paged_decode(q if decode_only else q[meta.decode_token_idx], k_cache, v_cache, meta.paged_decode)
+            if decode_only:
+                return o
+            out[meta.decode_token_idx] = o.to(out.dtype)
+        elif meta.decode_token_idx is not None:
             Sd, L = meta.decode_token_idx.numel(), meta.decode_mask.size(-1)
             G = self.num_heads // self.num_kv_heads
             # one query per sequence: the G query heads of a kv head attend like G query positions,

@@ -1,0 +1,176 @@
+"""Attention paths chosen by device type: the CUDA kernels' CPU references against today's paths.
+
+Packed training rows on CUDA go through the flash varlen kernel with segment offsets instead of
+a dense block-diagonal mask; paged decode with `paged_kernel="varlen"` reads KV blocks in place.
+On CPU the same functions run an SDPA reference with the same arguments: these tests hold the
+references (and so the offsets and block tables handed to the kernels) to the dense paths, check
+the selection is by device type only, and (`cuda`-marked) hold the kernels to the references.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from astrai.infer.engine import LLMEngine
+from astrai.infer.sampling import SamplingParams
+from astrai.model import CausalLM, ModelConfig
+from astrai.model.attention import (
+    Attention,
+    PagedAttentionMetadata,
+    build_attention_mask,
+    document_ids_from_positions,
+    rope_cos_sin,
+    rope_inv_freq,
+)
+from astrai.model.kernels import (
+    PackedSegments,
+    PagedDecodeTables,
+    packed_attention,
+    packed_segments,
+    paged_decode,
+)
+
+CFG = ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, max_position_embeddings=64)
+
+
+def _layer_inputs(B: int, T: int, position_ids: torch.Tensor, device: str = "cpu"):
+    attn = Attention(CFG, 0).to(device)
+    x = torch.randn(B, T, CFG.hidden_size, device=device, requires_grad=True)
+    cos, sin = rope_cos_sin(rope_inv_freq(CFG).to(device), position_ids.to(device), x.dtype)
+    return attn, x, cos, sin
+
+
+def test_segment_offsets_by_hand():
+    doc = torch.tensor([[1, 1, 2, 2, 2], [1, 2, 2, 2, 2]])
+    segs = packed_segments(doc)
+    assert segs.cu_seqlens.dtype == torch.int32
+    assert segs.cu_seqlens.tolist() == [0, 2, 5, 6, 10] and segs.max_seqlen == 4
+
+
+def test_selection_is_by_device_type():
+    doc = torch.tensor([[1, 1, 2, 2]])
+    assert isinstance(build_attention_mask(None, doc, 4, torch.device("cuda")), PackedSegments)
+    dense = build_attention_mask(None, doc, 4, torch.device("cpu"))
+    assert isinstance(dense, torch.Tensor) and dense.shape == (1, 1, 4, 4)
+    pad = torch.tensor([[1, 1, 1, 0]])  # padding keeps the dense mask (its cuda form is made on the device)
+    assert isinstance(build_attention_mask(pad, doc, 4, torch.device("cpu")), torch.Tensor)
+    # no padding and no documents: plain causal (SDPA is_causal, no mask) on every device
+    assert build_attention_mask(torch.ones(1, 4), None, 4, torch.device("cuda")) is None
+    assert build_attention_mask(None, None, 4, torch.device("cpu")) is None
+
+
+def test_packed_reference_equals_dense_block_diagonal_mask_forward_and_backward():
+    pos = torch.tensor([[0, 1, 2, 0, 1, 2, 3, 0], [0, 1, 2, 3, 4, 0, 1, 2]])
+    doc = document_ids_from_positions(pos)
+    attn, x, cos, sin = _layer_inputs(2, 8, pos)
+    dense = attn(x, cos, sin, build_attention_mask(None, doc, 8, torch.device("cpu")))
+    (g_dense,) = torch.autograd.grad(dense.square().sum(), x)
+    packed = attn(x, cos, sin, packed_segments(doc))
+    (g_packed,) = torch.autograd.grad(packed.square().sum(), x)
+    torch.testing.assert_close(packed, dense, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(g_packed, g_dense, atol=1e-5, rtol=1e-5)
+    # the segments really separate: attending across documents changes the output
+    assert not torch.allclose(attn(x, cos, sin, None), dense, atol=1e-4)
+
+
+def test_packed_segments_with_query_positions_fall_back_to_dense_rows():
+    pos = torch.tensor([[0, 1, 2, 0, 1, 2]])
+    doc = document_ids_from_positions(pos)
+    attn, x, cos, sin = _layer_inputs(1, 6, pos)
+    keep = torch.tensor([2, 5])
+    dense = attn(x, cos, sin, build_attention_mask(None, doc, 6, torch.device("cpu")), query_idx=keep)
+    torch.testing.assert_close(attn(x, cos, sin, packed_segments(doc), query_idx=keep), dense)
+
+
+def _decode_meta(kernel: str, kv_caches, context_lens, block_tables, query_lens=None):
+    query_lens = query_lens or [1] * len(context_lens)
+    return PagedAttentionMetadata.build(query_lens, context_lens, block_tables, 4, kv_caches, "cpu",
+                                        list(range(len(context_lens))), None, kernel)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_paged_decode_reference_equals_gather_path(dtype):
+    model = CausalLM(CFG, seed=1).eval()
+    kv = model.allocate_kv_cache(16, 4, dtype=dtype, device="cpu")
+    for k, v in kv:  # a filled cache: every slot holds some key and value
+        k.copy_(torch.randn_like(k, dtype=torch.float32))
+        v.copy_(torch.randn_like(v, dtype=torch.float32))
+    ctx, tables = [5, 9, 2], [[3, 7], [1, 0, 12], [15]]  # out of order, block 0 used, shared-free
+    ids, pos = torch.tensor([[5, 6, 7]]), torch.tensor([[4, 8, 1]])
+    with torch.inference_mode():
+        ref = model(ids, position_ids=pos, attn_metadata=_decode_meta("gather", kv, ctx, tables)).logits
+        meta = _decode_meta("varlen", kv, ctx, tables)
+        assert meta.paged_decode is not None and meta.decode_blocks is None and meta.decode_mask is None
+        assert meta.paged_decode.block_table.dtype == torch.int32 and meta.paged_decode.max_k == 9
+        out = model(ids, position_ids=pos, attn_metadata=meta).logits
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(out, ref, atol=tol, rtol=tol)
+
+
+def test_paged_decode_reference_in_a_mixed_step():
+    """A prefill chunk next to decodes: the decodes read in place, the prefill as before."""
+    model = CausalLM(CFG, seed=2).eval()
+    kv_a = model.allocate_kv_cache(16, 4, device="cpu")
+    kv_b = [(k.clone(), v.clone()) for k, v in kv_a]
+    ctx, q, tables = [6, 3, 7], [1, 3, 1], [[2, 5], [9], [4, 1]]
+    ids = torch.randint(0, 64, (1, 5))
+    pos = torch.tensor([[5, 0, 1, 2, 6]])
+    with torch.inference_mode():
+        for kv in (kv_a, kv_b):  # earlier context in both caches
+            for k, v in kv:
+                torch.manual_seed(3)
+                k.normal_()
+                v.normal_()
+        ref = model(ids, position_ids=pos, attn_metadata=_decode_meta("gather", kv_a, ctx, tables, q)).logits
+        out = model(ids, position_ids=pos, attn_metadata=_decode_meta("varlen", kv_b, ctx, tables, q)).logits
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+
+
+def test_engine_decodes_the_same_tokens_through_the_reference():
+    model = CausalLM(CFG, seed=4).eval()
+    prompts = [[3, 4, 5, 6, 7], [9, 8, 7, 6, 5, 4, 3, 2, 1]]
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    ref = LLMEngine(model, None, kv_cache_tokens=256, block_size=4).run_batch(prompts, params)
+    engine = LLMEngine(model, None, kv_cache_tokens=256, block_size=4)
+    engine.runner.paged_kernel, engine.runner.decode_view = "varlen", None  # the CPU stand-in of the kernel
+    out = engine.run_batch(prompts, params)
+    assert [o.outputs[0].token_ids for o in out] == [o.outputs[0].token_ids for o in ref]
+    for a, b in zip(out, ref):
+        assert a.outputs[0].logprobs == pytest.approx(b.outputs[0].logprobs, abs=1e-5)
+
+
+def test_gpu_only_paths_are_refused_on_cpu():
+    model = CausalLM(CFG, seed=0).eval()
+    with pytest.raises(ValueError, match="paged_kernel='varlen' needs a CUDA device"):
+        LLMEngine(model, None, kv_cache_tokens=64, paged_kernel="varlen")
+    with pytest.raises(ValueError, match="paged_kernel is 'flash'"):
+        PagedAttentionMetadata.build([1], [2], [[0]], 4, [], "cpu", paged_kernel="flash")
+
+
+# -- on a GPU: the kernels against their references ---------------------------------------------
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_varlen_packed_kernel_matches_reference(dtype):
+    pos = torch.tensor([[0, 1, 2, 0, 1, 2, 3, 0] * 16])
+    doc = document_ids_from_positions(pos).cuda()
+    q = torch.randn(1, 128, 4, 64, device="cuda", dtype=dtype)
+    k, v = (torch.randn(1, 128, 2, 64, device="cuda", dtype=dtype) for _ in range(2))
+    segs = packed_segments(doc)
+    out = packed_attention(q, k, v, segs, gqa=True)
+    ref = packed_attention(q.cpu().float(), k.cpu().float(), v.cpu().float(), packed_segments(doc.cpu()), gqa=True)
+    torch.testing.assert_close(out.float().cpu(), ref, atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("block_size", [16, 256])
+def test_varlen_paged_decode_kernel_matches_reference(block_size):
+    k_cache, v_cache = (torch.randn(40, block_size, 2, 64, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    ctx, tables = [5, 3 * block_size + 1, 2], [[3, 7], [1, 0, 12, 30], [15]]
+    t = PagedDecodeTables.build(ctx, tables, block_size, "cuda")
+    q = torch.randn(3, 4, 64, device="cuda", dtype=torch.bfloat16)
+    out = paged_decode(q, k_cache, v_cache, t)
+    t_cpu = PagedDecodeTables.build(ctx, tables, block_size, "cpu")
+    ref = paged_decode(q.cpu().float(), k_cache.cpu().float(), v_cache.cpu().float(), t_cpu)
+    torch.testing.assert_close(out.float().cpu(), ref, atol=2e-2, rtol=2e-2)
