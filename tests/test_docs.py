@@ -330,3 +330,12 @@ def test_imported_layers_sees_every_import_form(tmp_path: Path) -> None:
     clean = tmp_path / "clean.py"
     clean.write_text("import torch\nfrom astrai import __version__\nfrom astrai.model.hf import load_model\n")
     assert imported_layers(clean) == {"model"}
+
+
+def test_train_help_names_every_built_in_reward() -> None:
+    """`astrai train --help` lists the built-in rewards beside --rewards, final_number among them."""
+    from astrai.train.rl.rewards import BUILTINS
+
+    text = " ".join(help_text("train").split())
+    for name in BUILTINS:
+        assert name in text, f"astrai train --help does not name the built-in reward {name!r}"

@@ -121,7 +121,7 @@ class RLConfig:
     max_resample_batches: int = 4  # dynamic_sampling: extra prompt batches drawn per rollout at most
     scale_rewards: str = "group"  # group: (r - mean) / std per group | none: r - mean (Dr. GRPO)
     rl_loss_agg: str = "token_mean"  # token_mean | seq_mean | seq_mean_token_sum_norm
-    rewards: list[str] = field(default_factory=lambda: ["exact_match"])  # names or module:function
+    rewards: list[str] = field(default_factory=lambda: ["exact_match"])  # exact_match | final_number | format | length | overlong | module:function | a reward model dir
     reward_weights: list[float] | None = None  # one per reward; None = all 1.0
     reward_timeout: float = 60.0  # seconds one user reward call may take; 0 = no limit
     format_pattern: str = r"^\s*-?\d+\s*$"  # the `format` reward: 1 when the completion matches
@@ -265,8 +265,8 @@ def build_config(yaml_data: dict[str, Any], overrides: dict[str, Any]) -> Config
                 raise ConfigError(f"section {key!r} must be a mapping, got {content!r}")
             for name, value in content.items():
                 values[name] = _check_key(name, key, value, table)
-        elif key in table:  # flat key at top level
-            values[key] = check_value(key, table[key][0], content, table[key][1])
+        elif key in table and not (isinstance(content, dict) and not _takes_mapping(table[key][1])):
+            values[key] = check_value(key, table[key][0], content, table[key][1])  # flat key at top level
         elif isinstance(content, dict):  # a mapping: meant as a section
             raise ConfigError(_unknown_section(key, content, table))
         else:
@@ -295,6 +295,11 @@ def resolve_defaults(cfg: Config) -> None:
         o.warmup_ratio = FINE_TUNING_WARMUP_RATIO if fine_tuning and o.warmup_steps is None else 0.0
         if o.warmup_steps is None:  # otherwise warmup_steps decides and the ratio is unused
             cfg.filled_defaults["warmup_ratio"] = situation
+
+
+def _takes_mapping(tp: Any) -> bool:
+    """A field whose value may be a mapping (rope_scaling, data_columns): `optimizer: {...}` is not one."""
+    return any((typing.get_origin(b) or b) is dict for b in base_types(tp))
 
 
 def _unknown_section(key: str, content: dict[str, Any], table: dict[str, tuple[str, Any]]) -> str:
