@@ -1,116 +1,20 @@
 """Tool calls: the model's `<tool_call>{json}</tool_call>` text -> OpenAI `tool_calls`.
 
-The chat template shows the model its tools (the `tools` variable) and how to call one: the
-ChatML/Qwen/Hermes convention `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`. After
-generation `parse_tool_calls` splits a choice's text into content and calls; while streaming,
-`ToolCallStream` holds back text that may be the start of a call and releases each call whole
-once its closing tag arrived. A block whose JSON does not parse, or that names a function the
-request did not offer, stays in the content verbatim: a call is never invented. The JSON inside
-a block is read with the standard library's `json`; constrained decoding (`infer/guided.py`)
-is what makes required and named calls parse in the first place.
+The parser itself lives in the data layer (`astrai.data.tool_calls`), shared with online RL's
+multi-turn rollouts, which may not import the server; this module is the server's name for it.
+`ToolCall.to_openai` gives the OpenAI `tool_calls` entry; a block whose JSON does not parse, or
+that names a function the request did not offer, stays in the content verbatim.
 """
 
 from __future__ import annotations
 
-import json
-import uuid
-from dataclasses import dataclass
-from typing import Any
+from astrai.data.tool_calls import (
+    TOOL_CALL_CLOSE,
+    TOOL_CALL_OPEN,
+    ToolCall,
+    ToolCallStream,
+    parse_tool_calls,
+    read_call,
+)
 
-TOOL_CALL_OPEN = "<tool_call>"
-TOOL_CALL_CLOSE = "</tool_call>"
-
-
-@dataclass
-class ToolCall:
-    name: str
-    arguments: str  # JSON text, as OpenAI sends it
-    id: str = ""
-
-    def __post_init__(self) -> None:
-        self.id = self.id or f"call_{uuid.uuid4().hex[:24]}"
-
-    def to_openai(self) -> dict[str, Any]:
-        return {"id": self.id, "type": "function", "function": {"name": self.name, "arguments": self.arguments}}
-
-
-def read_call(block: str, known_names: set[str]) -> ToolCall | None:
-    """The call in the text between the tags, or None when it is not a valid call of a known tool."""
-    try:
-        obj = json.loads(block)
-    except ValueError:
-        return None
-    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str) or obj["name"] not in known_names:
-        return None
-    args = obj.get("arguments", obj.get("parameters", {}))
-    if isinstance(args, str):  # some models send arguments already as JSON text
-        try:
-            json.loads(args)
-        except ValueError:
-            return None
-        return ToolCall(obj["name"], args)
-    if not isinstance(args, dict):
-        return None
-    return ToolCall(obj["name"], json.dumps(args, ensure_ascii=False))
-
-
-def parse_tool_calls(text: str, known_names: set[str], parallel: bool = True) -> tuple[str, list[ToolCall]]:
-    """Split generated text into (content, calls). Invalid blocks, and blocks beyond the first
-    when parallel calls are off, stay in the content as they were written."""
-    stream = ToolCallStream(known_names, parallel)
-    pieces = stream.feed(text) + stream.finish()
-    content = "".join(p for p in pieces if isinstance(p, str))
-    calls = [p for p in pieces if isinstance(p, ToolCall)]
-    return (content.strip() if calls else content), calls
-
-
-class ToolCallStream:
-    """Incremental split of text deltas into content strings and whole `ToolCall`s."""
-
-    def __init__(self, known_names: set[str], parallel: bool = True):
-        self.known_names, self.parallel = known_names, parallel
-        self.pending = ""  # text held back: an open block, or what may be the start of one
-        self.num_calls = 0
-
-    def feed(self, delta: str) -> list[str | ToolCall]:
-        out: list[str | ToolCall] = []
-        text = self.pending + delta
-        while text:
-            start = text.find(TOOL_CALL_OPEN)
-            if start < 0 or not self._may_call():
-                keep = 0 if not self._may_call() else _partial_suffix(text, TOOL_CALL_OPEN)
-                out.append(text[: len(text) - keep])
-                text = text[len(text) - keep:]
-                break
-            if start:
-                out.append(text[:start])
-                text = text[start:]
-            end = text.find(TOOL_CALL_CLOSE)
-            if end < 0:
-                break  # the block is still open: wait for more
-            block_end = end + len(TOOL_CALL_CLOSE)
-            call = read_call(text[len(TOOL_CALL_OPEN):end], self.known_names)
-            if call is None:
-                out.append(text[:block_end])
-            else:
-                self.num_calls += 1
-                out.append(call)
-            text = text[block_end:]
-        self.pending = text
-        return [p for p in out if not isinstance(p, str) or p]
-
-    def finish(self) -> list[str | ToolCall]:
-        """Whatever is still held back (an unterminated block) is content."""
-        rest, self.pending = self.pending, ""
-        return [rest] if rest else []
-
-    def _may_call(self) -> bool:
-        return self.parallel or self.num_calls == 0
-
-
-def _partial_suffix(text: str, tag: str) -> int:
-    """Length of the longest end of `text` that is a proper start of `tag`."""
-    for n in range(min(len(tag) - 1, len(text)), 0, -1):
-        if text.endswith(tag[:n]):
-            return n
-    return 0
+__all__ = ["TOOL_CALL_CLOSE", "TOOL_CALL_OPEN", "ToolCall", "ToolCallStream", "parse_tool_calls", "read_call"]
