@@ -41,3 +41,11 @@ source_env_file() {
   source <(grep -Ev '^[[:space:]]*(export[[:space:]]+)?(UID|GID|EUID|PPID)=' "$file")
   set +a
 }
+
+# `docker compose` is a plugin of the docker CLI: without it docker reads `compose -f FILE` as its
+# own flags ("unknown shorthand flag: 'f' in -f"). Say so before the first compose command.
+require_compose() {
+  command -v docker >/dev/null 2>&1 || die "docker: the docker command is not installed"
+  docker compose version >/dev/null 2>&1 ||
+    die "docker compose: the Compose plugin is missing ('docker compose version' fails); install it (the docker-compose-plugin package, Compose v2) and retry"
+}

@@ -36,7 +36,10 @@ done
 strip_empty_cuda
 export_host_ids
 export ASTRAI_PORT="${ASTRAI_PORT:-8000}"
-compose() { docker compose -f "$COMPOSE_FILE" -p astrai-serve --profile "$service" "$@"; }
+compose() {
+  require_compose
+  docker compose -f "$COMPOSE_FILE" -p astrai-serve --profile "$service" "$@"
+}
 
 case $1 in
   build) exec "$ROOT/scripts/docker.sh" build ;;

@@ -2,11 +2,13 @@
 
 Each sub-command lives next to the code it drives (the trainer's flags beside the trainer,
 the server's beside the server) and is imported only when used, so `astrai serve` never
-imports the trainer and `astrai --help` is instant.
+imports the trainer and `astrai --help` is instant. Output piped into a reader that stops early
+(`astrai eval ... | head`) ends the command quietly, for every command, here.
 """
 
 from __future__ import annotations
 
+import os
 import sys
 from importlib import import_module
 
@@ -37,6 +39,19 @@ def usage() -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
+    try:
+        code = dispatch(argv)
+        sys.stdout.flush()  # a closed pipe shows here, inside the handler, rather than at exit
+        return code
+    except BrokenPipeError:
+        # Python's recipe (docs of `signal`, "Note on SIGPIPE"): point stdout at devnull so the
+        # interpreter's final flush cannot raise again, then exit as a SIGPIPE'd command does
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return 141
+
+
+def dispatch(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-h", "--help"):
         print(usage())

@@ -124,6 +124,9 @@ class RLConfig:
     rewards: list[str] = field(default_factory=lambda: ["exact_match"])  # exact_match | final_number | format | length | overlong | module:function | a reward model dir
     reward_weights: list[float] | None = None  # one per reward; None = all 1.0
     reward_timeout: float = 60.0  # seconds one user reward call may take; 0 = no limit
+    environment: str | None = None  # multi-turn: module:Class, one instance per sample (reset / step)
+    tools: list[str] = field(default_factory=list)  # multi-turn: module:function tools offered to the model
+    max_turns: int = 4  # multi-turn: assistant turns per episode; an episode that would go on is truncated
     format_pattern: str = r"^\s*-?\d+\s*$"  # the `format` reward: 1 when the completion matches
     length_target: int = 64  # the `length` reward: 0 up to this many characters, then down to -1 at twice
     overlong_buffer: int = 16  # the `overlong` reward (DAPO): 0 to -1 over the last this many of rollout_max_tokens

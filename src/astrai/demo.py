@@ -109,7 +109,10 @@ def train_stage(stage_dir: Path, config: dict[str, Any]) -> dict[str, Any]:
     stage_dir.mkdir(parents=True, exist_ok=True)
     config_path = stage_dir / "config.yaml"
     config_path.write_text(yaml.safe_dump(config, sort_keys=False))
-    code = train_main(["--config", str(config_path)])
+    import torch
+
+    # the demo's thread count (--num_threads), which `astrai train` would otherwise set to its own default
+    code = train_main(["--config", str(config_path), "--num_threads", str(torch.get_num_threads())])
     if code != 0:
         raise RuntimeError(f"training stage {stage_dir.name} failed with exit code {code}")
     publish_final(stage_dir / "ckpt", stage_dir / "final")
@@ -226,7 +229,8 @@ def write_report(out: Path, stages: dict[str, dict[str, Any]], minutes: float, a
     lines = [
         "# astrai demo report", "",
         f"Task: {TASK['digits']}-digit addition, exact match on {sft['num_total']} held-out problems "
-        f"(greedy, batched through the engine). Budget: {minutes} min. RL: {ALGOS[algo][0]}.", "",
+        f"(greedy, batched through the engine). RL: {ALGOS[algo][0]}. Step budget: --minutes {minutes:g} "
+        f"(scales the training steps; {BUDGET_MINUTES:g} is the default, not the run time: see Total below).", "",
         "![accuracy per stage](accuracy.png)", "",
         "| model | accuracy | correct |", "|---|---|---|",
         f"| pre-trained | {before['accuracy']:.1%} | {before['num_correct']}/{before['num_total']} |",
@@ -267,13 +271,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--algo", choices=list(ALGOS), default="grpo",
                         help="the RL stage: online GRPO (default), PPO with a critic, or online DPO")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--threads", type=int, default=1,
+    parser.add_argument("--num_threads", "--threads", type=int, default=1, dest="threads",
                         help="torch intra-op threads (default 1: this tiny model runs fastest, and the same, on one)")
     args = parser.parse_args(argv)
     if args.minutes <= 0:
         parser.error(f"--minutes must be positive, got {args.minutes}")
     if args.threads < 1:
-        parser.error(f"--threads must be >= 1, got {args.threads}")
+        parser.error(f"--num_threads must be >= 1, got {args.threads}")
     import torch
 
     threads = torch.get_num_threads()
@@ -298,7 +302,8 @@ def sft_stages(out: Path, scale: float = 1.0, seed: int = 0, log: Any = print) -
 
     def tokenizer_stage() -> dict[str, Any]:
         corpus = [json.loads(line)["text"] for line in (data_dir / "corpus.jsonl").read_text().splitlines()]
-        tok = train_tokenizer(corpus + ["user assistant system"] * 5, MODEL["vocab_size"], tok_dir)
+        # chat_roles: the role names become tokens, as `astrai tokenizer train --chat_roles` makes them
+        tok = train_tokenizer(corpus, MODEL["vocab_size"], tok_dir, chat_roles=True)
         return {"vocab_size": tok.vocab_size}
 
     stages["tokenizer"] = run_stage("tokenizer", tok_dir, tokenizer_stage, log)

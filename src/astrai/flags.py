@@ -5,6 +5,8 @@ its flags follow one set of rules without each call site repeating them:
 
 - a flag written in snake_case, as in the YAML and the docs (`--max_model_len`), also answers to
   its kebab-case spelling, vLLM's (`--max-model-len`);
+- an unrecognized flag is a usage error that names the nearest real one (`--max_tokns: did you
+  mean --max_tokens?`);
 - a boolean switch (`action="store_true"`) also has a `--no-` form (`--no-verify`), and a boolean
   setting (`action="bool"`, e.g. an engine field) takes `--x`, `--x true|false` or `--no-x`
   (`--no-enable-prefix-caching`).
@@ -17,7 +19,7 @@ same rules with the config fields' types.
 from __future__ import annotations
 
 import argparse
-from typing import Any
+from typing import Any, NoReturn
 
 TRUE_WORDS = ("true", "1", "yes", "on")
 FALSE_WORDS = ("false", "0", "no", "off")
@@ -132,3 +134,19 @@ class ArgumentParser(argparse.ArgumentParser):
             self.register("action", name, _with_kebab(action))
         self.register("action", "store_true", BoolFlag)
         self.register("action", "bool", BoolSetting)
+
+    def error(self, message: str) -> NoReturn:
+        """argparse's usage error, plus the nearest flag for each unrecognized one (as `astrai train`)."""
+        if message.startswith("unrecognized arguments: "):
+            message += "".join(self._nearest_flag(arg) for arg in message.split(": ", 1)[1].split())
+        super().error(message)
+
+    def _nearest_flag(self, arg: str) -> str:
+        import difflib
+
+        if not arg.startswith("--"):
+            return ""
+        name = arg.split("=", 1)[0]
+        options = [o for action in self._actions for o in action.option_strings if o.startswith("--")]
+        close = difflib.get_close_matches(name, options, n=1, cutoff=0.6)
+        return f"; {name}: did you mean {close[0]}?" if close else ""

@@ -13,7 +13,7 @@ COMPOSE = str(REPO / "docker" / "compose.yaml")
 
 
 def compose_calls(tmp_path):
-    return [c for c in calls(tmp_path) if c["argv"][:1] == ["compose"]]
+    return [c for c in calls(tmp_path) if c["argv"][:1] == ["compose"] and c["argv"][1:2] != ["version"]]
 
 
 def test_start_runs_preflight_then_compose_up_without_build(tmp_path):

@@ -122,10 +122,11 @@ def _truncate(ids: list[int], mask: list[int], max_seq_len: int, mode: str) -> t
     if mode == "error":
         raise RecordError(f"record has {len(ids)} tokens but max_seq_len is {max_seq_len}; raise --max_seq_len "
                           "or use --truncation keep_start|keep_end")
-    cut = slice(0, max_seq_len) if mode == "keep_start" else slice(len(ids) - max_seq_len, None)
+    num_tokens = len(ids)  # before the cut: the record's own length
+    cut = slice(0, max_seq_len) if mode == "keep_start" else slice(num_tokens - max_seq_len, None)
     ids, mask = ids[cut], mask[cut]
     if not any(mask):
-        raise RecordError(f"record has {len(ids)} tokens, over max_seq_len {max_seq_len}, and no assistant "
+        raise RecordError(f"record has {num_tokens} tokens, over max_seq_len {max_seq_len}, and no assistant "
                           f"token remains after truncation ({mode}); raise --max_seq_len or change --truncation")
     return ids, mask
 

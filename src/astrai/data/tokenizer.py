@@ -11,6 +11,7 @@ conversation incrementally and checking that every rendering is a prefix of the 
 
 from __future__ import annotations
 
+import itertools
 import json
 import sys
 from collections.abc import Iterable, Iterator
@@ -83,6 +84,13 @@ CHATML_TEMPLATE = (
 )
 
 _SPECIAL_KEYS = ("bos_token", "eos_token", "pad_token", "unk_token")
+
+# The role names every chat record renders (`<|im_start|>assistant\n`), trained as words with
+# `chat_roles` (`astrai demo`'s recipe): a corpus of digits and symbols has no words, so each role
+# would cost a token per letter; with them the demo's record `3+4` -> `7` is 15 tokens, not 25.
+CHAT_ROLE_TEXT = "user assistant system"
+# Corpora up to this size are also cut into pre-tokenizer pieces to explain a vocabulary shortfall
+_DIAGNOSE_CHARS = 10_000_000
 
 
 def _raise_exception(message: str) -> None:
@@ -359,42 +367,47 @@ def _iter_training_texts(files_or_texts: Iterable[str | Path]) -> Iterator[str]:
             yield str(item)
 
 
+def _pre_tokenizer() -> pre_tokenizers.PreTokenizer:
+    return pre_tokenizers.Sequence([pre_tokenizers.Split(Regex(SPLIT_PATTERN), behavior="isolated"),
+                                    pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+
+
 def train_tokenizer(files_or_texts: Iterable[str | Path], vocab_size: int, out_dir: str | Path | None = None,
-                    min_frequency: int = 2) -> Tokenizer:
+                    min_frequency: int = 2, chat_roles: bool = False) -> Tokenizer:
     """Train a byte-level BPE with ChatML special tokens; save it to `out_dir` when given.
 
     `files_or_texts` mixes paths (Path objects or strings naming existing files; .jsonl files
     contribute every string in their records, other files their lines) and raw texts.
+    `chat_roles` adds the chat roles' names (CHAT_ROLE_TEXT) as texts, often enough to be merged
+    into one or two tokens each whatever the corpus (`astrai demo` and `--chat_roles` do).
     """
     min_vocab = 256 + len(SPECIAL_TOKENS)
     if vocab_size < min_vocab:
         raise ValueError(f"vocab_size {vocab_size} is too small: a byte-level BPE needs 256 byte tokens plus "
                          f"{len(SPECIAL_TOKENS)} special tokens; use --vocab_size {min_vocab} or more")
     backend = BackendTokenizer(models.BPE())
-    backend.pre_tokenizer = pre_tokenizers.Sequence([
-        pre_tokenizers.Split(Regex(SPLIT_PATTERN), behavior="isolated"),
-        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
-    ])
+    backend.pre_tokenizer = _pre_tokenizer()
+    pieces_of = _pre_tokenizer().pre_tokenize_str  # its own: the backend is locked while it trains
     backend.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(vocab_size=vocab_size, min_frequency=min_frequency, show_progress=False,
                                   special_tokens=[AddedToken(t, special=True, normalized=False)
                                                   for t in SPECIAL_TOKENS],
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    corpus = {"texts": 0, "chars": 0}
+    corpus: dict[str, Any] = {"texts": 0, "chars": 0, "pieces": set()}
+    extra = [CHAT_ROLE_TEXT] * max(5, min_frequency) if chat_roles else []
 
     def counted() -> Iterator[str]:
-        for text in _iter_training_texts(files_or_texts):
+        for text in itertools.chain(_iter_training_texts(files_or_texts), extra):
             corpus["texts"] += 1
             corpus["chars"] += len(text)
+            if corpus["chars"] <= _DIAGNOSE_CHARS:  # the distinct pieces BPE may merge inside
+                corpus["pieces"].update(p for p, _ in pieces_of(text) if len(p) > 1)
             yield text
 
     backend.train_from_iterator(counted(), trainer=trainer)
     trained = backend.get_vocab_size()
-    if trained < vocab_size:  # BPE stops when no pair of tokens occurs min_frequency times any more
-        print(f"warning: the trained vocabulary has {trained} tokens, not the {vocab_size} asked: after "
-              f"{trained - min_vocab} merges no pair of tokens occurs {min_frequency} or more times "
-              f"(min_frequency) in the corpus of {corpus['texts']:,} texts, {corpus['chars']:,} characters; "
-              "train on more text or lower --min_frequency for a larger vocabulary", file=sys.stderr)
+    if trained < vocab_size:
+        _warn_shortfall(backend, corpus, vocab_size, trained - min_vocab, min_frequency, chat_roles)
     config = {
         "tokenizer_class": "PreTrainedTokenizerFast",
         "bos_token": ENDOFTEXT, "eos_token": ENDOFTEXT, "pad_token": ENDOFTEXT, "unk_token": None,
@@ -410,6 +423,29 @@ def train_tokenizer(files_or_texts: Iterable[str | Path], vocab_size: int, out_d
     return tok
 
 
+def _warn_shortfall(backend: BackendTokenizer, corpus: dict[str, Any], vocab_size: int, num_merges: int,
+                    min_frequency: int, chat_roles: bool) -> None:
+    """Say why the vocabulary is smaller than asked, and what would make it larger.
+
+    BPE merges only inside the pieces the pre-tokenizer cuts (words, single digits, punctuation
+    runs). When every piece of the corpus is already one token, neither more of the same text nor
+    a lower min_frequency adds a merge; otherwise a pair fell short of min_frequency."""
+    size = f"the corpus of {corpus['texts']:,} texts, {corpus['chars']:,} characters"
+    head = f"warning: the trained vocabulary has {backend.get_vocab_size()} tokens, not the {vocab_size} asked: "
+    vocab = backend.get_vocab()
+    if corpus["chars"] <= _DIAGNOSE_CHARS and all(p in vocab for p in corpus["pieces"]):
+        roles = "" if chat_roles else " (--chat_roles adds the chat roles' names)"
+        print(f"{head}after {num_merges} merges every piece the pre-tokenizer cut from {size} is one token "
+              f"({len(corpus['pieces'])} distinct pieces longer than a byte; digits are split one by one, words "
+              "from punctuation) and BPE merges only inside a piece, so neither more of the same text nor a lower "
+              f"--min_frequency adds a token; train on text with other words{roles} or ask for --vocab_size "
+              f"{backend.get_vocab_size()}", file=sys.stderr)
+        return
+    print(f"{head}after {num_merges} merges no pair of tokens occurs {min_frequency} or more times "
+          f"(min_frequency) in {size}; train on more text or lower --min_frequency for a larger vocabulary",
+          file=sys.stderr)
+
+
 def main(argv: list[str] | None = None) -> int:
     """`astrai tokenizer train --input FILE... --vocab_size N --out DIR`."""
     parser = ArgumentParser(prog="astrai tokenizer", description="train a byte-level BPE tokenizer")
@@ -419,13 +455,17 @@ def main(argv: list[str] | None = None) -> int:
     train.add_argument("--vocab_size", type=int, required=True)
     train.add_argument("--out", required=True, help="output directory")
     train.add_argument("--min_frequency", type=int, default=2)
+    train.add_argument("--chat_roles", action="store_true",
+                       help=f"also train the chat roles' names ({CHAT_ROLE_TEXT}) as words, as `astrai demo` does: "
+                            "a token or two each even when the corpus has no words")
     args = parser.parse_args(argv)
     missing = [f for f in args.input if not Path(f).is_file()]
     if missing:
         print(f"error: --input file(s) not found: {', '.join(missing)}", file=sys.stderr)
         return 2
     try:
-        tok = train_tokenizer([Path(f) for f in args.input], args.vocab_size, args.out, args.min_frequency)
+        tok = train_tokenizer([Path(f) for f in args.input], args.vocab_size, args.out, args.min_frequency,
+                              chat_roles=args.chat_roles)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -62,18 +62,27 @@ def main(argv: list[str] | None = None) -> int:
             return _run_perplexity(args)
         if isinstance(args.limit, float):
             raise ValueError(f"--limit {args.limit} must be a whole number of records with --data")
-        from astrai.eval.exact import read_prompt_records
-
-        records = read_prompt_records(args.data, args.limit)
-    except (OSError, ValueError) as err:
+        return _run_exact(args)
+    except BrokenPipeError:  # `| head` stopped reading: the dispatcher (astrai/cli.py) ends quietly
+        raise
+    except (OSError, ValueError) as err:  # a damaged model (ManifestError, HFFormatError), a broken file
         return _fail(err)
-    from astrai.eval.exact import evaluate_model
+
+
+def _run_exact(args: Any) -> int:
+    from astrai.eval.exact import evaluate_model, read_prompt_records
     from astrai.infer.llm import LLM
 
-    result = evaluate_model(LLM(args.model), records, args.max_tokens, match=args.match)
+    records = read_prompt_records(args.data, args.limit)
+    llm = LLM(args.model)
+    result = evaluate_model(llm, records, args.max_tokens, match=args.match)
+    if result.num_skipped:
+        print(f"astrai eval: warning: skipped {result.num_skipped} of {result.num_total} prompts of {args.data} "
+              f"longer than the model's max_model_len {llm.engine.max_model_len} tokens (counted wrong); shorten "
+              "them or evaluate a model with a longer context", file=sys.stderr)
     print(json.dumps({"match": args.match, "accuracy": result.accuracy, "num_correct": result.num_correct,
-                      "num_total": result.num_total, "tokens_per_s": round(result.tokens_per_s, 1),
-                      "samples": result.samples}, indent=2))
+                      "num_total": result.num_total, "num_skipped": result.num_skipped,
+                      "tokens_per_s": round(result.tokens_per_s, 1), "samples": result.samples}, indent=2))
     return 0
 
 

@@ -26,6 +26,16 @@ class EvalResult:
     num_total: int
     tokens_per_s: float
     samples: list[dict[str, Any]]  # the first few prompts with completion and answer
+    num_skipped: int = 0  # prompts longer than the model's max_model_len: not generated, counted wrong
+
+
+def read_json_line(path: str | Path, line_no: int, line: str) -> Any:
+    """One JSONL line; a broken one is a ValueError naming the file and its line."""
+    try:
+        return json.loads(line)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path}:{line_no}: not valid JSON ({e.msg} at column {e.colno}); "
+                         "fix or remove that line") from None
 
 
 def read_prompt_records(path: str | Path, limit: int | None = None) -> list[dict[str, Any]]:
@@ -34,10 +44,10 @@ def read_prompt_records(path: str | Path, limit: int | None = None) -> list[dict
         for line_no, line in enumerate(f, 1):
             if not line.strip():
                 continue
-            record = json.loads(line)
-            if "messages" not in record or "answer" not in record:
-                raise ValueError(f"{path}:{line_no}: an eval record needs 'messages' and 'answer', "
-                                 f"got keys {sorted(record)}")
+            record = read_json_line(path, line_no, line)
+            if not isinstance(record, dict) or "messages" not in record or "answer" not in record:
+                got = f"keys {sorted(record)}" if isinstance(record, dict) else f"a {type(record).__name__}"
+                raise ValueError(f"{path}:{line_no}: an eval record needs 'messages' and 'answer', got {got}")
             records.append(record)
             if limit is not None and len(records) >= limit:
                 break
@@ -46,23 +56,39 @@ def read_prompt_records(path: str | Path, limit: int | None = None) -> list[dict
     return records
 
 
+def prompts_fit(llm: Any, records: list[dict[str, Any]]) -> list[bool]:
+    """Whether each record's rendered prompt fits the engine's max_model_len (a stand-in LLM
+    without an engine or tokenizer, as tests use, takes every prompt)."""
+    engine = getattr(llm, "engine", None)
+    tok = getattr(engine, "tokenizer", None)
+    if engine is None or tok is None:
+        return [True] * len(records)
+    return [len(tok.apply_chat_template(r["messages"], add_generation_prompt=True, tokenize=True))
+            < engine.max_model_len for r in records]
+
+
 def evaluate_model(llm: Any, records: list[dict[str, Any]], max_tokens: int = 16,
                    num_samples_kept: int = 5, match: str = "exact") -> EvalResult:
-    """Greedy, batched generation over `records` with an `astrai.LLM`, scored by `SCORERS[match]`."""
+    """Greedy, batched generation over `records` with an `astrai.LLM`, scored by `SCORERS[match]`.
+    A prompt the model cannot hold (max_model_len) is skipped and counted wrong, not an error."""
     score = SCORERS[match]
     from astrai.infer.sampling import SamplingParams
 
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
+    fits = prompts_fit(llm, records)
     start = time.perf_counter()
-    outputs = llm.chat([r["messages"] for r in records], params)
+    outputs = iter(llm.chat([r["messages"] for r, fit in zip(records, fits) if fit], params) if any(fits) else [])
     elapsed = max(time.perf_counter() - start, 1e-9)
     correct, generated, samples = 0, 0, []
-    for record, out in zip(records, outputs):
-        completion = out.outputs[0]
+    for record, fit in zip(records, fits):
+        if not fit:
+            continue
+        completion = next(outputs).outputs[0]
         ok = score(completion.text, record["answer"])
         correct += int(ok)
         generated += len(completion.token_ids)
         if len(samples) < num_samples_kept:
             samples.append({"prompt": record["messages"][-1]["content"], "completion": completion.text,
                             "answer": record["answer"], "correct": bool(ok)})
-    return EvalResult(correct / len(records), correct, len(records), generated / elapsed, samples)
+    return EvalResult(correct / len(records), correct, len(records), generated / elapsed, samples,
+                      num_skipped=fits.count(False))

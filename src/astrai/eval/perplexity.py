@@ -10,11 +10,11 @@ that compares models with different tokenizers).
 
 from __future__ import annotations
 
-import json
 import math
 from pathlib import Path
 from typing import Any
 
+from astrai.eval.exact import read_json_line
 from astrai.eval.scoring import Scorer, encode_text, prefix_token_id
 
 
@@ -31,7 +31,7 @@ def read_documents(path: str | Path) -> list[str]:
         for line_no, line in enumerate(f, 1):
             if not line.strip():
                 continue
-            record = json.loads(line)
+            record = read_json_line(path, line_no, line)
             if not isinstance(record, dict) or not isinstance(record.get("text"), str):
                 raise ValueError(f"{path}:{line_no}: a perplexity record needs a string 'text', got "
                                  f"{sorted(record) if isinstance(record, dict) else type(record).__name__}")

@@ -3,7 +3,8 @@
 The first step of every loader that takes a model by name: `astrai generate/chat/serve/eval
 --model`, the train config's `param_path`, `tokenizer_path`, `ref_model_path` and
 `critic_model_path`, and a LoRA adapter's base. A path that exists locally is always returned as
-it is (a local path wins); otherwise a name shaped like a Hub id (`org/name`, optionally
+it is (a local path wins), and a missing one under an existing local folder (`out/ckptt`) is an
+error naming the path, never a Hub lookup; otherwise a name shaped like a Hub id (`org/name`, optionally
 `org/name@revision`) is resolved by `huggingface_hub.snapshot_download`, which reads the cache
 first (`HF_HOME` / `HF_HUB_CACHE`) and honours `HF_HUB_OFFLINE`. Anything else is returned
 unchanged, so the caller's own "not a model directory" error still names it. `huggingface_hub`
@@ -39,6 +40,11 @@ def resolve_model_path(name: str | os.PathLike, what: str = "--model") -> str:
     text = str(name)
     if not is_hub_id(text):
         return text
+    first = text.split("/", 1)[0]
+    if Path(first).is_dir():  # `out/ckptt`: a mistyped path under a local folder, not an org on the Hub
+        raise HubError(f"{what} {text!r} does not exist: there is a local folder {first!r} but nothing named "
+                       f"{text.split('/', 1)[1]!r} in it; check the path (a Hub id whose org is also a local "
+                       "folder name: run from another directory)")
     repo_id, _, revision = text.partition("@")
     try:
         from huggingface_hub import snapshot_download

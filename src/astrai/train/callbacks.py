@@ -4,7 +4,7 @@ The trainer calls the hooks in this order: ``on_train_begin``, then per epoch ``
 per micro-batch ``on_batch_begin`` / ``on_batch_end``, per optimizer step
 ``before_optimizer_step`` / ``after_optimizer_step`` (``trainer.step_metrics`` holds the step's
 metrics there, validation ones included), ``on_epoch_end``; ``on_error`` when the loop raises and
-``on_train_end`` always. Built in: metrics log (``metrics.jsonl``), checkpoints, tqdm progress,
+``on_train_end`` always. Built in: metrics log (``metrics.jsonl``), checkpoints, progress (a tqdm bar or periodic lines),
 early stopping, the ``report_to`` backends (``reporters.py``: TensorBoard, wandb, MLflow) and the
 end-of-run summary (``summary.py``). Users pass their own objects to ``Trainer(callbacks=...)``;
 a callback implements any subset of the hooks, and may offer ``state_dict``/``load_state_dict``
@@ -22,6 +22,7 @@ from __future__ import annotations
 import json
 import math
 import sys
+import time
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
@@ -178,24 +179,39 @@ class CheckpointSaver:
 
 
 class ProgressBar:
-    """tqdm bar on rank 0: loss, lr, tokens/s and the ETA that tqdm derives from the step rate."""
+    """Progress on rank 0: a tqdm bar (loss, lr, tokens/s, the ETA tqdm derives from the step rate),
+    or with ``bar=False`` (``--progress false``) a plain line on stderr every ``1/lines``-th of the run
+    and at the first step after ``max_silence_s`` seconds without one, so a log never goes quiet:
+    ``step 30/300 (10%): loss 0.8123, reward 0.516, 4,912 tok/s, 0:12 elapsed, eta 1:48``.
+    Ten lines a run stay readable in a container log; the time bound (a minute) covers slow steps."""
 
     requested_metrics = frozenset()
 
-    def __init__(self, total_steps: int):
-        self.total_steps = total_steps
+    def __init__(self, total_steps: int, bar: bool = True, lines: int = 10, max_silence_s: float = 60.0,
+                 clock: Any = None):
+        self.total_steps, self.use_bar, self.max_silence_s = total_steps, bar, max_silence_s
+        self.every = max(1, math.ceil(total_steps / max(1, lines)))
         self.bar = None
+        self.clock = clock or time.monotonic
+        self.start = self.last = 0.0
+        self.first_step = 0
 
     def on_train_begin(self, trainer: Loop) -> None:
-        if trainer.is_main:
+        if not trainer.is_main:
+            return
+        self.start = self.last = self.clock()
+        self.first_step = trainer.ctx.step  # a resumed run's rate counts its own steps only
+        if self.use_bar:
             from tqdm.auto import tqdm
 
             self.bar = tqdm(total=self.total_steps, initial=trainer.ctx.step, unit="step",
                             file=sys.stderr, dynamic_ncols=True)
 
     def after_optimizer_step(self, trainer: Loop) -> None:
+        if not trainer.is_main:
+            return
+        m = trainer.step_metrics
         if self.bar is not None:
-            m = trainer.step_metrics
             postfix = {"loss": f"{m['loss']:.4f}", "lr": f"{m['lr']:.2e}"}
             if "tokens_per_s" in m:  # offline loops; an online RL step shows its rollout reward
                 postfix["tok_s"] = f"{m['tokens_per_s']:.0f}"
@@ -203,10 +219,36 @@ class ProgressBar:
                 postfix["reward"] = f"{m['reward_mean']:.3f}"
             self.bar.set_postfix(postfix, refresh=False)
             self.bar.update(1)
+        else:
+            now, step = self.clock(), trainer.ctx.step
+            if step % self.every == 0 or step >= self.total_steps or now - self.last >= self.max_silence_s:
+                self.last = now
+                print(self.line(step, m, now - self.start, step - self.first_step), file=sys.stderr, flush=True)
+
+    def line(self, step: int, m: dict[str, Any], elapsed: float, done: int) -> str:
+        """`step 30/300 (10%): loss 0.8123, reward 0.516, 4,912 tok/s, 0:12 elapsed, eta 1:48`."""
+        parts = [f"loss {m['loss']:.4f}"] if "loss" in m else []
+        if "reward_mean" in m:
+            parts.append(f"reward {m['reward_mean']:.3f}")
+        speed = m.get("tokens_per_s", m.get("rollout_tokens_per_s"))
+        if speed is not None:
+            parts.append(f"{speed:,.0f} {'tok/s' if 'tokens_per_s' in m else 'rollout tok/s'}")
+        parts.append(f"{_clock_text(elapsed)} elapsed")
+        if done > 0 and step < self.total_steps:
+            parts.append(f"eta {_clock_text(elapsed / done * (self.total_steps - step))}")
+        share = f" ({step / self.total_steps:.0%})" if self.total_steps else ""
+        return f"step {step}/{self.total_steps}{share}: " + ", ".join(parts)
 
     def on_train_end(self, trainer: Loop) -> None:
         if self.bar is not None:
             self.bar.close()
+
+
+def _clock_text(seconds: float) -> str:
+    """1:48, 12:05, 2:03:10."""
+    minutes, secs = divmod(int(round(seconds)), 60)
+    hours, minutes = divmod(minutes, 60)
+    return f"{hours}:{minutes:02d}:{secs:02d}" if hours else f"{minutes}:{secs:02d}"
 
 
 # ------------------------------------------------------------------------------ early stopping
@@ -259,8 +301,7 @@ def default_callbacks(trainer: Loop) -> list[Any]:
     if cfg.train.early_stopping_metric:
         cbs.append(EarlyStopping(cfg.train.early_stopping_metric, cfg.train.early_stopping_patience,
                                  cfg.train.early_stopping_min_delta, cfg.train.early_stopping_mode))
-    if cfg.log.progress:
-        cbs.append(ProgressBar(trainer.total_steps))
+    cbs.append(ProgressBar(trainer.total_steps, bar=cfg.log.progress))  # or periodic lines (--progress false)
     report_to = list(cfg.log.report_to) + (["tensorboard"] if cfg.log.tensorboard else [])
     if report_to:  # the same numbers as metrics.jsonl, to TensorBoard / wandb / MLflow (reporters.py)
         from astrai.train.reporters import ReportTo

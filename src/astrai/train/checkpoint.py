@@ -68,7 +68,7 @@ def required_files(path: Path) -> tuple[str, ...]:
     return REQUIRED_EXTRAS.get(train_type, ())
 
 
-def checkpoint_to_resume(ckpt_dir: str | os.PathLike) -> Path:
+def checkpoint_to_resume(ckpt_dir: str | os.PathLike, asker: str = "--resume") -> Path:
     """The checkpoint `--resume`, `astrai ckpt latest` and the container entrypoint continue from:
     `newest_checkpoint` at the "checksums" level, with the files its train type needs. Every kind
     of damage in a newer one (missing or truncated file, checksum mismatch, bad manifest, missing
@@ -77,6 +77,9 @@ def checkpoint_to_resume(ckpt_dir: str | os.PathLike) -> Path:
     found = newest_checkpoint(ckpt_dir, "checksums", required=required_files)
     if found.path is None and found.skipped:
         raise CheckpointError(f"no complete checkpoint to resume in {ckpt_dir}: {found.skipped[0]}")
+    if found.path is None and asker != "--resume":  # `astrai ckpt latest DIR`
+        why = "no step_* directory in it" if Path(ckpt_dir).is_dir() else "it does not exist"
+        raise CheckpointError(f"no checkpoint in {ckpt_dir} ({why}); check the path")
     if found.path is None:
         raise CheckpointError(
             f"--resume found no checkpoint in {ckpt_dir}; start without --resume, or point --param_path at one"
@@ -402,7 +405,7 @@ def _cmd_verify(target: Path) -> int:
 def _cmd_latest(ckpt_dir: Path) -> int:
     """The checkpoint `--resume` (and the container entrypoint) would continue from."""
     try:
-        print(checkpoint_to_resume(ckpt_dir))
+        print(checkpoint_to_resume(ckpt_dir, asker="astrai ckpt latest"))
     except CheckpointError as e:
         print(f"astrai ckpt latest: {e}", file=sys.stderr)
         return 1

@@ -34,7 +34,15 @@ section is optional; a boolean takes --pack, --pack false or --no-pack. For exam
   --resume              restore the full training state (from --param_path or the newest
                         complete checkpoint in --ckpt_dir)
   --nprocs N            run N local ranks (gloo on CPU, nccl on CUDA)
+  --num_threads N       torch intra-op threads per rank (alias --threads; default OMP_NUM_THREADS
+                        when set, else 1 on CPU)
 """
+
+# A CPU run's torch intra-op threads unless --num_threads says otherwise. Measured on the 2-core
+# dev machine (docs/training.md, "Threads"): one thread ran the tour's SFT faster than two, and
+# two threads on a busy box ran it several times slower; a larger model gains from more threads,
+# which --num_threads gives.
+DEFAULT_CPU_THREADS = 1
 
 
 def _fail(message: str, code: int = 2) -> int:
@@ -52,10 +60,32 @@ def optimizer_summary(cfg: Config, total_steps: int) -> str:
             f"warmup={warmup} of {total_steps} steps{why.get('warmup_ratio', '')}")
 
 
-def run(cfg: Config, ctx: TrainContext) -> int:
+def set_threads(cfg: Config, asked: int | None) -> str:
+    """Set torch's intra-op threads before the model is built (each rank parses its own command
+    line, so a multi-rank launch sets it per rank); returns the start line that says so."""
+    import torch
+
+    on_cpu = (cfg.train.device or ("cuda" if torch.cuda.is_available() else "cpu")) == "cpu"
+    omp = os.environ.get("OMP_NUM_THREADS", "")
+    if asked is not None:
+        torch.set_num_threads(asked)
+        why = "--num_threads"
+    elif omp.isdigit() and int(omp) > 0:  # the user's, or the local launcher's share of the cores per rank
+        torch.set_num_threads(int(omp))
+        why = "OMP_NUM_THREADS; --num_threads N to change"
+    elif on_cpu:
+        torch.set_num_threads(DEFAULT_CPU_THREADS)
+        why = "the CPU default; --num_threads N to change"
+    else:
+        why = "torch's default on CUDA; --num_threads N to change"
+    return f"threads: {torch.get_num_threads()} (torch intra-op per rank; {why})"
+
+
+def run(cfg: Config, ctx: TrainContext, threads_line: str = "") -> int:
     from astrai.config_values import is_online
     from astrai.train import dist, resume
     from astrai.train.checkpoint import prepare_ckpt_dir
+    from astrai.train.optim import warmup_warning
     from astrai.train.publish import run_lock
     from astrai.train.rl.loop import OnlineLoop
     from astrai.train.trainer import Trainer
@@ -70,6 +100,10 @@ def run(cfg: Config, ctx: TrainContext) -> int:
             resume.restore(loop, ckpt)
         if loop.is_main:
             print(optimizer_summary(cfg, loop.total_steps), file=sys.stderr)
+            if (warning := warmup_warning(cfg.optim, loop.total_steps)) is not None:
+                print(warning, file=sys.stderr)
+            if threads_line:
+                print(threads_line, file=sys.stderr)
         try:
             loop.train()  # ends with the run's summary (train/summary.py): how it ended, losses, checkpoint
         finally:
@@ -88,7 +122,11 @@ def main(argv: list[str] | None = None) -> int:
                             epilog=fields_help(), formatter_class=RawEpilogHelpFormatter)
     parser.add_argument("--config", default=None, help="YAML file with model/data/train/optim/... sections")
     parser.add_argument("--dry_run", action="store_true", help="print the resolved config and exit")
+    parser.add_argument("--num_threads", "--threads", type=int, default=None, metavar="N",
+                        help=f"torch intra-op threads per rank (default {DEFAULT_CPU_THREADS} on CPU)")
     args, rest = parser.parse_known_args(argv)
+    if args.num_threads is not None and args.num_threads < 1:
+        return _fail(f"--num_threads must be >= 1, got {args.num_threads}")
     try:
         cfg = load_config(args.config, rest)
     except ConfigError as e:
@@ -100,14 +138,20 @@ def main(argv: list[str] | None = None) -> int:
         from astrai.train.launch import launch
 
         return launch(["train", *argv], cfg.dist.nprocs, stop_timeout=cfg.train.stop_timeout)
+    import torch
+
+    threads = torch.get_num_threads()  # restored after: an in-process caller (the demo, tests) keeps its own
     try:
-        return run(cfg, ctx)
+        threads_line = set_threads(cfg, args.num_threads)  # before the model is built
+        return run(cfg, ctx, threads_line)
     except (ConfigError, FileNotFoundError, ValueError) as e:
         return _fail(str(e), 1)
     except Exception as e:  # these name their file or cause; keep the message, not a traceback
         if type(e).__name__ in ("CheckpointError", "HFFormatError", "CkptDirLocked", "NonFiniteError"):
             return _fail(str(e), 1)
         raise
+    finally:
+        torch.set_num_threads(threads)
 
 
 # ----------------------------------------------------------------------------- --help

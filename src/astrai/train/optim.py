@@ -103,7 +103,7 @@ def _decay_groups(named: list[tuple[str, nn.Parameter]], cfg: OptimConfig) -> li
 
 def lr_factor(step: int, total_steps: int, cfg: OptimConfig) -> float:
     """Multiplier of max_lr for the optimizer step that follows ``step`` completed steps."""
-    warmup = cfg.warmup_steps if cfg.warmup_steps is not None else round(cfg.warmup_ratio * total_steps)
+    warmup = num_warmup_steps(cfg, total_steps)
     if step < warmup:
         return (step + 1) / warmup
     if cfg.schedule == "constant":
@@ -119,6 +119,20 @@ def lr_factor(step: int, total_steps: int, cfg: OptimConfig) -> float:
         return 1.0
     progress = min(1.0, (step - decay_start + 1) / max(1, total_steps - decay_start))
     return 1.0 - (1.0 - floor) * progress
+
+
+def num_warmup_steps(cfg: OptimConfig, total_steps: int) -> int:
+    return cfg.warmup_steps if cfg.warmup_steps is not None else round((cfg.warmup_ratio or 0.0) * total_steps)
+
+
+def warmup_warning(cfg: OptimConfig, total_steps: int) -> str | None:
+    """A run's start line when warmup outlasts the run: the learning rate never reaches max_lr."""
+    warmup = num_warmup_steps(cfg, total_steps)
+    if warmup <= total_steps:
+        return None
+    return (f"warning: warmup_steps {warmup} is more than the run's {total_steps} optimizer steps, so the learning "
+            f"rate ends at {total_steps / warmup:.0%} of max_lr without reaching it; lower --warmup_steps "
+            f"(or --warmup_ratio) or raise --max_steps")
 
 
 class LRSchedule:
