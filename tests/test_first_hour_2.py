@@ -122,6 +122,9 @@ def test_the_cpu_default_is_one_thread_and_the_flag_has_one_spelling_everywhere(
     finally:
         torch.set_num_threads(before)
     assert cli.main(["--num_threads", "0"]) == 2
+    from astrai.serve.cli import build_parser as serve_parser
+
+    assert serve_parser().parse_args(["--model", "m", "--threads", "1"]).num_threads == 1
     from astrai.demo import main as demo_main
 
     with pytest.raises(SystemExit):

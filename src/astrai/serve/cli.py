@@ -62,7 +62,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--generation_config", default="auto", help=GENERATION_CONFIG_HELP)
     for name, default, help_ in _engine_fields():
         kind = {"action": "bool"} if isinstance(default, bool) else {"type": _parse_value}
-        p.add_argument(f"--{name}", **kind, default=argparse.SUPPRESS,
+        aliases = ["--threads"] if name == "num_threads" else []  # the alias `astrai train` and `demo` take too
+        p.add_argument(f"--{name}", *aliases, **kind, default=argparse.SUPPRESS,
                        help=f"engine setting (default: {default!r}){': ' + help_ if help_ else ''}")
     return p
 
