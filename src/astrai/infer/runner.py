@@ -28,6 +28,7 @@ from astrai.infer.compiled import CompiledDecode
 from astrai.infer.cuda_graphs import CUDAGraphDecode
 from astrai.infer.scheduler import Sequence
 from astrai.model.attention import DecodeKVView, PagedAttentionMetadata
+from astrai.model.kernels import to_device
 
 
 @dataclass
@@ -128,8 +129,7 @@ class ModelRunner:
             return
         if self.decode_view is not None:
             self.decode_view.invalidate()  # (copies only duplicate blocks; rebuilding is the safe side)
-        src = torch.tensor([s for s, _ in copies], device=self.device)
-        dst = torch.tensor([d for _, d in copies], device=self.device)
+        src, dst = to_device(torch.tensor(copies, dtype=torch.long).T.contiguous(), self.device)
         for k_cache, v_cache in self.kv_caches:
             k_cache[dst] = k_cache[src]
             v_cache[dst] = v_cache[src]
@@ -209,8 +209,8 @@ class ModelRunner:
             query_lens, context_lens, block_tables, self.block_size, self.kv_caches, self.device,
             seq_ids, self.decode_view, self.paged_kernel,
         )
-        ids, pos = self._to_device([input_ids, positions])[:, None]  # (1, N) each
-        idx = None if logits_indices is None else torch.tensor(logits_indices, dtype=torch.long, device=self.device)
+        ids, pos = to_device(torch.tensor([input_ids, positions], dtype=torch.long), self.device)[:, None]  # (1, N)
+        idx = None if logits_indices is None else to_device(torch.tensor(logits_indices, dtype=torch.long), self.device)
         try:
             logits = self.model(ids, position_ids=pos, attn_metadata=meta, logits_indices=idx).logits[0]
         except BaseException:
@@ -220,11 +220,3 @@ class ModelRunner:
         if self.decode_view is not None:
             self.decode_view.commit()
         return logits
-
-    def _to_device(self, rows: list[list[int]]) -> Tensor:
-        """Equal-length int lists -> one (len(rows), N) int64 device tensor in one transfer, from
-        pinned memory on CUDA (so the copy is asynchronous)."""
-        host = torch.tensor(rows, dtype=torch.long)
-        if self.device.type != "cuda":
-            return host if self.device.type == "cpu" else host.to(self.device)
-        return host.pin_memory().to(self.device, non_blocking=True)

@@ -24,6 +24,7 @@ from astrai.model.kernels import (
     packed_attention,
     packed_segments,
     paged_decode,
+    to_device,
 )
 from astrai.model.ops import apply_rope, rms_norm
 
@@ -188,7 +189,7 @@ class PagedAttentionMetadata:
                 key_pos = torch.arange(ctx_len)
                 blocks = tables[i, : -(-ctx_len // block_size)]
                 mask = key_pos[None, :] <= (ctx_len - q_len + torch.arange(q_len))[:, None]
-                prefills.append(PrefillSegment(start, start + q_len, blocks.to(device), ctx_len, mask.to(device)))
+                prefills.append(PrefillSegment(start, start + q_len, to_device(blocks, device), ctx_len, to_device(mask, device)))
         dec_idx = dec_blocks = dec_mask = view = tables_d = None
         dec = is_decode.nonzero()[:, 0]
         if decode_view is not None and not len(dec):
@@ -206,12 +207,12 @@ class PagedAttentionMetadata:
                 d = dec.tolist()
                 tables_d = PagedDecodeTables.build(ctx_d.tolist(), [block_tables[i] for i in d], block_size, device)
             elif view is None:
-                dec_blocks = tables[dec, :w].to(device)  # (Sd, w)
+                dec_blocks = to_device(tables[dec, :w], device)  # (Sd, w)
                 dec_mask = _decode_mask(ctx_d, w * block_size, kv_caches, device)
             else:
                 dec_mask = view.mask
-            dec_idx = starts[dec].to(device)
-        return cls(kv_caches=kv_caches, slot_mapping=slot_mapping.to(device), decode_token_idx=dec_idx,
+            dec_idx = to_device(starts[dec], device)
+        return cls(kv_caches=kv_caches, slot_mapping=to_device(slot_mapping, device), decode_token_idx=dec_idx,
                    decode_blocks=dec_blocks, decode_mask=dec_mask, prefills=prefills, decode_view=view,
                    paged_decode=tables_d)
 
@@ -236,11 +237,11 @@ class PagedAttentionMetadata:
         elif decode_view is not None:
             view = decode_view.plan(seq_ids, context_lens, block_tables, block_size, kv_caches, device)
         if view is None and tables is None:
-            blocks = torch.tensor(_pad_tables(block_tables, w), dtype=torch.long, device=device)
+            blocks = to_device(torch.tensor(_pad_tables(block_tables, w), dtype=torch.long), device)
             mask = _decode_mask(torch.tensor(context_lens, dtype=torch.long), w * block_size, kv_caches, device)
         elif view is not None:
             mask = view.mask
-        return cls(kv_caches=kv_caches, slot_mapping=torch.tensor(slots, dtype=torch.long, device=device),
+        return cls(kv_caches=kv_caches, slot_mapping=to_device(torch.tensor(slots, dtype=torch.long), device),
                    decode_token_idx=torch.arange(len(context_lens), device=device),
                    decode_blocks=blocks, decode_mask=mask, prefills=[], decode_view=view, paged_decode=tables)
 
@@ -256,7 +257,7 @@ def _decode_mask(context_lens: Tensor, width: int, kv_caches: list[tuple[Tensor,
     dtype and made once per step rather than by every layer."""
     real = (torch.arange(width)[None, :] < context_lens[:, None])[:, None, None, :]
     dtype = kv_caches[0][0].dtype if kv_caches else torch.float32
-    return torch.zeros(real.shape, dtype=dtype).masked_fill_(~real, float("-inf")).to(device)
+    return to_device(torch.zeros(real.shape, dtype=dtype).masked_fill_(~real, float("-inf")), device)
 
 
 # -- a dense copy of the decoding sequences' KV, kept across steps ----------------------------
@@ -323,8 +324,8 @@ class DecodeKVView:
             capacity = state[2]
             if all(c == p + 1 for c, p in zip(context_lens, state[1])):
                 self._pending = (ids, context_lens, capacity, inference)
-                slots = torch.tensor([row * capacity + c - 1 for row, c in enumerate(context_lens)],
-                                     dtype=torch.long, device=device)
+                slots = to_device(torch.tensor([row * capacity + c - 1 for row, c in enumerate(context_lens)],
+                                     dtype=torch.long), device)
                 self.mask.view(-1).index_fill_(0, slots, 0.0)  # each row's new token becomes visible
                 return DecodeViewStep(self, False, None, slots, capacity, self.mask[..., : max(context_lens)])
         width = -(-(max(context_lens) + self.slack) // block_size)
@@ -335,7 +336,7 @@ class DecodeKVView:
             return None
         self._pending = (ids, context_lens, capacity, inference)
         self.num_rebuilds += 1
-        blocks = torch.tensor(_pad_tables(block_tables, width), dtype=torch.long, device=device).flatten()
+        blocks = to_device(torch.tensor(_pad_tables(block_tables, width), dtype=torch.long).flatten(), device)
         self.mask = _decode_mask(torch.tensor(context_lens, dtype=torch.long), capacity, kv_caches, device)
         return DecodeViewStep(self, True, blocks, None, capacity, self.mask[..., : max(context_lens)])
 

@@ -18,6 +18,17 @@ import torch.nn.functional as F
 from torch import Tensor
 
 
+def to_device(host: Tensor, device: torch.device | str) -> Tensor:
+    """A host-built index tensor on `device`: through pinned memory and an asynchronous copy on CUDA
+    (a pageable copy would block the host), as it is on CPU."""
+    device = torch.device(device)
+    if device.type == "cpu":
+        return host
+    if device.type == "cuda":
+        return host.pin_memory().to(device, non_blocking=True)
+    return host.to(device)
+
+
 @dataclass
 class PackedSegments:
     """Packed rows without padding, as varlen segments: each run of equal document ids in a row
@@ -72,9 +83,10 @@ class PagedDecodeTables:
     def build(cls, context_lens: list[int], block_tables: list[list[int]], block_size: int,
               device: torch.device | str) -> PagedDecodeTables:
         w = -(-max(context_lens) // block_size)
-        return cls(torch.tensor([t[:w] + [0] * (w - len(t)) for t in block_tables], dtype=torch.int32, device=device),
-                   torch.tensor(context_lens, dtype=torch.int32, device=device),
-                   torch.arange(len(context_lens) + 1, dtype=torch.int32, device=device), max(context_lens))
+        rows = [[c, *t[:w], *[0] * (w - len(t))] for c, t in zip(context_lens, block_tables)]
+        host = to_device(torch.tensor(rows, dtype=torch.int32), device)  # (Sd, 1 + W): one transfer
+        return cls(host[:, 1:], host[:, 0], torch.arange(len(context_lens) + 1, dtype=torch.int32, device=device),
+                   max(context_lens))
 
 
 def paged_decode(q: Tensor, k_cache: Tensor, v_cache: Tensor, t: PagedDecodeTables) -> Tensor:
