@@ -94,3 +94,16 @@ def test_serve_on_damaged_weights_exits_with_one_line(step, capsys, monkeypatch,
     _overwrite_tensor_bytes(step / "model.safetensors")
     assert astrai_main(["serve", "--model", str(step), *flags]) == 2
     assert "model.safetensors fails its sha256 check" in _one_line(capsys)
+
+
+def test_eval_checks_by_default_and_no_verify_skips(step, tmp_path, capsys):
+    import json
+
+    data = tmp_path / "eval.jsonl"
+    data.write_text(json.dumps({"messages": [{"role": "user", "content": "hello"}], "answer": "there"}) + "\n")
+    _overwrite_tensor_bytes(step / "model.safetensors")
+    argv = ["eval", "--model", str(step), "--data", str(data), "--max_tokens", "2"]
+    assert astrai_main(argv) == 2
+    line = _one_line(capsys)
+    assert str(step / "model.safetensors") in line and "fails its sha256 check" in line
+    assert astrai_main([*argv, "--no-verify"]) == 0  # loaded and scored: the user chose to skip

@@ -15,6 +15,7 @@ from typing import Any
 
 from astrai.data.tasks import SCORERS
 from astrai.flags import ArgumentParser
+from astrai.model.manifest import VERIFY_HELP
 
 INSTALL_HINT = 'lm-eval is not installed; install the eval extra: pip install -e ".[eval]"'
 
@@ -28,6 +29,7 @@ def build_parser() -> ArgumentParser:
     parser = ArgumentParser(prog="astrai eval", description=__doc__.splitlines()[0])
     parser.add_argument("--model", required=True, help="model or checkpoint directory, or a run's ckpt_dir "
                         "(its newest complete checkpoint)")
+    parser.add_argument("--verify", action="store_true", default=None, help=VERIFY_HELP)
     mode = parser.add_mutually_exclusive_group(required=True)
     mode.add_argument("--data", help="JSONL prompt records with 'messages' and 'answer' (exact match)")
     mode.add_argument("--tasks", help="comma-separated lm-eval task names (or groups, tags, patterns)")
@@ -53,11 +55,12 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.tasks is not None:
         return _run_tasks(args)
-    from astrai.model.manifest import model_argument
+    from astrai.model.manifest import check_model_dir, model_argument
 
     try:
         # a Hub id -> its cached snapshot directory; a run's ckpt_dir -> its newest checkpoint
         args.model = model_argument(args.model, "astrai eval")
+        check_model_dir(args.model, verify=args.verify)
         if args.perplexity is not None:
             return _run_perplexity(args)
         if isinstance(args.limit, float):
@@ -118,9 +121,11 @@ def _run_tasks(args: Any) -> int:
             raise ValueError("--tasks is empty; give lm-eval task names, e.g. --tasks arc_easy,hellaswag")
         task_manager = _task_manager(task_names, args.include_path)
         from astrai.eval.harness import AstraiLM
-        from astrai.model.manifest import model_argument
+        from astrai.model.manifest import check_model_dir, model_argument
 
-        model = AstraiLM(pretrained=model_argument(args.model, "astrai eval"), batch_size=args.batch_size,
+        model_dir = model_argument(args.model, "astrai eval")
+        check_model_dir(model_dir, verify=args.verify)
+        model = AstraiLM(pretrained=model_dir, batch_size=args.batch_size,
                          seed=args.seed)
         seeds = {} if args.seed is None else {"random_seed": args.seed, "numpy_random_seed": args.seed,
                                               "torch_random_seed": args.seed, "fewshot_random_seed": args.seed}
