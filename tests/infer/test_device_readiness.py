@@ -203,3 +203,33 @@ def test_guard_catches_a_planted_round_trip(monkeypatch):
         with pytest.raises(RuntimeError):  # meta refuses a host operand; the guard noted it first
             torch.ones(2, device="meta") + torch.ones(2)
     assert guard.counts["sync"] == 1 and guard.counts["mixed"] == 1
+
+
+# -- the sampler ------------------------------------------------------------------------------
+class _Row:
+    def __init__(self, params: SamplingParams) -> None:
+        self.params = params
+        self.prompt_token_ids = [1, 2, 3]
+        self.output_token_ids = [4, 4]
+        self.generator = None
+        self.min_tokens_stop_ids: list[int] = []
+        self.guide_state = None
+
+
+@pytest.mark.parametrize("params", [
+    SamplingParams(temperature=0),
+    SamplingParams(temperature=0.8, top_p=0.9, top_k=5, min_p=0.05),
+    SamplingParams(temperature=1.0, repetition_penalty=1.2, frequency_penalty=0.5, logit_bias={3: 2.0}),
+], ids=["greedy", "truncated", "penalised"])
+def test_sampler_reads_back_once_per_step(params):
+    from astrai.infer.sampling import Sampler
+
+    rows = [_Row(params), _Row(SamplingParams(temperature=0))]
+    logits = torch.empty(2, 64, device="meta")
+    with DeviceGuard() as guard, pytest.raises(NotImplementedError, match="meta"):
+        Sampler().sample(logits, rows)  # stops at the one read-back: meta has no data to give
+    # model/logprobs.py's apply_truncation reads two flags back (`bool(cut.any())`, `bool((min_p > 0).any())`)
+    assert guard.counts["sync"] <= (0 if params.greedy else 2), guard.where
+    assert guard.counts["mixed"] == 0, guard.where
+    assert guard.counts["d2h"] == 1, guard.where  # tokens and both log-probs in one transfer
+    assert guard.counts["h2d"] <= (12 if params.repetition_penalty != 1.0 else 3), guard.where

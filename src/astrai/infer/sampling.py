@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from astrai.infer.guided import Guide, GuideState, advance_guides, apply_guides
+from astrai.model.kernels import to_device
 from astrai.model.logprobs import TOP_P_CANDIDATES, apply_truncation, selective_log_softmax  # noqa: F401 - re-exported
 
 SAMPLING_EPS = 1e-5  # temperatures below this are greedy
@@ -179,7 +180,7 @@ def apply_penalties(logits: Tensor, rows: list[SamplingState]) -> Tensor:
     sub = logits[idx]  # (R, V)
     counts = _token_counts([rows[i].output_token_ids for i in idx], V, device)  # (R, V)
     rep = torch.tensor([rows[i].params.repetition_penalty for i in idx], device=device)[:, None]
-    if bool((rep != 1.0).any()):
+    if any(rows[i].params.repetition_penalty != 1.0 for i in idx):  # from the params: no device sync
         seen = (counts + _token_counts([rows[i].prompt_token_ids for i in idx], V, device)) > 0
         penalised = torch.where(sub > 0, sub / rep, sub * rep)
         sub = torch.where(seen, penalised, sub)
@@ -198,7 +199,7 @@ def _token_counts(seqs: list[list[int]], vocab_size: int, device: torch.device) 
         if s:
             padded[row, : len(s)] = torch.tensor(s)
     counts = torch.zeros(len(seqs), vocab_size + 1, device=device)
-    counts.scatter_add_(1, padded.to(device), torch.ones(padded.shape, device=device))
+    counts.scatter_add_(1, to_device(padded, device), torch.ones(padded.shape, device=device))
     return counts[:, :vocab_size]
 
 
@@ -240,12 +241,13 @@ def process_logits(logits: Tensor, rows: list[SamplingState]) -> tuple[Tensor, T
     B, V = processed.shape
     device = processed.device
     params = [r.params for r in rows]
-    temps = torch.tensor([1.0 if p.greedy else p.temperature for p in params], device=device)
-    final = processed / temps[:, None]
-    top_k = torch.tensor([p.top_k if p.top_k and not p.greedy else V for p in params], device=device)
-    top_p = torch.tensor([1.0 if p.greedy else p.top_p for p in params], device=device)
-    min_p = torch.tensor([0.0 if p.greedy else p.min_p for p in params], device=device)
-    return processed, apply_truncation(final, top_k, top_p, min_p)
+    knobs = torch.tensor([[1.0 if p.greedy else p.temperature for p in params],
+                          [p.top_k if p.top_k and not p.greedy else V for p in params],
+                          [1.0 if p.greedy else p.top_p for p in params],
+                          [0.0 if p.greedy else p.min_p for p in params]], dtype=torch.float64)  # (4, B)
+    temps, top_k, top_p, min_p = to_device(knobs, device)  # one transfer for the four
+    final = processed / temps.float()[:, None]
+    return processed, apply_truncation(final, top_k.long(), top_p.float(), min_p.float())
 
 
 def _changes_logits(row: SamplingState) -> bool:
@@ -270,11 +272,13 @@ class Sampler:
         else:
             tokens = self._draw(final, rows, greedy, processed)
         logprobs = selective_log_softmax(final, tokens)
-        out_tokens = tokens.tolist()
-        advance_guides(rows, out_tokens)
         # greedy rows without processing sample from the raw model itself: one log-softmax serves
         raw_logprobs = logprobs if final is raw else selective_log_softmax(raw, tokens)
-        out = SamplerOutput(token_ids=out_tokens, logprobs=logprobs, raw_logprobs=raw_logprobs)
+        # the step's one device->host transfer: tokens (exact in float64) and both log-probs together
+        host = torch.stack([tokens.double(), logprobs.double(), raw_logprobs.double()]).cpu()  # (3, B)
+        out_tokens = host[0].long().tolist()
+        advance_guides(rows, out_tokens)
+        out = SamplerOutput(token_ids=out_tokens, logprobs=host[1].float(), raw_logprobs=host[2].float())
         k = max((r.params.logprobs for r in rows if r.params.logprobs is not None), default=None)
         if k is not None:
             out.top_ids, out.top_logprobs, out.ranks, _ = top_alternatives(final, tokens, k)
@@ -285,17 +289,18 @@ class Sampler:
         # inverse-CDF sampling takes one uniform number per row, so a seeded row draws from its own
         # generator without a per-row pass over the vocabulary (a Gumbel or exponential race needs
         # one random number per vocabulary entry: most of the step's time at real vocab sizes)
+        # the uniform numbers stay on the device (no read-back and re-upload per step)
         device = final.device
-        u = [0.0] * len(rows)
+        parts = [torch.zeros(len(rows), dtype=torch.float64, device=device)]
         shared = [i for i, r in enumerate(rows) if r.generator is None and not greedy[i]]
         if shared:
-            draws = torch.rand(len(shared), dtype=torch.float64, generator=self.generator, device=device)
-            for i, x in zip(shared, draws.tolist()):
-                u[i] = x
-        for i, r in enumerate(rows):
-            if r.generator is not None and not greedy[i]:
-                u[i] = torch.rand((), dtype=torch.float64, generator=r.generator, device=device).item()
-        drawn = inverse_cdf(final.softmax(dim=-1), torch.tensor(u, dtype=torch.float64, device=device))  # (B,)
+            parts.append(torch.rand(len(shared), dtype=torch.float64, generator=self.generator, device=device))
+        seeded = [i for i, r in enumerate(rows) if r.generator is not None and not greedy[i]]
+        parts += [torch.rand(1, dtype=torch.float64, generator=rows[i].generator, device=device) for i in seeded]
+        u = parts[0]
+        if shared or seeded:
+            u = u.index_copy(0, to_device(torch.tensor(shared + seeded, dtype=torch.long), device), torch.cat(parts[1:]))
+        drawn = inverse_cdf(final.softmax(dim=-1), u)  # (B,)
         if any(greedy):
             is_greedy = torch.tensor(greedy, device=device)
             drawn = torch.where(is_greedy, _argmax(processed), drawn)
