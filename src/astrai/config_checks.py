@@ -48,8 +48,10 @@ def validate(cfg: Config) -> None:
     if rl.reward_weights is not None and len(rl.reward_weights) != len(rl.rewards):
         raise ConfigError(f"reward_weights has {len(rl.reward_weights)} entries for {len(rl.rewards)} rewards "
                           f"{rl.rewards}; give one weight per reward")
-    if not rl.rewards:
-        raise ConfigError("rewards is empty; name at least one reward (e.g. [exact_match])")
+    if not rl.rewards and not rl.environment:
+        raise ConfigError("rewards is empty; name at least one reward (e.g. [exact_match]) or an environment")
+    if rl.max_turns < 1:
+        raise ConfigError(f"max_turns={rl.max_turns} must be >= 1 (assistant turns per multi-turn episode)")
     if "overlong" in rl.rewards and not 0 < rl.overlong_buffer <= rl.rollout_max_tokens:
         raise ConfigError(f"overlong_buffer={rl.overlong_buffer} must be within [1, rollout_max_tokens="
                           f"{rl.rollout_max_tokens}] for the overlong reward; set --overlong_buffer in that range")

@@ -28,6 +28,7 @@ from astrai.infer.engine import LLMEngine
 from astrai.infer.sampling import SamplingParams
 from astrai.train import dist
 from astrai.train.losses import IGNORE_INDEX
+from astrai.train.rl.environments import Episode, MultiTurn, episode_stats
 from astrai.train.rl.rewards import RewardSet
 
 _TENSORS = ("input_ids", "attention_mask", "labels", "old_logps", "rewards")
@@ -121,16 +122,16 @@ def concat_rollouts(parts: list[Rollout]) -> Rollout:
     weights = [p.num_samples for p in parts]
     for key in parts[0].stats:
         values = [p.stats.get(key, 0.0) for p in parts]
-        rate = key.endswith(("_fraction", "_std", "_per_s"))
+        rate = key.endswith(("_fraction", "_std", "_per_s", "_per_episode"))
         out.stats[key] = sum(v * w for v, w in zip(values, weights)) / max(sum(weights), 1) if rate else sum(values)
     if "rollout_tokens_per_s" in out.stats:
         out.stats["rollout_tokens_per_s"] = out.stats["rollout_tokens"] / max(out.stats["rollout_seconds"], 1e-9)
     return out
 
 
-def rollout_seed(random_seed: int, step: int, prompt_index: int) -> int:
-    """A reproducible 63-bit sampling seed per (run seed, step, prompt)."""
-    return hash((random_seed, step, prompt_index)) & ((1 << 63) - 1)
+def rollout_seed(random_seed: int, step: int, prompt_index: int, *more: int) -> int:
+    """A reproducible 63-bit sampling seed per (run seed, step, prompt[, sample, turn])."""
+    return hash((random_seed, step, prompt_index, *more)) & ((1 << 63) - 1)
 
 
 class RolloutRunner:
@@ -143,6 +144,13 @@ class RolloutRunner:
         self.max_prompt_len = cfg.max_prompt_len or default_max_prompt_len(
             cfg.rollout_max_tokens, model.config.max_position_embeddings)
         max_len = self.max_prompt_len + cfg.rollout_max_tokens
+        # multi-turn (an environment or tools): an episode may grow to the model's positions, each
+        # turn at most rollout_max_tokens; the opening prompt is still bounded by max_prompt_len
+        self.multi_turn = None
+        if cfg.environment or cfg.tools:
+            max_len = model.config.max_position_embeddings
+            self.multi_turn = MultiTurn(tokenizer, cfg.environment, list(cfg.tools), cfg.max_turns,
+                                        cfg.rollout_max_tokens, max_len)
         num_seqs = max(1, num_prompts * cfg.group_size)
         # FSDP: every forward of the sharded module all-gathers its weights, a collective; ranks
         # whose samples end at different lengths take different numbers of engine steps and would
@@ -186,6 +194,8 @@ class RolloutRunner:
             self._count_skipped(step, [len(ids) for ids in batch["prompt_ids"] if len(ids) > self.max_prompt_len])
         if not keep:
             return None
+        if self.multi_turn is not None:
+            return self._generate_episodes(batch, keep, skipped, step, policy_version, first_index)
         prompts = [list(batch["prompt_ids"][i]) for i in keep]
         params = [SamplingParams(temperature=cfg.rollout_temperature, top_p=cfg.rollout_top_p, top_k=cfg.rollout_top_k,
                                  max_tokens=cfg.rollout_max_tokens, n=G, seed=rollout_seed(self.random_seed, step, first_index + i))
@@ -215,6 +225,81 @@ class RolloutRunner:
                          **rollout_signal_stats(rollout.rewards, [c.finish_reason for _, c in samples])}
         return rollout
 
+    def _generate_episodes(self, batch: dict[str, list[Any]], keep: list[int], skipped: int, step: int,
+                           policy_version: int, first_index: int) -> Rollout:
+        """Multi-turn rollout (``rl/environments.py``): every sample an episode of up to
+        ``max_turns`` assistant turns, all episodes' turns sampled together on the engine; the
+        row is the final conversation's ids, labels and behaviour log-probs on sampled tokens only.
+        Seeds: the first turn's G samples share one request per prompt (as a single-turn rollout),
+        later turns one per (prompt, sample, turn)."""
+        cfg, G, mt = self.cfg, self.cfg.group_size, self.multi_turn
+        start = time.perf_counter()
+        records = [{"messages": batch["messages"][i], "answer": batch["answer"][i],
+                    **dict(batch["metadata"][i] or {})} for i in keep]
+        mt.stats = {"tool_seconds": 0.0, "env_seconds": 0.0}
+        episodes = mt.open(records, G)
+        room = self.engine.config.max_model_len - cfg.rollout_max_tokens
+        if (longest := max(len(e.ids) for e in episodes)) > room:
+            raise ValueError(f"an episode's opening prompt has {longest} tokens (tools and environment included), more "
+                             f"than the {room} the model's max_position_embeddings leave beside rollout_max_tokens="
+                             f"{cfg.rollout_max_tokens}; shorten the prompts or tool descriptions, or lower "
+                             "--rollout_max_tokens")
+        generation = [0.0]
+
+        def generate(active: list[Episode], turn: int) -> list[tuple[Any, int]]:
+            requests: dict[tuple, list[int]] = {}  # (prompt, ids) or (prompt, sample) -> indices into active
+            for j, e in enumerate(active):
+                key = (e.prompt_index, tuple(e.ids)) if turn == 0 else (e.prompt_index, e.sample)
+                requests.setdefault(key, []).append(j)
+            keys = list(requests)
+            params = [SamplingParams(temperature=cfg.rollout_temperature, top_p=cfg.rollout_top_p,
+                                     top_k=cfg.rollout_top_k, max_tokens=cfg.rollout_max_tokens, n=len(requests[k]),
+                                     seed=rollout_seed(self.random_seed, step, first_index + k[0]) if turn == 0 else
+                                     rollout_seed(self.random_seed, step, first_index + k[0], k[1], turn))
+                      for k in keys]
+            t0 = time.perf_counter()
+            outputs = self.engine.run_batch([list(active[requests[k][0]].ids) for k in keys], params,
+                                            return_logprobs=True)
+            generation[0] += time.perf_counter() - t0
+            if {out.policy_version for out in outputs} != {policy_version}:
+                raise ValueError(f"a turn of a rollout for policy version {policy_version} was generated at another "
+                                 "version; publish each new version to the engine before generating")
+            results: list[tuple[Any, int]] = [None] * len(active)  # type: ignore[list-item]
+            for k, out in zip(keys, outputs):
+                for j, completion in zip(requests[k], out.outputs):
+                    results[j] = (completion, len(out.prompt_token_ids) - out.num_cached_tokens)
+            return results
+
+        mt.run(episodes, generate)
+        rollout = _pack_episodes(episodes, G, policy_version)
+        total, terms = self._score_episodes(episodes, records)
+        rollout.rewards, rollout.reward_terms = total.view(-1, G), {k: v.view(-1, G) for k, v in terms.items()}
+        rollout.texts = [e.final_text for e in episodes]
+        rollout.truncated = torch.tensor([e.truncated or e.finish_reason == "length" for e in episodes])
+        seconds = time.perf_counter() - start
+        num_new = sum(lp is not None for e in episodes for lp in e.logps)
+        rollout.stats = {"rollout_seconds": seconds, "rollout_tokens": float(num_new),
+                         "rollout_tokens_per_s": num_new / max(seconds, 1e-9), "skipped_prompts": float(skipped),
+                         "generation_seconds": generation[0],
+                         **rollout_signal_stats(rollout.rewards, ["length" if t else "stop" for t in rollout.truncated]),
+                         **episode_stats(episodes, mt.stats["tool_seconds"], mt.stats["env_seconds"])}
+        return rollout
+
+    def _score_episodes(self, episodes: list[Episode], records: list[dict[str, Any]]) -> tuple[Tensor, dict[str, Tensor]]:
+        """Episode reward: the environment's (summed over its steps) plus the configured rewards
+        on the final assistant turn."""
+        G = self.cfg.group_size
+        env = torch.tensor([e.reward for e in episodes], dtype=torch.float32)
+        terms: dict[str, Tensor] = {}
+        total = torch.zeros(len(episodes))
+        if self.rewards.names:
+            total, terms = self.rewards([self.tokenizer.decode(e.ids[:e.num_prompt_ids]) for e in episodes],
+                                        [e.final_text for e in episodes], [records[e.prompt_index] for e in episodes],
+                                        [list(e.ids) for e in episodes], G,
+                                        completion_ids=[list(e.final_ids) for e in episodes])
+        if self.multi_turn.env_cls is not None:
+            terms["environment"] = env
+        return total + env, terms
 
     def _count_skipped(self, step: int, lengths: list[int]) -> None:
         """Prompts over max_prompt_len: counted (``skipped_prompts``); the first time, one warning
@@ -256,6 +341,26 @@ def rollout_signal_stats(rewards: Tensor, finish_reasons: list[str | None]) -> d
     flat = torch.isclose(rewards, rewards[:, :1]).all(dim=1)  # (B,)
     return {"truncated_fraction": sum(r == "length" for r in finish_reasons) / max(len(finish_reasons), 1),
             "frac_reward_zero_std": flat.float().mean().item()}
+
+
+def _pack_episodes(episodes: list[Episode], group_size: int, policy_version: int) -> Rollout:
+    """Right-padded rows of whole conversations: a sampled token at position p is the label of
+    position p - 1 with its behaviour log-prob; prompt, tool, environment and template tokens
+    carry none."""
+    T = max(len(e.ids) for e in episodes)
+    N = len(episodes)
+    input_ids = torch.zeros(N, T, dtype=torch.long)
+    attention_mask = torch.zeros(N, T, dtype=torch.long)
+    labels = torch.full((N, T), IGNORE_INDEX, dtype=torch.long)
+    old_logps = torch.zeros(N, T, dtype=torch.float32)
+    for i, e in enumerate(episodes):
+        ids = torch.tensor(e.ids)  # (L,)
+        lps = torch.tensor([float("nan") if lp is None else lp for lp in e.logps], dtype=torch.float32)  # (L,)
+        sampled = ~torch.isnan(lps[1:])  # (L - 1,) whether position p + 1 was sampled
+        input_ids[i, :len(ids)], attention_mask[i, :len(ids)] = ids, 1
+        labels[i, :len(ids) - 1] = torch.where(sampled, ids[1:], IGNORE_INDEX)
+        old_logps[i, :len(ids) - 1] = torch.where(sampled, lps[1:], 0.0)
+    return Rollout(input_ids, attention_mask, labels, old_logps, torch.zeros(0), group_size, policy_version)
 
 
 def _pack(samples: list[tuple[list[int], Any]], group_size: int, policy_version: int) -> Rollout:

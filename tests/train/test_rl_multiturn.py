@@ -1,0 +1,326 @@
+"""Multi-turn, tool-using rollouts: tool schemas and calls, environments, the row the loss sees
+(labels and behaviour log-probs on sampled tokens only, against the chat template's rendering),
+KV reuse across turns, the objectives end to end, exact resume."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Literal
+
+import pytest
+import torch
+
+from astrai.config import RLConfig
+from astrai.data.tokenizer import load_tokenizer
+from astrai.model.config import ModelConfig
+from astrai.model.transformer import CausalLM
+from astrai.train.cli import main
+from astrai.train.losses import IGNORE_INDEX
+from astrai.train.rl.environments import EnvStep, MultiTurn
+from astrai.train.rl.rewards import RewardSet
+from astrai.train.rl.rollout import RolloutRunner
+from astrai.train.rl.tools import ToolBox, function_schema
+from tests.train.resume_data import MODEL, read_metrics, write_tokenizer
+from tests.train.test_rl import sigterm_after_step, write_rl_run
+
+HERE = "tests.train.test_rl_multiturn"
+
+
+@pytest.fixture(scope="module")
+def tok_dir(tmp_path_factory):
+    return write_tokenizer(tmp_path_factory.mktemp("tok"))
+
+
+# ------------------------------------------------------------------------------ user code the runs name
+
+
+def multiply(a: int, b: int) -> int:
+    """Multiply two integers.
+
+    Args:
+        a: the first factor
+        b (int): the second factor
+    """
+    return a * b
+
+
+def broken(x: str) -> str:
+    """Always fails."""
+    raise RuntimeError(f"cannot handle {x}")
+
+
+class ScriptedEnv:
+    """Three assistant turns: two user follow-ups, then done with reward 1 (0.5 per follow-up)."""
+
+    def reset(self, record):
+        self.turn = 0
+        return [{"role": "system", "content": "be brief"}, *record["messages"]]
+
+    def step(self, messages):
+        assert messages[-1]["role"] == "assistant"
+        self.turn += 1
+        if self.turn < 3:
+            return EnvStep(messages=[{"role": "user", "content": f"again {self.turn}"}], reward=0.5)
+        return EnvStep(reward=1.0, done=True)
+
+
+class EndlessEnv:
+    """Never done: every episode runs into max_turns."""
+
+    def step(self, messages):
+        return EnvStep(messages=[{"role": "user", "content": "more"}])
+
+
+class BarrierEnv:
+    """Async: each step waits until every episode of the rollout has entered one, which only
+    happens when the steps are awaited together (one at a time, the first would wait forever)."""
+
+    expected = 0
+    arrived: list[int] = []
+    event: asyncio.Event | None = None
+
+    async def step(self, messages):
+        cls = type(self)
+        if cls.event is None or not cls.arrived:
+            cls.event = asyncio.Event()
+        cls.arrived.append(1)
+        if len(cls.arrived) == cls.expected:
+            cls.event.set()
+        await asyncio.wait_for(cls.event.wait(), timeout=60)
+        return EnvStep(reward=float(len(cls.arrived)), done=True)
+
+
+# ------------------------------------------------------------------------------ tools
+
+
+def test_function_schema_from_type_hints_and_docstring():
+    assert function_schema(multiply) == {"type": "function", "function": {
+        "name": "multiply", "description": "Multiply two integers.", "parameters": {
+            "type": "object", "required": ["a", "b"], "properties": {
+                "a": {"type": "integer", "description": "the first factor"},
+                "b": {"type": "integer", "description": "the second factor"}}}}}
+
+    def pick(mode: Literal["fast", "slow"], names: list[str], limit: float | None = None) -> str:
+        """Pick some names."""
+        return mode
+
+    params = function_schema(pick)["function"]["parameters"]
+    assert params["properties"] == {"mode": {"type": "string", "enum": ["fast", "slow"]},
+                                    "names": {"type": "array", "items": {"type": "string"}},
+                                    "limit": {"type": "number"}}
+    assert params["required"] == ["mode", "names"]
+
+    def untyped(x):
+        return x
+
+    with pytest.raises(TypeError, match="parameter 'x' has no type hint"):
+        function_schema(untyped)
+
+
+def test_tool_errors_reach_the_model_as_messages():
+    box = ToolBox([multiply, broken])
+    calls = box.parse('<tool_call>{"name": "multiply", "arguments": {"a": 12, "b": 34}}</tool_call>'
+                      '<tool_call>{"name": "broken", "arguments": {"x": "y"}}</tool_call>'
+                      '<tool_call>{"name": "multiply", "arguments": {"a": 1}}</tool_call>'
+                      '<tool_call>{"name": "unknown", "arguments": {}}</tool_call>')
+    assert [c.name for c in calls] == ["multiply", "broken", "multiply"]  # an unknown tool is no call
+    results = [asyncio.run(box.call(c)) for c in calls]
+    assert results[0] == ("408", False)
+    assert results[1] == ("error: broken raised RuntimeError: cannot handle y", True)
+    assert results[2][1] and "bad arguments for multiply" in results[2][0]
+    with pytest.raises(ValueError, match="two tools are named 'multiply'"):
+        ToolBox([multiply, multiply])
+
+
+# ------------------------------------------------------------------------------ a runner on a tiny random model
+
+
+def runner_for(tok_dir, group_size: int = 2, **rl) -> RolloutRunner:
+    tokenizer = load_tokenizer(tok_dir)
+    model = CausalLM(ModelConfig(**MODEL), seed=0)
+    cfg = RLConfig(group_size=group_size, rollout_max_tokens=4, max_prompt_len=32, **rl)
+    return RolloutRunner(model, tokenizer, cfg, num_prompts=2, rewards=RewardSet(cfg, tokenizer=tokenizer))
+
+
+def prompt_batch(tokenizer, questions: list[str]) -> dict[str, list]:
+    messages = [[{"role": "user", "content": q}] for q in questions]
+    return {"prompt_ids": [tokenizer.apply_chat_template(m, add_generation_prompt=True) for m in messages],
+            "messages": messages, "answer": ["7"] * len(questions), "metadata": [None] * len(questions)}
+
+
+def labelled_spans(labels: torch.Tensor) -> list[tuple[int, int]]:
+    """[start, end) row positions of the sampled tokens (the label at p - 1 is the token at p)."""
+    at = (labels != IGNORE_INDEX).nonzero().squeeze(1).tolist()
+    spans: list[list[int]] = []
+    for p in at:
+        if spans and spans[-1][1] == p + 1:
+            spans[-1][1] = p + 2
+        else:
+            spans.append([p + 1, p + 2])
+    return [tuple(s) for s in spans]
+
+
+def test_three_turn_episode_labels_only_the_models_tokens(tok_dir):
+    """A scripted 3-turn episode: the row's text is the template's rendering of the final
+    conversation, each labelled span starts exactly where the template's generation prompt
+    ends, tool/user/system text and role markers carry no label, and the trainer's log-probs on
+    the row equal the sampler's (the exact-RL contract across turns)."""
+    runner = runner_for(tok_dir, environment=f"{HERE}:ScriptedEnv", rewards=["exact_match"])
+    tok = runner.tokenizer
+    rollout = runner.generate(prompt_batch(tok, ["3+4", "10+2"]), step=0, policy_version=0)
+    assert rollout.stats["turns_per_episode"] == 3 and rollout.stats["truncated_episodes"] == 0
+    assert rollout.reward_terms["environment"].eq(2.0).all()  # 0.5 + 0.5 + 1.0
+    im_start = tok.convert_tokens_to_ids(["<|im_start|>"])[0]
+    for i in range(rollout.num_samples):
+        n = int(rollout.attention_mask[i].sum())
+        ids = rollout.input_ids[i, :n].tolist()
+        spans = labelled_spans(rollout.labels[i])
+        assert len(spans) == 3
+        messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": ["3+4", "10+2"][i // 2]}]
+        for turn, (a, b) in enumerate(spans):
+            # the prompt up to this turn, as the template renders it, is exactly the row before it
+            assert tok.decode(ids[:a], skip_special_tokens=False) == tok.render_chat(messages, add_generation_prompt=True)
+            sampled = ids[a:b]
+            stop = sampled[-1:] if sampled[-1] in tok.stop_token_ids else []
+            messages.append({"role": "assistant", "content": tok.decode(sampled[:len(sampled) - len(stop)],
+                                                                        skip_special_tokens=False)})
+            if turn < 2:
+                messages.append({"role": "user", "content": f"again {turn + 1}"})
+        text, rendered = tok.decode(ids, skip_special_tokens=False), tok.render_chat(messages)
+        assert rendered.startswith(text) and rendered[len(text):] in ("\n", "<|im_end|>\n")  # never sampled
+        labelled = {p for a, b in spans for p in range(a, b)}
+        assert all(ids[p] != im_start for p in labelled)  # role markers between turns are never targets
+        assert all(rollout.labels[i, p - 1] == ids[p] for p in labelled)
+        assert (rollout.old_logps[i][rollout.labels[i] == IGNORE_INDEX] == 0).all()
+        assert (rollout.old_logps[i][rollout.labels[i] != IGNORE_INDEX] < 0).all()
+    # the trainer's log-probs of the labels, on the same weights, equal the sampler's (fp32)
+    model = runner.policy.eval()
+    with torch.no_grad():
+        logits = model(rollout.input_ids, attention_mask=rollout.attention_mask).logits.float()
+    mask = rollout.labels != IGNORE_INDEX
+    logps = torch.log_softmax(logits, -1).gather(-1, rollout.labels.clamp(min=0)[..., None]).squeeze(-1)
+    assert (logps - rollout.old_logps)[mask].abs().max().item() < 1e-5
+
+
+def test_turns_reuse_the_prefix_cache(tok_dir):
+    """Each turn's prompt is the row so far: the engine serves the earlier turns' KV from the
+    prefix cache, so an episode's prefill is about one final length, not the sum of its prompts."""
+    runner = runner_for(tok_dir, environment=f"{HERE}:ScriptedEnv", rewards=["exact_match"])
+    rollout = runner.generate(prompt_batch(runner.tokenizer, ["3+4", "10+2"]), step=0, policy_version=0)
+    stats = rollout.stats
+    final_len = rollout.attention_mask.sum(1).float().mean().item()
+    block = runner.engine.config.block_size
+    assert stats["prompt_tokens_per_episode"] > 1.5 * final_len  # three prompts of growing length
+    assert stats["prefill_tokens_per_episode"] <= final_len + 3 * block  # each turn: new tokens + < 1 block
+    assert stats["prefill_tokens_per_episode"] < 0.6 * stats["prompt_tokens_per_episode"]
+
+
+def test_endless_episodes_end_truncated_at_max_turns(tok_dir):
+    runner = runner_for(tok_dir, environment=f"{HERE}:EndlessEnv", max_turns=2, rewards=["exact_match"])
+    rollout = runner.generate(prompt_batch(runner.tokenizer, ["3+4", "10+2"]), step=0, policy_version=0)
+    assert rollout.stats["turns_per_episode"] == 2 and rollout.stats["truncated_episodes"] == 4
+    assert rollout.truncated.all() and rollout.stats["truncated_fraction"] == 1.0
+    assert all(len(labelled_spans(row)) == 2 for row in rollout.labels)
+
+
+def test_async_environment_steps_are_awaited_together(tok_dir):
+    BarrierEnv.expected, BarrierEnv.arrived, BarrierEnv.event = 4, [], None
+    runner = runner_for(tok_dir, environment=f"{HERE}:BarrierEnv", rewards=["exact_match"])
+    rollout = runner.generate(prompt_batch(runner.tokenizer, ["3+4", "10+2"]), step=0, policy_version=0)
+    assert sorted(rollout.reward_terms["environment"].flatten().tolist()) == [4.0] * 4
+
+
+class FakeCompletion:
+    def __init__(self, tokenizer, text: str, stop: bool = True):
+        self.text = text
+        self.token_ids = tokenizer.encode(text) + (tokenizer.stop_token_ids[-1:] if stop else [])
+        self.logprobs = [-0.5] * len(self.token_ids)
+        self.finish_reason = "stop" if stop else "length"
+
+
+def test_tool_calls_become_tool_messages_and_errors_are_counted(tok_dir):
+    """A scripted model (no engine): turn 1 calls multiply, turn 2 calls a tool that raises,
+    turn 3 answers. Tool results go back as `tool` messages, errors as error text, the row holds
+    the sampled ids unchanged, and the tools are offered in the opening prompt."""
+    tok = load_tokenizer(tok_dir)
+    mt = MultiTurn(tok, None, [f"{HERE}:multiply", f"{HERE}:broken"], max_turns=4, max_tokens=64, max_model_len=4096)
+    episodes = mt.open([{"messages": [{"role": "user", "content": "12*34"}]}], group_size=1)
+    assert '"name": "multiply"' in tok.decode(episodes[0].ids, skip_special_tokens=False)  # offered via the template
+    script = ['<tool_call>{"name": "multiply", "arguments": {"a": 12, "b": 34}}</tool_call>',
+              '<tool_call>{"name": "broken", "arguments": {"x": "q"}}</tool_call>', "408"]
+    sampled: list[list[int]] = []
+
+    def generate(active, turn):
+        c = FakeCompletion(tok, script[turn])
+        sampled.append(c.token_ids)
+        return [(c, len(active[0].ids))]
+
+    mt.run(episodes, generate)
+    e = episodes[0]
+    assert e.done and not e.truncated and e.num_turns == 3 and e.final_text == "408"
+    assert (e.num_tool_calls, e.num_tool_errors) == (2, 1)
+    tool_messages = [m for m in e.messages if m["role"] == "tool"]
+    assert [m["content"] for m in tool_messages] == ["408", "error: broken raised RuntimeError: cannot handle q"]
+    # the row: each turn's sampled ids where they were sampled, with log-probs there only
+    positions = [p for p, lp in enumerate(e.logps) if lp is not None]
+    assert [e.ids[p] for p in positions] == [t for ids in sampled for t in ids]
+    rendered = tok.render_chat(e.messages, tools=e.tools.schemas)
+    assert tok.decode(e.ids, skip_special_tokens=False) == rendered[:-1]  # all but the final "\n" (never sampled)
+
+
+# ------------------------------------------------------------------------------ end to end
+
+
+@pytest.mark.parametrize("train_type,extra", [("online_grpo", {"tools": ["myenv:add"]}),
+                                              ("online_grpo", {"advantage_estimator": "rloo"}), ("online_ppo", {})])
+def test_multi_turn_runs_train_with_the_exact_rl_contract(tmp_path, tok_dir, monkeypatch, train_type, extra):
+    monkeypatch.chdir(tmp_path)  # a user's environment module, resolved from the working directory
+    (tmp_path / "myenv.py").write_text(
+        "from astrai.train.rl.environments import EnvStep\n"
+        "def add(a: int, b: int) -> int:\n    '''Add two integers.'''\n    return a + b\n"
+        "class Env:\n    def step(self, messages):\n"
+        "        done = len(messages) >= 4\n"
+        "        return EnvStep(messages=None if done else [{'role': 'user', 'content': 'sure?'}],"
+        " reward=0.5 if done else None, done=done)\n")
+    config = write_rl_run(tmp_path / "run", tok_dir, train_type, environment="myenv:Env", max_turns=3, **extra)
+    text = config.read_text().replace("max_steps: 4", "max_steps: 2")
+    if "tools" in extra:  # the tool's schema, a letter a token in this tiny vocabulary, needs the room
+        text = text.replace("max_position_embeddings: 128", "max_position_embeddings: 512")
+    config.write_text(text)
+    assert main(["--config", str(config)]) == 0
+    first = read_metrics(tmp_path / "run")[0]
+    for key in ("turns_per_episode", "tool_calls_per_episode", "tool_errors", "truncated_episodes",
+                "tool_seconds", "generation_seconds", "prefill_tokens_per_episode", "rewards/environment"):
+        assert key in first, key
+    assert 1 <= first["turns_per_episode"] <= 3
+    assert first["sampler_logp_diff"] < 1e-5
+
+
+def test_config_checks_multi_turn_fields():
+    from astrai.config import ConfigError, load_config
+
+    with pytest.raises(ConfigError, match="max_turns=0"):
+        load_config(None, ["--train_type", "online_grpo", "--max_turns", "0"])
+    cfg = load_config(None, ["--train_type", "online_grpo", "--environment", "m:E", "--tools", "m:f,m:g"])
+    assert cfg.rl.tools == ["m:f", "m:g"] and cfg.rl.environment == "m:E"
+
+
+@pytest.mark.slow
+def test_sigterm_and_resume_of_a_multi_turn_run_equals_the_uninterrupted_run(tmp_path, tok_dir):
+    """Episodes are redrawn reproducibly: seeds from (random_seed, step, prompt, sample, turn)."""
+    from tests.train.test_rl import _weights
+
+    runs = {}
+    for name in ("straight", "stopped"):
+        runs[name] = write_rl_run(tmp_path / name, tok_dir, rollout_interval=2,
+                                  environment=f"{HERE}:ScriptedEnv")
+        runs[name].write_text(runs[name].read_text().replace("max_steps: 4", "max_steps: 6"))
+    assert main(["--config", str(runs["straight"])]) == 0
+    sigterm_after_step(runs["stopped"], 3, tmp_path)
+    assert main(["--config", str(runs["stopped"]), "--resume"]) == 0
+    keys = ("step", "policy_version", "loss", "grad_norm", "reward_mean", "turns_per_episode")
+    got = [{k: m.get(k) for k in keys} for m in read_metrics(tmp_path / "stopped")]
+    want = [{k: m.get(k) for k in keys} for m in read_metrics(tmp_path / "straight")]
+    assert got == want
+    a, b = _weights(tmp_path / "stopped"), _weights(tmp_path / "straight")
+    assert a.keys() == b.keys() and all(a[k].equal(b[k]) for k in a)
