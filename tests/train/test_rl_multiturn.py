@@ -71,6 +71,11 @@ class EndlessEnv:
         return EnvStep(messages=[{"role": "user", "content": "more"}])
 
 
+class FailingEnv:
+    def step(self, messages):
+        raise KeyError("score")
+
+
 class BarrierEnv:
     """Async: each step waits until every episode of the rollout has entered one, which only
     happens when the steps are awaited together (one at a time, the first would wait forever)."""
@@ -228,6 +233,15 @@ def test_async_environment_steps_are_awaited_together(tok_dir):
     runner = runner_for(tok_dir, environment=f"{HERE}:BarrierEnv", rewards=["exact_match"])
     rollout = runner.generate(prompt_batch(runner.tokenizer, ["3+4", "10+2"]), step=0, policy_version=0)
     assert sorted(rollout.reward_terms["environment"].flatten().tolist()) == [4.0] * 4
+
+
+def test_an_environment_that_raises_is_one_line_naming_it(tok_dir):
+    runner = runner_for(tok_dir, environment=f"{HERE}:FailingEnv", rewards=["exact_match"])
+    with pytest.raises(ValueError, match=r"environment FailingEnv.step raised KeyError: 'score' \(prompt 0, sample 0, "
+                                         r"after 1 turn\(s\)\)"):
+        runner.generate(prompt_batch(runner.tokenizer, ["3+4", "10+2"]), step=0, policy_version=0)
+    with pytest.raises(ValueError, match="environment 'tests.nowhere:Env': no module 'tests.nowhere'"):
+        runner_for(tok_dir, environment="tests.nowhere:Env")
 
 
 class FakeCompletion:

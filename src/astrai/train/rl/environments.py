@@ -130,7 +130,7 @@ class MultiTurn:
 
         async def reset(e: Episode) -> list[Message]:
             if e.env is not None and callable(getattr(e.env, "reset", None)):
-                return await _maybe_await(e.env.reset(e.record))
+                return await _env_call(e, "reset", e.record)
             return e.record["messages"]
 
         start = time.perf_counter()
@@ -199,7 +199,7 @@ class MultiTurn:
             e.done = True
             return
         start = time.perf_counter()
-        result = await _maybe_await(e.env.step([dict(m) for m in e.messages]))
+        result = await _env_call(e, "step", [dict(m) for m in e.messages])
         self.stats["env_seconds"] += time.perf_counter() - start
         if not isinstance(result, EnvStep):
             raise TypeError(f"environment {type(e.env).__name__}.step returned {type(result).__name__}, not an EnvStep; "
@@ -223,6 +223,17 @@ class MultiTurn:
         delta = self.tokenizer.encode(closing + after[len(before):])
         e.ids += delta
         e.logps += [None] * len(delta)
+
+
+async def _env_call(e: Episode, method: str, arg: Any) -> Any:
+    """An environment method, awaited if async; whatever it raises is one line naming the
+    environment, the method and the episode (the run stops: an environment bug is not a score)."""
+    try:
+        return await _maybe_await(getattr(e.env, method)(arg))
+    except Exception as exc:
+        raise ValueError(f"environment {type(e.env).__name__}.{method} raised {type(exc).__name__}: {exc} (prompt "
+                         f"{e.prompt_index}, sample {e.sample}, after {e.num_turns} turn(s)); fix the environment "
+                         "(a tool's errors go to the model, an environment's stop the run)") from exc
 
 
 async def _gather(awaitables: list[Any]) -> list[Any]:
