@@ -5,6 +5,7 @@ KV reuse across turns, the objectives end to end, exact resume."""
 from __future__ import annotations
 
 import asyncio
+import random
 from typing import Literal
 
 import pytest
@@ -338,3 +339,33 @@ def test_sigterm_and_resume_of_a_multi_turn_run_equals_the_uninterrupted_run(tmp
     assert got == want
     a, b = _weights(tmp_path / "stopped"), _weights(tmp_path / "straight")
     assert a.keys() == b.keys() and all(a[k].equal(b[k]) for k in a)
+
+
+# ------------------------------------------------------------------------------ the calculator example
+
+
+def test_tool_traces_are_what_a_calculator_episode_samples(tok_dir):
+    """An SFT trace (data/tasks.py) renders to the text of the calculator episode that samples
+    the same turns, its loss mask on the call and the answer only, and that episode scores 1."""
+    from astrai.data.tasks import make_item, tool_trace_record
+
+    tok = load_tokenizer(tok_dir)
+    item = make_item("mul", 3, random.Random(5))
+    trace = tool_trace_record(item)
+    ids, mask = tok.encode_chat(trace["messages"], tools=trace["tools"])
+    learned = tok.decode([t for t, m in zip(ids, mask) if m], skip_special_tokens=False)
+    assert learned == trace["messages"][1]["content"] + "<|im_end|>" + item.answer + "<|im_end|>"
+
+    mt = MultiTurn(tok, "astrai.train.rl.environments:CalculatorEnv", [], max_turns=4, max_tokens=64,
+                   max_model_len=4096)
+    episodes = mt.open([{"messages": item.prompt_messages, "answer": item.answer}], group_size=1)
+    turns = [trace["messages"][1]["content"], item.answer]
+    mt.run(episodes, lambda active, turn: [(FakeCompletion(tok, turns[turn]), 0)])
+    e = episodes[0]
+    assert e.done and e.num_tool_calls == 1 and e.num_tool_errors == 0 and e.final_text == item.answer
+    assert e.messages == trace["messages"]
+    assert tok.decode(e.ids, skip_special_tokens=False) + "\n" == tok.render_chat(trace["messages"],
+                                                                               tools=trace["tools"])
+    cfg = RLConfig(rewards=["exact_match"])
+    total, _ = RewardSet(cfg)(["p"], [e.final_text], [e.record], [e.ids], 1)
+    assert total.tolist() == [1.0]

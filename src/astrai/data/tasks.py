@@ -19,6 +19,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from astrai.data.tool_calls import function_schema
+
 TASKS = ("add", "sub", "mul", "reverse", "sort")
 _OPERATORS = {"add": "+", "sub": "-", "mul": "*"}
 
@@ -153,6 +155,30 @@ def dpo_record(item: TaskItem, rng: random.Random) -> dict[str, Any]:
 
 def prompt_record(item: TaskItem) -> dict[str, Any]:
     return {"messages": item.prompt_messages, "answer": item.answer, "metadata": dict(item.metadata)}
+
+
+def multiply(a: int, b: int) -> int:
+    """Multiply two integers.
+
+    Args:
+        a: the first factor
+        b: the second factor
+    """
+    return a * b
+
+
+def tool_trace_record(item: TaskItem) -> dict[str, Any]:
+    """An SFT record of a tool-using answer to a `mul` problem, in the form a multi-turn rollout
+    samples it: the assistant calls `multiply`, reads the `tool` result and answers with it;
+    `tools` holds the schema the chat template shows (the calculator environment's tool)."""
+    if item.task != "mul":
+        raise ValueError(f"tool traces are for mul problems, got a {item.task!r} problem {item.question!r}")
+    a, b = (int(x) for x in item.question.split("*"))
+    call = json.dumps({"name": "multiply", "arguments": {"a": a, "b": b}})
+    return {"messages": [*item.prompt_messages, {"role": "assistant", "content": f"<tool_call>{call}</tool_call>"},
+                         {"role": "tool", "name": "multiply", "content": str(multiply(a, b))},
+                         {"role": "assistant", "content": item.answer}],
+            "tools": [function_schema(multiply)]}
 
 
 def write_task_files(out_dir: str | Path, num_train: int = 2000, num_eval: int = 200,

@@ -4,7 +4,8 @@ The chat template shows the model its tools (the `tools` variable) and how to ca
 ChatML/Qwen/Hermes convention `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`. After
 generation `parse_tool_calls` splits a text into content and calls; while streaming,
 `ToolCallStream` holds back text that may be the start of a call and releases each call whole
-once its closing tag arrived. A block whose JSON does not parse, or that names a function that
+once its closing tag arrived; `function_schema` turns a typed, documented Python function into
+the tool the template shows. A block whose JSON does not parse, or that names a function that
 was not offered, stays in the content verbatim: a call is never invented. Pure text handling in
 the data layer, so the server (`serve/tools.py`, OpenAI `tool_calls`) and online RL's multi-turn
 rollouts (`train/rl/tools.py`) read the model's calls with one parser. The JSON inside a block
@@ -14,8 +15,13 @@ makes required and named calls parse in the first place.
 
 from __future__ import annotations
 
+import inspect
 import json
+import re
+import types
+import typing
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -116,3 +122,68 @@ def _partial_suffix(text: str, tag: str) -> int:
         if text.endswith(tag[:n]):
             return n
     return 0
+
+
+# ---- schemas: Python functions -> JSON-schema tools (TRL's convention) -----------------------
+
+_JSON_TYPES = {int: "integer", float: "number", str: "string", bool: "boolean", dict: "object", list: "array",
+               type(None): "null"}
+
+
+def _json_type(hint: Any, where: str) -> dict[str, Any]:
+    """The JSON schema of one type hint (int, float, str, bool, list[X], dict, X | None, Literal)."""
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if hint in _JSON_TYPES:
+        return {"type": _JSON_TYPES[hint]}
+    if origin is typing.Literal:
+        return {"type": _JSON_TYPES.get(type(args[0]), "string"), "enum": list(args)}
+    if origin in (typing.Union, types.UnionType):
+        kinds = [_json_type(a, where) for a in args if a is not type(None)]
+        return kinds[0] if len(kinds) == 1 else {"anyOf": kinds}
+    if origin in (list, tuple, set):
+        return {"type": "array", **({"items": _json_type(args[0], where)} if args and args[0] is not ... else {})}
+    if origin is dict:
+        return {"type": "object"}
+    raise TypeError(f"{where} has the type hint {hint!r}, which has no JSON schema here; use int, float, str, "
+                    "bool, list[...], dict, a Literal or X | None")
+
+
+def _arg_docs(doc: str) -> dict[str, str]:
+    """Parameter descriptions from a Google-style ``Args:`` section (``name (type): text``)."""
+    match = re.search(r"^\s*(?:Args|Arguments|Parameters):\s*\n(.*?)(?:\n\s*\n|\n\s*\w+:\s*\n|\Z)", doc, re.S | re.M)
+    if not match:
+        return {}
+    out: dict[str, str] = {}
+    name = None
+    for line in match.group(1).splitlines():
+        item = re.match(r"\s*(\w+)\s*(?:\([^)]*\))?\s*:\s*(.*)", line)
+        if item:
+            name, out[item.group(1)] = item.group(1), item.group(2).strip()
+        elif name and line.strip():
+            out[name] += " " + line.strip()
+    return out
+
+
+def function_schema(fn: Callable[..., Any]) -> dict[str, Any]:
+    """The OpenAI-style tool of a Python function: ``{"type": "function", "function": {name,
+    description, parameters}}``. Every parameter needs a type hint (the model must know what to send)."""
+    name = getattr(fn, "__name__", None) or type(fn).__name__
+    doc = inspect.getdoc(fn) or ""
+    hints = typing.get_type_hints(fn)
+    described = _arg_docs(doc)
+    properties: dict[str, Any] = {}
+    required: list[str] = []
+    for param in inspect.signature(fn).parameters.values():
+        if param.kind in (param.VAR_POSITIONAL, param.VAR_KEYWORD):
+            continue
+        if param.name not in hints:
+            raise TypeError(f"tool {name!r}: parameter {param.name!r} has no type hint; annotate it (e.g. "
+                            f"{param.name}: int) so the tool's JSON schema can say what to send")
+        properties[param.name] = _json_type(hints[param.name], f"tool {name!r} parameter {param.name!r}")
+        if param.name in described:
+            properties[param.name]["description"] = described[param.name]
+        if param.default is param.empty:
+            required.append(param.name)
+    description = doc.split("\n\n", 1)[0].replace("\n", " ").strip()
+    return {"type": "function", "function": {"name": name, "description": description, "parameters": {
+        "type": "object", "properties": properties, "required": required}}}

@@ -31,6 +31,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from astrai.data.tasks import multiply
 from astrai.train.rl.rewards import import_user_object
 from astrai.train.rl.tools import ToolBox
 
@@ -79,6 +80,18 @@ class Episode:
 
 async def _maybe_await(value: Any) -> Any:
     return await value if inspect.isawaitable(value) else value
+
+
+class CalculatorEnv:
+    """The built-in example (``rl.environment: astrai.train.rl.environments:CalculatorEnv``):
+    arithmetic prompts with a ``multiply`` tool (``astrai.data.tasks``); the episode ends at the
+    first turn that calls no tool, its answer scored by the configured rewards (``exact_match``).
+    ``tool_trace_record`` writes SFT traces of the same conversations."""
+
+    tools = [multiply]
+
+    def step(self, messages: list[Message]) -> EnvStep:
+        return EnvStep(done=True)
 
 
 def environment_class(spec: str) -> type:
