@@ -157,8 +157,10 @@ def test_training_forward_backward_syncs_at_most_per_forward(packed):
     with DeviceGuard() as guard:
         _micro_batch(model, packed).backward()
     assert guard.counts["d2h"] == 0 and guard.counts["mixed"] == 0, guard.where
-    assert guard.counts["sync"] <= 2, guard.where  # the no-padding / position-reset checks, once per forward
-    assert guard.counts["h2d"] <= 2, guard.where  # rope frequencies are made on the host once per forward
+    # once per forward, never per layer: transformer.py's position-reset check (`bool(resets.any())`,
+    # even for the arange positions it made itself), on CUDA also the packed segments' longest length
+    assert guard.counts["sync"] <= 2, guard.where
+    assert guard.counts["h2d"] == 0, guard.where  # rope frequencies and masks are made on the device
 
 
 def test_gradient_step_window_syncs_only_at_the_optimizer_step():

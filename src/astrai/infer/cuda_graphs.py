@@ -20,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import logging
 from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -33,15 +34,16 @@ logger = logging.getLogger(__name__)
 class _Graph:
     """One captured (or, with capture off, eagerly re-run) static decode forward."""
 
-    def __init__(self, inp: Tensor, fn: Callable[[], Tensor], capture: bool) -> None:
+    def __init__(self, inp: Tensor, fn: Callable[[], Tensor], pool: Any = None) -> None:
         self.inp = inp  # (B, 2 + W) int64 static input
         self.fn = fn
         self.graph = None
         self.out: Tensor | None = None
-        if capture:
-            self._capture()
+        if pool is not None:
+            self._capture(pool)
 
-    def _capture(self) -> None:
+    def _capture(self, pool: Any) -> None:
+        """Capture into the memory pool every graph of the engine shares (their replays never overlap)."""
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):  # warm-up off the capture (allocator, cuBLAS handles)
@@ -49,7 +51,7 @@ class _Graph:
                 self.fn()
         torch.cuda.current_stream().wait_stream(stream)
         self.graph = torch.cuda.CUDAGraph()
-        with _no_autocast_cache(), torch.cuda.graph(self.graph):
+        with _no_autocast_cache(), torch.cuda.graph(self.graph, pool=pool):
             self.out = self.fn()
 
     def replay(self) -> Tensor:
@@ -83,6 +85,7 @@ class CUDAGraphDecode:
         self.capture = capture
         self.device = kv_caches[0][0].device
         self.graphs: dict[tuple[int, int], _Graph] = {}
+        self.pool: Any = None  # one memory pool for all graphs, made at the first capture
         self.num_replays = 0
         self.num_eager = 0  # decode steps outside the buckets (the runner ran them eagerly)
 
@@ -121,7 +124,9 @@ class CUDAGraphDecode:
         inp[:, 2:] = self.scratch_block  # warm-up and capture run padding rows only: scratch writes
         logger.info("cuda graphs: %s decode graph for %d rows x %d blocks",
                     "capturing" if self.capture else "eager stand-in for", b, wb)
-        return _Graph(inp, lambda: self._forward(inp, wb), self.capture)
+        if self.capture and self.pool is None:
+            self.pool = torch.cuda.graph_pool_handle()
+        return _Graph(inp, lambda: self._forward(inp, wb), self.pool if self.capture else None)
 
     def _forward(self, inp: Tensor, wb: int) -> Tensor:
         """The static decode forward: (B, 2 + W) inputs -> (B, V) logits, shapes fixed by the bucket."""
