@@ -221,6 +221,16 @@ def test_turns_reuse_the_prefix_cache(tok_dir):
     assert stats["prefill_tokens_per_episode"] < 0.6 * stats["prompt_tokens_per_episode"]
 
 
+def test_an_environment_alone_may_reward(tok_dir):
+    from astrai.config import ConfigError, load_config
+
+    runner = runner_for(tok_dir, environment=f"{HERE}:ScriptedEnv", rewards=[])
+    rollout = runner.generate(prompt_batch(runner.tokenizer, ["3+4", "10+2"]), step=0, policy_version=0)
+    assert rollout.rewards.eq(2.0).all() and set(rollout.reward_terms) == {"environment"}
+    with pytest.raises(ConfigError, match="rewards is empty"):
+        load_config(None, ["--train_type", "online_grpo", "--rewards", ""])
+
+
 def test_endless_episodes_end_truncated_at_max_turns(tok_dir):
     runner = runner_for(tok_dir, environment=f"{HERE}:EndlessEnv", max_turns=2, rewards=["exact_match"])
     rollout = runner.generate(prompt_batch(runner.tokenizer, ["3+4", "10+2"]), step=0, policy_version=0)

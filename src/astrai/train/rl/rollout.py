@@ -244,33 +244,8 @@ class RolloutRunner:
                              f"than the {room} the model's max_position_embeddings leave beside rollout_max_tokens="
                              f"{cfg.rollout_max_tokens}; shorten the prompts or tool descriptions, or lower "
                              "--rollout_max_tokens")
-        generation = [0.0]
-
-        def generate(active: list[Episode], turn: int) -> list[tuple[Any, int]]:
-            requests: dict[tuple, list[int]] = {}  # (prompt, ids) or (prompt, sample) -> indices into active
-            for j, e in enumerate(active):
-                key = (e.prompt_index, tuple(e.ids)) if turn == 0 else (e.prompt_index, e.sample)
-                requests.setdefault(key, []).append(j)
-            keys = list(requests)
-            params = [SamplingParams(temperature=cfg.rollout_temperature, top_p=cfg.rollout_top_p,
-                                     top_k=cfg.rollout_top_k, max_tokens=cfg.rollout_max_tokens, n=len(requests[k]),
-                                     seed=rollout_seed(self.random_seed, step, first_index + k[0]) if turn == 0 else
-                                     rollout_seed(self.random_seed, step, first_index + k[0], k[1], turn))
-                      for k in keys]
-            t0 = time.perf_counter()
-            outputs = self.engine.run_batch([list(active[requests[k][0]].ids) for k in keys], params,
-                                            return_logprobs=True)
-            generation[0] += time.perf_counter() - t0
-            if {out.policy_version for out in outputs} != {policy_version}:
-                raise ValueError(f"a turn of a rollout for policy version {policy_version} was generated at another "
-                                 "version; publish each new version to the engine before generating")
-            results: list[tuple[Any, int]] = [None] * len(active)  # type: ignore[list-item]
-            for k, out in zip(keys, outputs):
-                for j, completion in zip(requests[k], out.outputs):
-                    results[j] = (completion, len(out.prompt_token_ids) - out.num_cached_tokens)
-            return results
-
-        mt.run(episodes, generate)
+        self.generation_seconds = 0.0
+        mt.run(episodes, lambda active, turn: self._sample_turn(active, turn, step, policy_version, first_index))
         rollout = _pack_episodes(episodes, G, policy_version)
         total, terms = self._score_episodes(episodes, records)
         rollout.rewards, rollout.reward_terms = total.view(-1, G), {k: v.view(-1, G) for k, v in terms.items()}
@@ -280,10 +255,38 @@ class RolloutRunner:
         num_new = sum(lp is not None for e in episodes for lp in e.logps)
         rollout.stats = {"rollout_seconds": seconds, "rollout_tokens": float(num_new),
                          "rollout_tokens_per_s": num_new / max(seconds, 1e-9), "skipped_prompts": float(skipped),
-                         "generation_seconds": generation[0],
+                         "generation_seconds": self.generation_seconds,
                          **rollout_signal_stats(rollout.rewards, ["length" if t else "stop" for t in rollout.truncated]),
                          **episode_stats(episodes, mt.stats["tool_seconds"], mt.stats["env_seconds"])}
         return rollout
+
+    def _sample_turn(self, active: list[Episode], turn: int, step: int, policy_version: int,
+                     first_index: int) -> list[tuple[Any, int]]:
+        """One turn of the unfinished episodes on the engine: (completion, prefill tokens) each.
+        The first turn's samples of one prompt share a request (n = G, one prefill); later turns
+        are one request per (prompt, sample, turn), seeded by all three."""
+        cfg = self.cfg
+        requests: dict[tuple, list[int]] = {}  # (prompt, ids) or (prompt, sample) -> indices into active
+        for j, e in enumerate(active):
+            key = (e.prompt_index, tuple(e.ids)) if turn == 0 else (e.prompt_index, e.sample)
+            requests.setdefault(key, []).append(j)
+        keys = list(requests)
+        params = [SamplingParams(temperature=cfg.rollout_temperature, top_p=cfg.rollout_top_p, top_k=cfg.rollout_top_k,
+                                 max_tokens=cfg.rollout_max_tokens, n=len(requests[k]),
+                                 seed=rollout_seed(self.random_seed, step, first_index + k[0]) if turn == 0 else
+                                 rollout_seed(self.random_seed, step, first_index + k[0], k[1], turn))
+                  for k in keys]
+        start = time.perf_counter()
+        outputs = self.engine.run_batch([list(active[requests[k][0]].ids) for k in keys], params, return_logprobs=True)
+        self.generation_seconds += time.perf_counter() - start
+        if {out.policy_version for out in outputs} != {policy_version}:
+            raise ValueError(f"a turn of a rollout for policy version {policy_version} was generated at another "
+                             "version; publish each new version to the engine before generating")
+        results: list[Any] = [None] * len(active)
+        for k, out in zip(keys, outputs):
+            for j, completion in zip(requests[k], out.outputs):
+                results[j] = (completion, len(out.prompt_token_ids) - out.num_cached_tokens)
+        return results
 
     def _score_episodes(self, episodes: list[Episode], records: list[dict[str, Any]]) -> tuple[Tensor, dict[str, Tensor]]:
         """Episode reward: the environment's (summed over its steps) plus the configured rewards
