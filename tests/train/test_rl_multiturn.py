@@ -379,3 +379,20 @@ def test_tool_traces_are_what_a_calculator_episode_samples(tok_dir):
     cfg = RLConfig(rewards=["exact_match"])
     total, _ = RewardSet(cfg)(["p"], [e.final_text], [e.record], [e.ids], 1)
     assert total.tolist() == [1.0]
+
+
+def test_gae_carries_the_final_reward_across_the_gaps_between_turns():
+    """PPO on a multi-turn row: turn 1 is position 0, a tool result fills 1-2 (no mask), turn 2 is
+    3-4 with the score on 4. With V = 0.5 everywhere, gamma = lam = 1, every model token's return
+    is the episode's score 1 and its advantage 0.5; the gap carries no advantage and no return."""
+    from astrai.train.losses import gae, token_rewards
+
+    mask = torch.tensor([[1, 0, 0, 1, 1, 0]])
+    rewards = token_rewards(torch.tensor([1.0]), mask)
+    assert rewards.tolist() == [[0, 0, 0, 0, 1, 0]]
+    adv, ret = gae(rewards, torch.full((1, 6), 0.5), mask, gamma=1.0, lam=1.0)
+    assert adv.tolist() == [[0.5, 0, 0, 0.5, 0.5, 0]]
+    assert ret.tolist() == [[1.0, 0, 0, 1.0, 1.0, 0]]
+    # gamma 0.5, lam 1: the discount counts model tokens, not the tool tokens between them
+    adv, _ = gae(rewards, torch.zeros(1, 6), mask, gamma=0.5, lam=1.0)
+    assert adv.tolist() == [[0.25, 0, 0, 0.5, 1.0, 0]]

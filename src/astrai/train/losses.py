@@ -274,8 +274,10 @@ def gae(
 ) -> tuple[Tensor, Tensor]:
     """Generalised advantage estimation over the masked (response) tokens: (advantages, returns).
 
-    rewards, values, mask: (B, T); mask is 1 on the tokens of the trajectory (one contiguous
-    span per row), 0 on prompt and padding. The value after the last masked token is 0 (the
+    rewards, values, mask: (B, T); mask is 1 on the tokens of the trajectory, 0 on prompt and
+    padding, and on the gaps of a multi-turn row (tool and environment tokens, which the policy
+    did not choose): the trajectory is its masked tokens in order, so V_{t+1} and A_{t+1} are those
+    of the next masked token, across a gap. The value after the last masked token is 0 (the
     episode ends there). delta_t = r_t + gamma V_{t+1} - V_t and A_t = delta_t + gamma lam A_{t+1};
     returns = A + V. Both are 0 outside the mask.
     """
@@ -290,9 +292,11 @@ def gae(
         delta = rewards[..., t] + gamma * next_value - values[..., t]
         adv_t = (delta + gamma * lam * next_adv) * mask[..., t]
         advantages[..., t] = adv_t
-        # a masked position ends the recursion: nothing flows across the trajectory's edge
-        next_adv = adv_t
-        next_value = values[..., t]
+        # an unmasked position is skipped: the next masked token's value and advantage carry over
+        # it (a single-span row is unchanged: nothing before its span reads them)
+        keep = mask[..., t].bool()
+        next_adv = torch.where(keep, adv_t, next_adv)
+        next_value = torch.where(keep, values[..., t], next_value)
     returns = (advantages + values) * mask
     return advantages, returns
 
