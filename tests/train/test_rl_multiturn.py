@@ -5,7 +5,11 @@ KV reuse across turns, the objectives end to end, exact resume."""
 from __future__ import annotations
 
 import asyncio
+import os
 import random
+import signal
+import subprocess
+import sys
 from typing import Literal
 
 import pytest
@@ -22,7 +26,7 @@ from astrai.train.rl.rewards import RewardSet
 from astrai.train.rl.rollout import RolloutRunner
 from astrai.train.rl.tools import ToolBox, function_schema
 from tests.train.resume_data import MODEL, read_metrics, write_tokenizer
-from tests.train.test_rl import sigterm_after_step, write_rl_run
+from tests.train.test_rl import REPO, sigterm_after_step, write_rl_run
 
 HERE = "tests.train.test_rl_multiturn"
 
@@ -63,6 +67,19 @@ class ScriptedEnv:
         if self.turn < 3:
             return EnvStep(messages=[{"role": "user", "content": f"again {self.turn}"}], reward=0.5)
         return EnvStep(reward=1.0, done=True)
+
+
+class StoppingEnv(ScriptedEnv):
+    """ScriptedEnv that, with ASTRAI_TEST_SIGTERM_AT_CALL=N, sends its own process a SIGTERM at
+    the N-th step call: a stop request that lands while a rollout's episodes are in flight."""
+
+    num_calls = 0
+
+    def step(self, messages):
+        StoppingEnv.num_calls += 1
+        if StoppingEnv.num_calls == int(os.environ.get("ASTRAI_TEST_SIGTERM_AT_CALL", "0")):
+            os.kill(os.getpid(), signal.SIGTERM)
+        return super().step(messages)
 
 
 class EndlessEnv:
@@ -396,3 +413,32 @@ def test_gae_carries_the_final_reward_across_the_gaps_between_turns():
     # gamma 0.5, lam 1: the discount counts model tokens, not the tool tokens between them
     adv, _ = gae(rewards, torch.zeros(1, 6), mask, gamma=0.5, lam=1.0)
     assert adv.tolist() == [[0.25, 0, 0, 0.5, 1.0, 0]]
+
+
+@pytest.mark.slow
+def test_a_stop_while_episodes_are_in_flight_redraws_them_on_resume(tmp_path, tok_dir):
+    """A SIGTERM in the middle of the rollout drawn after step 4 (its 4th of 48 environment
+    steps: 16 episodes of 3 turns per rollout, rollouts before steps 1, 3 and 5): the draw is
+    dropped, the run stops at step 4, and the resumed run redraws those episodes with the same
+    seeds, ending equal to the uninterrupted run."""
+    from astrai.train.checkpoint import latest_checkpoint
+    from tests.train.test_rl import _weights
+
+    runs = {}
+    for name in ("straight", "stopped"):
+        runs[name] = write_rl_run(tmp_path / name, tok_dir, rollout_interval=2, environment=f"{HERE}:StoppingEnv")
+        runs[name].write_text(runs[name].read_text().replace("max_steps: 4", "max_steps: 6"))
+    assert main(["--config", str(runs["straight"])]) == 0
+    env = {**os.environ, "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
+           "ASTRAI_TEST_SIGTERM_AT_CALL": str(2 * 48 + 4)}
+    proc = subprocess.run([sys.executable, "-m", "astrai", "train", "--config", str(runs["stopped"])], env=env,
+                          stderr=subprocess.PIPE, text=True, timeout=300, cwd=REPO)
+    assert proc.returncode == 0 and "stopped at step 4" in proc.stderr, proc.stderr[-2000:]
+    assert latest_checkpoint(tmp_path / "stopped" / "ckpt").name == "step_00000004"
+    assert main(["--config", str(runs["stopped"]), "--resume"]) == 0
+    keys = ("step", "policy_version", "loss", "grad_norm", "reward_mean", "turns_per_episode")
+    got = [{k: m.get(k) for k in keys} for m in read_metrics(tmp_path / "stopped")]
+    want = [{k: m.get(k) for k in keys} for m in read_metrics(tmp_path / "straight")]
+    assert got == want
+    a, b = _weights(tmp_path / "stopped"), _weights(tmp_path / "straight")
+    assert a.keys() == b.keys() and all(a[k].equal(b[k]) for k in a)
