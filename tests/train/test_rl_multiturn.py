@@ -256,6 +256,20 @@ def test_endless_episodes_end_truncated_at_max_turns(tok_dir):
     assert all(len(labelled_spans(row)) == 2 for row in rollout.labels)
 
 
+def test_an_episode_that_would_outgrow_the_positions_ends_truncated_within_them(tok_dir):
+    """A tool result too long for another turn: the row stops after the sampled turn (its
+    length stays within max_model_len, the result never enters it) and the episode is truncated."""
+    tok = load_tokenizer(tok_dir)
+    mt = MultiTurn(tok, None, [f"{HERE}:multiply"], max_turns=4, max_tokens=8, max_model_len=10_000)
+    episodes = mt.open([{"messages": [{"role": "user", "content": "12*34"}]}], group_size=1)
+    call = '<tool_call>{"name": "multiply", "arguments": {"a": 12, "b": 34}}</tool_call>'
+    mt.max_model_len = len(episodes[0].ids) + len(FakeCompletion(tok, call).token_ids) + 8 + 3  # room: 3 more ids
+    mt.run(episodes, lambda active, turn: [(FakeCompletion(tok, call), 0)])
+    e = episodes[0]
+    assert e.truncated and not e.done and e.num_turns == 1 and e.num_tool_calls == 1
+    assert len(e.ids) == len(e.logps) <= mt.max_model_len and e.logps[-1] is not None  # ends on the sampled turn
+
+
 def test_async_environment_steps_are_awaited_together(tok_dir):
     BarrierEnv.expected, BarrierEnv.arrived, BarrierEnv.event = 4, [], None
     runner = runner_for(tok_dir, environment=f"{HERE}:BarrierEnv", rewards=["exact_match"])

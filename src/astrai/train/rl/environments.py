@@ -164,9 +164,6 @@ class MultiTurn:
         """Every episode to its end: per turn, sample all unfinished ones together, then run their
         tools and environment steps concurrently, then extend their rows to the next prompt."""
         for turn in range(self.max_turns):
-            for e in episodes:
-                if not e.finished and len(e.ids) + self.max_tokens > self.max_model_len:
-                    e.truncated = True  # the next turn would run past the model's positions
             active = [e for e in episodes if not e.finished]
             if not active:
                 return
@@ -234,6 +231,9 @@ class MultiTurn:
                              "the same whatever follows them")
         closing = self.closing[len(e.ended_with):] if self.closing.startswith(e.ended_with) else self.closing
         delta = self.tokenizer.encode(closing + after[len(before):])
+        if len(e.ids) + len(delta) + self.max_tokens > self.max_model_len:
+            e.truncated = True  # the next turn would run past the model's positions: the row ends here
+            return
         e.ids += delta
         e.logps += [None] * len(delta)
 
