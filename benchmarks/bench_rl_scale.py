@@ -9,8 +9,9 @@ x 4 samples, prompts of 24-64 tokens and responses of 1-64 tokens (seeded), righ
 so the trainer's old log-probs are computed in it too, as online GRPO's first step does.
 
 Each setting runs in a fresh subprocess (peak resident memory is per process: ``ru_maxrss``),
-``--steps`` steps, and reports the median seconds per step and the peak RSS minus the RSS after
-building model and rollout (what the step adds). Settings:
+``--steps`` steps, and reports the median seconds and process CPU seconds per step (the robust
+figure on a shared machine) and the peak RSS minus the RSS after building model and rollout
+(what the step adds). Settings:
   old    the path before: full logits at the labelled columns, log-softmax on them, padded rows
   pad    chunked lm head at the labelled tokens, padded rows
   sort   chunked head, samples sorted by length into micro-batches, each trimmed to its longest
@@ -83,14 +84,16 @@ def child(args: argparse.Namespace) -> dict:
     else:
         objective.layout = args.setting
     base = current_rss_mb()
-    seconds = []
+    seconds, cpu = [], []
     for _ in range(args.steps):
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         for batch in objective.batches(rollout, args.micro):
             objective(model, batch).loss.backward()
         seconds.append(time.perf_counter() - t0)
+        cpu.append(time.process_time() - c0)
         model.zero_grad(set_to_none=True)
     return {"setting": args.setting, "s_per_step": statistics.median(seconds[1:] or seconds),
+            "cpu_s_per_step": statistics.median(cpu[1:] or cpu),
             "peak_rss_mb": rss_mb(), "step_rss_mb": rss_mb() - base,
             "tokens": int(rollout.attention_mask.sum()), "padded": int(rollout.attention_mask.numel())}
 
@@ -117,10 +120,13 @@ def main() -> None:
             cmd = [sys.executable, __file__, "--setting", setting, *sys.argv[1:]]
             line = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout.strip().splitlines()[-1]
             results.setdefault(setting, []).append(json.loads(line))
-    print(f"{'setting':8} {'s/step':>8} {'peak RSS MB':>12} {'step adds MB':>13}  (median of {args.repeats})")
+    keys = ("s_per_step", "cpu_s_per_step", "peak_rss_mb", "step_rss_mb")
+    print(f"{'setting':8} {'s/step':>8} {'CPU s/step':>11} {'peak RSS MB':>12} {'step adds MB':>13}"
+          f"  (median of {args.repeats})")
     for setting, rows in results.items():
-        med = {k: statistics.median(r[k] for r in rows) for k in ("s_per_step", "peak_rss_mb", "step_rss_mb")}
-        print(f"{setting:8} {med['s_per_step']:8.2f} {med['peak_rss_mb']:12.0f} {med['step_rss_mb']:13.0f}")
+        med = {k: statistics.median(r[k] for r in rows) for k in keys}
+        print(f"{setting:8} {med['s_per_step']:8.2f} {med['cpu_s_per_step']:11.2f} {med['peak_rss_mb']:12.0f} "
+              f"{med['step_rss_mb']:13.0f}")
     first = next(iter(results.values()))[0]
     print(f"rollout: {first['tokens']} real tokens in {first['padded']} padded positions")
 

@@ -24,10 +24,11 @@ from torch import Tensor, nn
 
 from astrai.model.logprobs import apply_truncation
 
-# rows per chunk = LOGITS_CHUNK_ELEMENTS // vocab: 1,365 rows of SmolLM2's 49,152 tokens, a 256 MiB
-# float32 block (measured in benchmarks/bench_head.py: smaller chunks add per-chunk overhead, larger
-# ones add memory and no speed)
-LOGITS_CHUNK_ELEMENTS = 1 << 26
+# rows per chunk = LOGITS_CHUNK_ELEMENTS // vocab: 341 rows of SmolLM2's 49,152 tokens, a 64 MiB
+# float32 block. Measured (benchmarks/bench_rl_scale.py, 135M shape, 8 layers, 1 thread, CPU s per
+# step / step RSS): 2**22 8.7 s / 1210 MB, 2**24 7.0 s / 1223 MB, 2**26 6.9 s / 1297 MB: smaller
+# chunks pay per-chunk overhead, larger ones hold more memory for no speed
+LOGITS_CHUNK_ELEMENTS = 1 << 24
 
 
 @dataclass
@@ -72,7 +73,7 @@ def head_logps(hidden: Tensor, lm_head: nn.Module, targets: Tensor, temperature:
 def _tempered(h: Tensor, weight: Tensor, bias: Tensor | None, temperature: float) -> Tensor:
     """One chunk's float32 logits (n, V) / temperature (greedy, 0: as they are)."""
     z = nn.functional.linear(h, weight, bias).float()  # (n, V)
-    return z / temperature if temperature > 0 else z
+    return z / temperature if temperature > 0 and temperature != 1.0 else z  # x / 1 == x: skip the pass
 
 
 def _truncated(z: Tensor, targets: Tensor, options: tuple) -> Tensor:
@@ -138,7 +139,7 @@ class ChunkedHeadLogps(torch.autograd.Function):
             dz[torch.arange(dz.size(0), device=dz.device), t] += ga
             if smoothing:
                 dz += g_means[sl].float()[:, None] / V
-            if temperature > 0:
+            if temperature > 0 and temperature != 1.0:
                 dz = dz / temperature
             dz = dz.to(weight.dtype)
             if need_h:
