@@ -68,7 +68,7 @@ def test_unknown_row_is_an_error_naming_the_choices(gpu_check):
 @pytest.mark.slow
 def test_every_row_runs_in_quick_cpu_mode_each_in_its_own_process(gpu_check, tmp_path):
     out = tmp_path / "all.json"
-    code = gpu_check.main(["--dry_run", "--out", str(out)])
+    code = gpu_check.main(["--dry_run", "--budget", "1800", "--out", str(out)])
     rows = {r["name"]: r for r in json.loads(out.read_text())["rows"]}
     assert list(rows) == list(gpu_check.ROWS)
     failed = {k: r.get("traceback", r.get("reason")) for k, r in rows.items() if r["status"] == "failed"}
