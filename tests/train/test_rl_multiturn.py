@@ -250,6 +250,8 @@ def test_an_environment_alone_may_reward(tok_dir):
 
 def test_endless_episodes_end_truncated_at_max_turns(tok_dir):
     runner = runner_for(tok_dir, environment=f"{HERE}:EndlessEnv", max_turns=2, rewards=["exact_match"])
+    # an episode's room (and the KV pool's): the prompt, and per turn its tokens and a prompt's worth of messages
+    assert runner.engine.config.max_model_len == 32 + 2 * (4 + 32) < MODEL["max_position_embeddings"]
     rollout = runner.generate(prompt_batch(runner.tokenizer, ["3+4", "10+2"]), step=0, policy_version=0)
     assert rollout.stats["turns_per_episode"] == 2 and rollout.stats["truncated_episodes"] == 4
     assert rollout.truncated.all() and rollout.stats["truncated_fraction"] == 1.0

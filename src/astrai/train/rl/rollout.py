@@ -144,11 +144,13 @@ class RolloutRunner:
         self.max_prompt_len = cfg.max_prompt_len or default_max_prompt_len(
             cfg.rollout_max_tokens, model.config.max_position_embeddings)
         max_len = self.max_prompt_len + cfg.rollout_max_tokens
-        # multi-turn (an environment or tools): an episode may grow to the model's positions, each
-        # turn at most rollout_max_tokens; the opening prompt is still bounded by max_prompt_len
+        # multi-turn (an environment or tools): each turn adds at most rollout_max_tokens sampled
+        # tokens and its tool / environment messages are budgeted like a prompt (max_prompt_len),
+        # capped by the model's positions; the KV pool below is sized for episodes of that length
         self.multi_turn = None
         if cfg.environment or cfg.tools:
-            max_len = model.config.max_position_embeddings
+            max_len = min(model.config.max_position_embeddings,
+                          self.max_prompt_len + cfg.max_turns * (cfg.rollout_max_tokens + self.max_prompt_len))
             self.multi_turn = MultiTurn(tokenizer, cfg.environment, list(cfg.tools), cfg.max_turns,
                                         cfg.rollout_max_tokens, max_len)
         num_seqs = max(1, num_prompts * cfg.group_size)
@@ -241,9 +243,10 @@ class RolloutRunner:
         room = self.engine.config.max_model_len - cfg.rollout_max_tokens
         if (longest := max(len(e.ids) for e in episodes)) > room:
             raise ValueError(f"an episode's opening prompt has {longest} tokens (tools and environment included), more "
-                             f"than the {room} the model's max_position_embeddings leave beside rollout_max_tokens="
-                             f"{cfg.rollout_max_tokens}; shorten the prompts or tool descriptions, or lower "
-                             "--rollout_max_tokens")
+                             f"than the {room} an episode's length ({self.engine.config.max_model_len}: "
+                             "max_position_embeddings, or max_prompt_len + max_turns * (rollout_max_tokens + "
+                             f"max_prompt_len)) leaves beside rollout_max_tokens={cfg.rollout_max_tokens}; shorten the "
+                             "prompts or tool descriptions, or raise --max_prompt_len")
         self.generation_seconds = 0.0
         mt.run(episodes, lambda active, turn: self._sample_turn(active, turn, step, policy_version, first_index))
         rollout = _pack_episodes(episodes, G, policy_version)
