@@ -230,3 +230,45 @@ def test_online_rl_runs_lora_without_dropout_so_a_fresh_rollout_has_ratio_one(tm
     assert len(fresh) == 2 and max(fresh) < 1e-5  # with dropout on in training: 5.6e-3 here
     ckpt = latest_checkpoint(tmp_path / "ckpt")
     assert json.loads((ckpt / "adapter_config.json").read_text())["lora_dropout"] == 0.5
+
+
+def test_a_lora_checkpoint_is_a_model_for_every_command_and_the_summary_says_how(tmp_path, tok_dir, base_dir,
+                                                                                capsys):
+    """`--model ADAPTER_DIR` (a LoRA run's checkpoint) finds its base from adapter_config.json in
+    generate, chat, eval and serve, and the end-of-run "serve it" line is a command that works."""
+    import shlex
+
+    from astrai.serve.cli import _check_args, build_parser
+    from astrai.serve.state import ServeConfig, load_engine
+
+    config = lora_run(write_run(tmp_path, tok_dir, "sft", max_steps=2), base_dir)
+    assert astrai_main(["train", "--config", str(config)]) == 0
+    ckpt = latest_checkpoint(tmp_path / "ckpt")
+    serve_line = next(line for line in capsys.readouterr().err.splitlines() if "serve it:" in line)
+    words = shlex.split(serve_line.split("serve it:", 1)[1])
+    assert words[:2] == ["astrai", "serve"]
+    flags = ["--prompt", "12 + 34 =", "--temperature", "0", "--max_tokens", "6", "--device", "cpu"]
+    assert astrai_main(["generate", "--model", str(ckpt), *flags]) == 0
+    by_adapter = capsys.readouterr().out
+    assert astrai_main(["generate", "--model", str(base_dir), "--lora", str(ckpt), *flags]) == 0
+    assert capsys.readouterr().out == by_adapter  # the same model: base + this adapter
+    import io
+
+    from astrai.infer.chat import main as chat_main
+
+    out = io.StringIO()
+    assert chat_main(["--model", str(ckpt), "--max_tokens", "4", "--device", "cpu", "--temperature", "0"],
+                     stdin=io.StringIO("1 + 2\n/exit\n"), stdout=out) == 0
+    records = tmp_path / "eval.jsonl"
+    records.write_text(json.dumps({"messages": [{"role": "user", "content": "1 + 2"}], "answer": "3"}) + "\n")
+    assert astrai_main(["eval", "--model", str(ckpt), "--data", str(records), "--max_tokens", "4"]) == 0
+    assert json.loads(capsys.readouterr().out)["num_total"] == 1
+    # serve: the summary's own command line parses and loads the adapter on its base
+    args = build_parser().parse_args(words[2:])
+    assert _check_args(args) is None  # what `astrai serve` checks before it starts
+    assert (args.model, args.lora) == (str(base_dir.resolve()), str(ckpt)) and args.served_model_name == ckpt.name
+    engine, _ = load_engine(ServeConfig(args.model, engine_kwargs={"lora": args.lora,
+                                                                    "device": "cpu", "kv_cache_tokens": 256}))
+    merged = load_model(ckpt).state_dict()
+    q = "model.layers.0.self_attn.q_proj.weight"
+    assert torch.equal(engine.model.state_dict()[q], merged[q])

@@ -55,12 +55,16 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.tasks is not None:
         return _run_tasks(args)
+    from astrai.model.lora import split_adapter
     from astrai.model.manifest import check_model_dir, model_argument
 
     try:
         # a Hub id -> its cached snapshot directory; a run's ckpt_dir -> its newest checkpoint
         args.model = model_argument(args.model, "astrai eval")
+        args.model, args.lora = split_adapter(args.model, None, "astrai eval")  # a LoRA checkpoint: on its base
         check_model_dir(args.model, verify=args.verify)
+        if args.lora:
+            check_model_dir(args.lora, verify=args.verify)
         if args.perplexity is not None:
             return _run_perplexity(args)
         if isinstance(args.limit, float):
@@ -77,7 +81,7 @@ def _run_exact(args: Any) -> int:
     from astrai.infer.llm import LLM
 
     records = read_prompt_records(args.data, args.limit)
-    llm = LLM(args.model)
+    llm = LLM(args.model, **({"lora": args.lora} if args.lora else {}))
     result = evaluate_model(llm, records, args.max_tokens, match=args.match)
     if result.num_skipped:
         print(f"astrai eval: warning: skipped {result.num_skipped} of {result.num_total} prompts of {args.data} "
@@ -102,7 +106,7 @@ def _run_perplexity(args: Any) -> int:
     documents = read_documents(args.perplexity)
     if args.limit is not None:
         documents = documents[: int(args.limit)]
-    engine = scoring_engine(args.model)
+    engine = scoring_engine(args.model, **({"lora": args.lora} if args.lora else {}))
     if engine.tokenizer is None:
         raise ValueError(f"--model {args.model} has no tokenizer.json; perplexity needs the model's tokenizer")
     print(json.dumps(perplexity(Scorer(engine, args.batch_size), engine.tokenizer, documents), indent=2))
@@ -121,11 +125,14 @@ def _run_tasks(args: Any) -> int:
             raise ValueError("--tasks is empty; give lm-eval task names, e.g. --tasks arc_easy,hellaswag")
         task_manager = _task_manager(task_names, args.include_path)
         from astrai.eval.harness import AstraiLM
+        from astrai.model.lora import split_adapter
         from astrai.model.manifest import check_model_dir, model_argument
 
-        model_dir = model_argument(args.model, "astrai eval")
+        model_dir, lora = split_adapter(model_argument(args.model, "astrai eval"), None, "astrai eval")
         check_model_dir(model_dir, verify=args.verify)
-        model = AstraiLM(pretrained=model_dir, batch_size=args.batch_size,
+        if lora:
+            check_model_dir(lora, verify=args.verify)
+        model = AstraiLM(pretrained=model_dir, batch_size=args.batch_size, **({"lora": lora} if lora else {}),
                          seed=args.seed)
         seeds = {} if args.seed is None else {"random_seed": args.seed, "numpy_random_seed": args.seed,
                                               "torch_random_seed": args.seed, "fewshot_random_seed": args.seed}

@@ -137,10 +137,12 @@ def main(argv: list[str] | None = None, stdin: TextIO | None = None, stdout: Tex
     stdin, stdout = stdin or sys.stdin, stdout or sys.stdout
     try:
         from astrai.model.hf import check_device
+        from astrai.model.lora import split_adapter
         from astrai.model.manifest import model_argument
 
         # a Hub id -> its cached snapshot; a run's ckpt_dir -> its newest checkpoint
         args.model = model_argument(args.model, "astrai chat")
+        args.model, args.lora = split_adapter(args.model, args.lora, "astrai chat")  # a LoRA checkpoint
         check_device(args.device)
         check_model_dirs(args)
         defaults = generation_defaults(args.model, args.generation_config)

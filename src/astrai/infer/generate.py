@@ -24,6 +24,7 @@ from astrai.infer.llm import LLM
 from astrai.infer.sampling import SamplingParams
 from astrai.infer.sampling_flags import add_sampling_arguments, sampling_params_from_args
 from astrai.model.hf import check_device
+from astrai.model.lora import split_adapter
 from astrai.model.manifest import VERIFY_HELP, check_model_dir, model_argument
 
 
@@ -69,6 +70,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         # a Hub id -> its cached snapshot directory; a run's ckpt_dir -> its newest checkpoint
         args.model = model_argument(args.model, "astrai generate")
+        args.model, args.lora = split_adapter(args.model, args.lora, "astrai generate")  # a LoRA checkpoint
         if not (Path(args.model) / "config.json").is_file():
             raise FileNotFoundError(f"--model '{args.model}' is not a model directory (no config.json)")
         defaults = generation_defaults(args.model, args.generation_config)

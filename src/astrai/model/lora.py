@@ -277,6 +277,24 @@ def read_adapter_config(path: str | Path) -> dict[str, Any]:
     return config
 
 
+def split_adapter(model: str, lora: str | None, prog: str) -> tuple[str, str | None]:
+    """A command's (--model, --lora): a LoRA adapter given as --model (a LoRA run's checkpoint: an
+    adapter_config.json, no config.json) becomes (its base from adapter_config.json, the adapter),
+    said on stderr; anything else is returned as it is."""
+    import sys
+
+    path = Path(model)
+    if not is_adapter_dir(path) or (path / "config.json").is_file():
+        return model, lora
+    if lora:
+        raise ValueError(f"--model {model} is a LoRA adapter and --lora {lora} is another; pass the base model "
+                         "as --model and one adapter as --lora")
+    base = resolve_base(path)
+    print(f"{prog}: --model {model} is a LoRA adapter; loading it on its base {base} (adapter_config.json)",
+          file=sys.stderr)
+    return str(base), str(path)
+
+
 def resolve_base(adapter: str | Path, base: str | Path | None = None) -> Path:
     """The base model directory of an adapter: `base`, else its base_model_name_or_path (as
     written, or relative to the adapter directory, or a Hub id's cached snapshot as PEFT names it)."""

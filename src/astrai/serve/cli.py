@@ -186,13 +186,17 @@ def _check_args(args: argparse.Namespace) -> str | None:
     """What makes this command line unusable, as one line for stderr; None when it is fine."""
     from astrai.model.hf import check_device
     from astrai.model.hub import is_hub_id
-    from astrai.model.lora import read_adapter
+    from astrai.model.lora import read_adapter, split_adapter
     from astrai.model.manifest import check_model_dir, model_argument
 
     if is_hub_id(args.model):  # clients name the model as the user did, not by its snapshot hash
         args.served_model_name = args.served_model_name or args.model
     try:  # a Hub id -> its cached snapshot; a run's ckpt_dir -> its newest checkpoint
         args.model = model_argument(args.model, "astrai serve")
+        base, lora = split_adapter(args.model, getattr(args, "lora", None), "astrai serve")
+        if base != args.model:  # a LoRA checkpoint as --model: clients still name it as the user did
+            args.served_model_name = args.served_model_name or Path(args.model).resolve().name
+            args.model, args.lora = base, lora
     except (ValueError, OSError) as exc:
         return str(exc)
     if args.api_key is not None and not args.api_key.strip():
