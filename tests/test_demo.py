@@ -3,20 +3,21 @@ GRPO raises the rollout reward, and a second run reuses every stage.
 
 A seeded run takes another path on another CPU, so the assertions rest on a spread measured
 across 5 runs: SEED 0 at THREADS 1 and 2, and training seeds 1, 2, 3 at one thread (the task
-split kept at seed 0, as on any machine). Greedy held-out accuracy on the 40 held-out sums
-(min / mean / max): pre-trained 0 / 0 / 0%, SFT 10 / 27 / 40%, after GRPO 12.5 / 33 / 47.5%;
-GRPO's change over SFT +0 / +6 / +12.5 points greedy and -0.031 / +0.064 / +0.113 sampled (16
-temperature-1 samples a problem). Held-out accuracy is therefore not asserted to rise under RL:
-at seed 2 the model sharpens the 60 training sums and its sampled held-out accuracy falls
-0.148 -> 0.117, at seed 1 the greedy one stays at 40%. (The former `+10 points over SFT` held
-only at SEED 0, THREADS 1: 35% -> 47.5%.) The rollout reward on the training prompts rises in every
-run: first 0.40-0.63, last 0.69-0.96 (means of 10 steps), the share of the room left that it
-closed, (last - first) / (1 - first), 0.47 / 0.59 / 0.89. Margins: SFT +5 points over pre-training
-(measured minimum +10) and GRPO reward gain 0.25 (about half the minimum; the reward of a model
-that does not learn drifts by about 0.07 of the room, tests/train/test_rl_learns.py). About 80 s
-at one thread on idle cores, several minutes when shared. (With 200 pre-training steps instead of
-40 the model memorised the training sums and GRPO lowered held-out accuracy: 55% -> 35%; that
-is why pre-training is short.)"""
+split kept at seed 0, as on any machine), remeasured 2026-12-02 after the chunked lm head and the
+packed rollout micro-batches changed the float rounding. Greedy held-out accuracy on the 40
+held-out sums (min / mean / max): pre-trained 0 / 0 / 0%, SFT 7.5 / 35 / 57.5%, after GRPO 10 / 41
+/ 70%; GRPO's change over SFT -2.5 / +6 / +12.5 points greedy. Held-out accuracy is therefore not
+asserted to rise under RL (at seed 3 it falls 15% -> 12.5%). The rollout reward on the training
+prompts rises in every run: first 0.20-0.50, last 0.49-0.89 (means of 10 steps), the share of the
+room left that it closed, (last - first) / (1 - first), 0.37 / 0.54 / 0.78 (seed 0 at one thread:
+42.5% -> 52.5%, reward 0.48 -> 0.82, gain 0.66). Margins, about half the measured minimum: SFT
++2.5 points over pre-training (one problem of 40; measured minimum +7.5, seed 2) and GRPO reward
+gain 0.2 (the minimum 0.37 at seed 2; the reward of a model that does not learn drifts by about
+0.07-0.09 of the room, tests/train/test_rl_learns.py). (The spread measured before, on the full
+logits path: SFT 10-40%, GRPO 12.5-47.5%, reward gain 0.47-0.89.) About 60 s at one thread on
+idle cores, several minutes when shared. (With 200 pre-training steps instead of 40 the model
+memorised the training sums and GRPO lowered held-out accuracy: 55% -> 35%; that is why
+pre-training is short.)"""
 
 from __future__ import annotations
 
@@ -27,7 +28,7 @@ import pytest
 from astrai.demo import main as demo_main
 
 SEED, THREADS = 0, 1  # the spread above was measured around these
-SFT_GAIN, REWARD_GAIN = 0.05, 0.25
+SFT_GAIN, REWARD_GAIN = 0.025, 0.2
 
 
 @pytest.mark.slow
