@@ -17,10 +17,8 @@ import openai
 import pytest
 
 from astrai.data.tokenizer import load_tokenizer
-from astrai.serve.app import ServeConfig, load_engine
 from tests.serve.conftest import API_KEY
-from tests.serve.test_hardening import LiveApp
-from tests.serve.test_tools import ASK, CALL_TEXT, TIME, WEATHER, ScriptedSampler, _check_weather_args
+from tests.serve.test_tools import ASK, CALL_TEXT, TIME, WEATHER, _check_weather_args, scripted_app
 
 
 def _anthropic(tool: dict) -> dict:
@@ -37,18 +35,7 @@ ARGS = {"city": "Paris", "unit": "celsius"}
 @pytest.fixture(scope="module")
 def scripted(model_dir):
     """A live app whose model answers with CALL_TEXT (then end of turn)."""
-    tok = load_tokenizer(model_dir)
-    script = tok.encode(CALL_TEXT) + [tok.convert_tokens_to_ids(["<|im_end|>"])[0]]
-
-    def loader(config):
-        engine, tokenizer = load_engine(config)
-        engine.sampler = ScriptedSampler(script)
-        return engine, tokenizer
-
-    config = ServeConfig(str(model_dir), served_model_name="tiny-model", api_key=API_KEY,
-                         engine_kwargs={"max_model_len": 1024, "kv_cache_tokens": 8192})
-    with LiveApp(config, loader) as live:
-        live.wait_status("ready")
+    with scripted_app(model_dir) as live:
         yield live
 
 

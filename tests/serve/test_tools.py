@@ -8,6 +8,7 @@ and match their schema whatever the weights say.
 
 from __future__ import annotations
 
+import contextlib
 import json
 
 import httpx
@@ -82,9 +83,9 @@ class ScriptedSampler:
         return SamplerOutput(token_ids=tokens, logprobs=zeros, raw_logprobs=zeros)
 
 
-@pytest.fixture(scope="module")
-def scripted(model_dir):
-    """A live app whose model answers with CALL_TEXT (then end of turn)."""
+@contextlib.contextmanager
+def scripted_app(model_dir):
+    """A live app whose model answers with CALL_TEXT (then end of turn); shared with the Anthropic tests."""
     tok = load_tokenizer(model_dir)
     script = tok.encode(CALL_TEXT) + [tok.convert_tokens_to_ids(["<|im_end|>"])[0]]
 
@@ -97,6 +98,12 @@ def scripted(model_dir):
                          engine_kwargs={"max_model_len": 1024, "kv_cache_tokens": 8192})
     with LiveApp(config, loader) as live:
         live.wait_status("ready")
+        yield live
+
+
+@pytest.fixture(scope="module")
+def scripted(model_dir):
+    with scripted_app(model_dir) as live:
         yield openai.OpenAI(base_url=live.base + "/v1", api_key=API_KEY, max_retries=0, timeout=60)
 
 

@@ -125,14 +125,20 @@ def _tokenizer_info(state: ServerState) -> dict[str, Any]:
     return info
 
 
-@router.post("/tokenize")
-async def tokenize(request: Request) -> Response:
+async def _tokenizer_request(request: Request, model: type) -> tuple[ServerState, Any]:
+    """The tokenizer routes' checks: auth, a loaded model, the body, the model name when given."""
     state = _state(request)
     state.check_auth(request)
     state.check_ready()
-    req = await read_request(request, TokenizeRequest, state)
+    req = await read_request(request, model, state)
     if req.model is not None:
         state.check_model(req.model)
+    return state, req
+
+
+@router.post("/tokenize")
+async def tokenize(request: Request) -> Response:
+    state, req = await _tokenizer_request(request, TokenizeRequest)
     ids, strs = await state.off_loop(_tokenize, state, req)
     return JSONResponse({"count": len(ids), "max_model_len": state.max_model_len, "tokens": ids, "token_strs": strs})
 
@@ -153,12 +159,7 @@ def _tokenize(state: ServerState, req: TokenizeRequest) -> tuple[list[int], list
 
 @router.post("/detokenize")
 async def detokenize(request: Request) -> Response:
-    state = _state(request)
-    state.check_auth(request)
-    state.check_ready()
-    req = await read_request(request, DetokenizeRequest, state)
-    if req.model is not None:
-        state.check_model(req.model)
+    state, req = await _tokenizer_request(request, DetokenizeRequest)
     vocab = len(state.tokenizer)
     for i, token in enumerate(req.tokens):
         if not 0 <= token < vocab:
