@@ -76,6 +76,14 @@ def sleeps_on_prompt_1(prompt, completion, record):
     return 0.0
 
 
+def sleeps_on_the_first(prompt, completion, record):
+    """Never returns on the first call: the timeout fires on it whatever the machine's speed (a
+    quick call before it would itself have to beat the 0.2 s timeout)."""
+    if record["i"] == 0:
+        NEVER.wait()
+    return 0.0
+
+
 async def async_sleeps_on_prompt_2(prompt, completion, record):
     if record["i"] == 2:
         await asyncio.Event().wait()  # nobody sets it
@@ -136,9 +144,9 @@ def test_a_nan_weight_in_yaml_is_a_config_error(tmp_path):
 
 
 def test_a_reward_past_reward_timeout_is_an_error_naming_the_function_and_prompt():
-    with pytest.raises(ValueError, match=r"sleeps_on_prompt_1' took longer than reward_timeout=0.2s on completion 1 "
+    with pytest.raises(ValueError, match=r"sleeps_on_the_first' took longer than reward_timeout=0.2s on completion 0 "
                                          r"of prompt 0; .*raise --reward_timeout"):
-        score([MOD + "sleeps_on_prompt_1"], timeout=0.2)
+        score([MOD + "sleeps_on_the_first"], timeout=0.2)
 
 
 def test_an_async_reward_past_reward_timeout_names_its_prompt():
