@@ -32,7 +32,7 @@ from torch import Tensor, nn
 
 from astrai.model.hub import is_hub_id, resolve_model_path
 from astrai.model.manifest import check_model_dir
-from astrai.model.safetensors_io import read_safetensors_file, save_safetensors
+from astrai.model.safetensors_io import read_json, read_safetensors_file, save_safetensors
 
 PROJECTIONS = {"q": "q_proj", "k": "k_proj", "v": "v_proj", "o": "o_proj",
                "gate": "gate_proj", "up": "up_proj", "down": "down_proj"}
@@ -249,11 +249,7 @@ def read_adapter_config(path: str | Path) -> dict[str, Any]:
     if not file.is_file():
         raise FileNotFoundError(f"{file} not found; an adapter directory needs {ADAPTER_CONFIG} "
                                 f"and {ADAPTER_WEIGHTS} (PEFT's save_pretrained writes both)")
-    try:
-        config = json.loads(file.read_text(encoding="utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise ValueError(f"{file} is damaged: not valid JSON ({exc}); restore the file or point to another "
-                         "adapter directory") from None
+    config = read_json(file)  # a damaged file: an HFFormatError naming it
     if not isinstance(config, dict):
         raise ValueError(f"{file} is damaged: expected a JSON object, got {type(config).__name__}")
     r = config.get("r")
