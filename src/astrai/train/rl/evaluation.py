@@ -31,7 +31,7 @@ from astrai.infer.engine import LLMEngine
 from astrai.infer.sampling import SamplingParams
 from astrai.train import dist
 from astrai.train.rl.rewards import RewardSet
-from astrai.train.rl.rollout import unsharded_replica
+from astrai.train.rl.rollout import batch_engine, unsharded_replica
 
 SUMS = ("prompts", "correct", "greedy_reward", "samples", "sample_reward", "sample_correct", "tokens",
         "truncated", "skipped")
@@ -131,10 +131,7 @@ class GenerationEval:
             self.replica = model = unsharded_replica(model)
         max_len = rl.max_prompt_len + rl.rollout_max_tokens
         num_seqs = max(1, min(64, len(self.records) * (1 + self.num_samples)))
-        return LLMEngine(model, trainer.tokenizer, max_num_seqs=num_seqs, max_model_len=max_len,
-                         kv_cache_tokens=num_seqs * (max_len + 16), max_num_batched_tokens=max(2048, max_len),
-                         long_prefill_token_threshold=0,
-                         autocast_dtype="bfloat16" if self.config.train.bf16 else None)
+        return batch_engine(model, trainer.tokenizer, num_seqs, max_len, self.config.train.bf16)
 
     def _answer(self, engine: LLMEngine, step: int) -> dict[str, float]:
         """Greedy and sampled completions for this rank's records, scored; the sums of SUMS."""

@@ -160,12 +160,7 @@ class RolloutRunner:
         self.policy = model
         self.replica = unsharded_replica(model) if dist.is_fsdp(model) else None
         self.replica_version: int | None = None  # the policy version the replica's weights are
-        # room for every sample of one rollout at full length: no preemption inside a rollout;
-        # throughput first (nobody streams a rollout): no per-step prefill cap. `bf16` (the run's
-        # train.bf16): samples in the trainer's precision, the same autocast over a bf16 KV pool
-        self.engine = LLMEngine(self.replica or model, tokenizer, max_num_seqs=num_seqs, max_model_len=max_len,
-                                kv_cache_tokens=num_seqs * (max_len + 16), max_num_batched_tokens=max(2048, max_len),
-                                long_prefill_token_threshold=0, autocast_dtype="bfloat16" if bf16 else None)
+        self.engine = batch_engine(self.replica or model, tokenizer, num_seqs, max_len, bf16)
         self.num_skipped_total = 0  # prompts over max_prompt_len, this rank, whole run (warned once)
         self.shortest_skipped: int | None = None  # the shortest of them: the max_prompt_len that keeps one
 
@@ -317,6 +312,16 @@ class RolloutRunner:
                   file=sys.stderr)
         self.num_skipped_total += len(lengths)
         self.shortest_skipped = min(lengths + ([self.shortest_skipped] if self.shortest_skipped else []))
+
+
+def batch_engine(model: nn.Module, tokenizer: Any, num_seqs: int, max_len: int, bf16: bool) -> LLMEngine:
+    """An engine over a live module for whole batches (rollouts, held-out evaluation): room for
+    `num_seqs` sequences at `max_len` (no preemption inside a batch), throughput first (nobody
+    streams a rollout: no per-step prefill cap). `bf16` (the run's train.bf16): samples in the
+    trainer's precision, the same autocast over a bf16 KV pool."""
+    return LLMEngine(model, tokenizer, max_num_seqs=num_seqs, max_model_len=max_len,
+                     kv_cache_tokens=num_seqs * (max_len + 16), max_num_batched_tokens=max(2048, max_len),
+                     long_prefill_token_threshold=0, autocast_dtype="bfloat16" if bf16 else None)
 
 
 def unsharded_replica(policy: nn.Module) -> nn.Module:
