@@ -374,6 +374,8 @@ def _ddp_worker(rank: int, world: int, port: int, device_type: str, out: str) ->
     same = all(torch.equal(p, peers[0]) for p in peers)  # DDP averaged the gradients on every rank
     if rank == 0:
         Path(out).write_text(json.dumps({"backend": backend, "world_size": world, "grads_equal": same}))
+    del model  # DDP's reducer holds the process group; gloo aborts if it is torn down under it
+    dist.barrier()  # every rank done with the group before it goes (gloo: a rank leaving early aborts)
     dist.destroy_process_group()
 
 
