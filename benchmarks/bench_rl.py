@@ -1,30 +1,43 @@
-"""Online GRPO step time: astrai's OnlineLoop vs TRL's GRPOTrainer (and astrai online PPO vs GRPO).
+"""Online RL step time and memory: astrai's OnlineLoop (GRPO, DPO, PPO) vs TRL's GRPOTrainer.
 
-Both systems train the same tiny Llama-shaped model (astrai writes it as an HF model directory;
-TRL loads that directory as a transformers `LlamaForCausalLM`, same config and weights) on the
-same arithmetic prompt records (`astrai.data.tasks`, chat-templated by the same ChatML template
-with the generation prompt), in this process, with the same settings: prompts per step, group
-size (completions per prompt), max new tokens, temperature 1 without top-k / top-p, AdamW at a
-constant learning rate, gradient clipping at 1.0, beta (KL) 0, PPO clip 0.2, token-mean loss
-(TRL's `dapo`), one optimizer step per generation, fp32, and an `exact_match` reward (the
-completion equals the answer after strip). By default the model is freshly initialised: it
-rarely emits the end token, so both systems generate the full `--max_tokens` per sample and do
-the same amount of work per step.
+Both systems train the same model on the same arithmetic prompt records (`astrai.data.tasks`,
+chat-templated by the model directory's own chat template with the generation prompt) with the
+same settings: prompts per step, group size (completions per prompt), new tokens, temperature 1
+without top-k / top-p, AdamW at a constant learning rate, gradient clipping at 1.0, beta (KL) 0,
+PPO clip 0.2, token-mean loss (TRL's `dapo`), one optimizer step per generation, fp32, and an
+`exact_match` reward (the completion equals the answer after strip). The model is either a
+freshly initialised tiny Llama-shaped one (default; astrai writes it as an HF model directory)
+or any HF model directory given by `--model DIR` (e.g. SmolLM2-135M-Instruct from
+`make real-model`); TRL loads the same directory with transformers.
 
-Per system: seconds per optimizer step (median over the steps after the first, measured between
-consecutive step ends, so everything a step costs is counted), process CPU seconds per step (the
-robust figure on a shared machine), rollout tokens per second (new tokens / time inside the
-generation call: astrai's `LLMEngine.run_batch`, TRL's `_generate_single_turn`), and the rollout
-share of a step. One intra-op thread by default. The table ends with astrai/TRL ratios.
+Same work: by default every completion is exactly the new-token budget long in both systems
+(the end tokens are forbidden before it: astrai's `min_tokens`, TRL's `min_new_tokens`), since a
+real model stops early at random and the two would otherwise generate and train on different
+lengths; `--stop_at_eos` lets them stop, and the table's tokens-per-step column shows what each
+did. (With every completion at full length, `exact_match` is 0 everywhere: GRPO advantages are 0
+but both systems still run the whole loss and backward; online DPO, which needs a reward gap,
+gets the `length` reward added so its groups untie.)
 
-    .venv/bin/python benchmarks/bench_rl.py [--quick] [--steps N] [--prompts B] [--group_size G]
+Each system runs in its own fresh subprocess, so peak resident memory is per system. Per
+system: seconds per optimizer step (median over the steps after the first, measured between
+consecutive step ends), the rollout part (time inside the generation call: astrai's
+`LLMEngine.run_batch`, TRL's `_generate_single_turn`) and the rest (training), process CPU
+seconds per step (the robust figure on a shared machine), rollout tokens per step, the peak RSS
+of the steps (the kernel's high-water mark reset once model and optimizer are loaded) and what
+the steps add to the RSS after loading. Ratios are against TRL with gradient checkpointing off
+(the same work as astrai's default); TRL's default (checkpointing on) is a second row.
+
+    .venv/bin/python benchmarks/bench_rl.py [--quick] [--model DIR] [--steps N] [--prompts B]
+        [--group_size G] [--max_tokens T] [--threads N] [--systems astrai,trl,...] [--stop_at_eos] [--json PATH]
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
+import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -36,124 +49,224 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import torch  # noqa: E402
-from trl_common import StepClock, exact_match, grpo_config, prompt_dataset, time_generation  # noqa: E402
-
 MODEL = {  # the demo's model shape (~1M parameters); vocab_size comes from the tokenizer
     "hidden_size": 128, "intermediate_size": 384, "num_hidden_layers": 4, "num_attention_heads": 4,
     "num_key_value_heads": 2, "max_position_embeddings": 256, "tie_word_embeddings": True,
 }
+# name -> (label, train_type or "trl", gradient checkpointing); the table's row order
+SYSTEMS = {
+    "astrai": ("astrai online_grpo", "online_grpo", False),
+    "astrai_ckpt": ("astrai online_grpo, gradient_checkpointing", "online_grpo", True),
+    "trl": ("TRL GRPOTrainer, checkpointing off", "trl", False),
+    "trl_ckpt": ("TRL GRPOTrainer, checkpointing on (default)", "trl", True),
+    "astrai_dpo": ("astrai online_dpo", "online_dpo", False),
+    "astrai_ppo": ("astrai online_ppo", "online_ppo", False),
+}
+TINY_DEFAULTS = {"steps": 8, "prompts": 8, "group_size": 8, "max_tokens": 16, "threads": 1, "lr": 1e-4}
+MODEL_DEFAULTS = {"steps": 3, "prompts": 8, "group_size": 4, "max_tokens": 64, "threads": 2, "lr": 1e-6}
+RESULT = "BENCH_RL_RESULT "  # the child's last stdout line: this prefix, then its JSON summary
 
 
-def setup(tmp: Path, num_prompts: int, seed: int) -> tuple[Path, Path]:
-    """Prompt records and a model directory (weights + tokenizer with its chat template)."""
-    from astrai.data.tasks import write_task_files
+def write_tiny_model(model_dir: Path, corpus: list[str], seed: int) -> None:
+    """A fresh tiny model directory (weights + tokenizer with its chat template)."""
     from astrai.data.tokenizer import train_tokenizer
     from astrai.model.config import ModelConfig
     from astrai.model.hf import save_model
     from astrai.model.transformer import CausalLM
 
-    files = write_task_files(tmp / "data", num_train=max(num_prompts, 256), num_eval=8, digits=2, seed=seed)
-    corpus = [json.loads(line)["text"] for line in files["corpus"].read_text().splitlines()]
     tok = train_tokenizer(corpus + ["user assistant system"] * 5, 384)
-    model = CausalLM(ModelConfig(vocab_size=tok.vocab_size, **MODEL), seed=seed)
-    model_dir = tmp / "model"
-    save_model(model, model_dir, tokenizer=tok)
-    return files["prompts"], model_dir
+    save_model(CausalLM(ModelConfig(vocab_size=tok.vocab_size, **MODEL), seed=seed), model_dir, tokenizer=tok)
 
 
-def run_astrai(prompts: Path, model_dir: Path, out: Path, args: argparse.Namespace,
-               train_type: str = "online_grpo") -> dict[str, float]:
+def setup(tmp: Path, num_prompts: int, seed: int, model: Path | None) -> tuple[Path, Path]:
+    """Prompt records, and the model directory: `model`, or a fresh tiny one written under `tmp`."""
+    from astrai.data.tasks import write_task_files
+
+    files = write_task_files(tmp / "data", num_train=max(num_prompts, 256), num_eval=8, digits=2, seed=seed)
+    if model is not None:
+        return files["prompts"], model
+    corpus = [json.loads(line)["text"] for line in files["corpus"].read_text().splitlines()]
+    write_tiny_model(tmp / "model", corpus, seed)
+    return files["prompts"], tmp / "model"
+
+
+# ---------------------------------------------------------------------------- one system (child process)
+
+
+def force_full_length() -> None:
+    """Every astrai rollout request gets min_tokens = max_tokens: no end token before the budget
+    (patched on the engine's public `run_batch`, the one call the rollout runner makes)."""
+    from astrai.infer.engine import LLMEngine
+
+    run_batch = LLMEngine.run_batch
+
+    def full_length(self: Any, prompt_ids: list[list[int]], params: Any = None, **kw: Any) -> Any:
+        listed = params if isinstance(params, list) else [params] * len(prompt_ids)
+        return run_batch(self, prompt_ids, [dataclasses.replace(p, min_tokens=p.max_tokens) for p in listed], **kw)
+
+    LLMEngine.run_batch = full_length
+
+
+def run_astrai(prompts: Path, model_dir: Path, out: Path, args: argparse.Namespace, train_type: str,
+               checkpointing: bool) -> dict[str, float]:
+    from trl_common import StepClock, StepMemory
+
     from astrai.config import load_config
     from astrai.train.rl.loop import OnlineLoop
 
-    clock = StepClock()
+    clock, memory = StepClock(), StepMemory()
+    if not args.stop_at_eos:
+        force_full_length()
 
     class Clock:
         requested_metrics = frozenset()
 
         def on_train_begin(self, loop: Any) -> None:
+            memory.start()
             clock.start()
 
         def after_optimizer_step(self, loop: Any) -> None:
             clock.tick()
+            memory.tick()
             clock.rollout_seconds.append(loop.step_metrics["rollout_seconds"])
             clock.rollout_tokens.append(int(loop.step_metrics["rollout_tokens"]))
 
+    rewards = "exact_match,length" if train_type == "online_dpo" and not args.stop_at_eos else "exact_match"
     flags = {"train_type": train_type, "data_path": prompts, "param_path": model_dir, "device": "cpu",
              "batch_per_device": args.prompts, "group_size": args.group_size, "rollout_max_tokens": args.max_tokens,
              "rollout_temperature": 1.0, "max_steps": args.steps, "n_epoch": 100, "max_lr": args.lr,
              "schedule": "constant", "max_grad_norm": 1.0, "kl_coef": 0.0, "clip_eps": 0.2,
              "rl_loss_agg": "token_mean", "random_seed": args.seed, "ckpt_dir": out / "ckpt", "ckpt_interval": 0,
-             "log_dir": out, "progress": False}
+             "log_dir": out, "progress": False, "gradient_checkpointing": checkpointing, "rewards": rewards}
     cfg = load_config(None, [item for k, v in flags.items() for item in (f"--{k}", str(v))])
     OnlineLoop(cfg, callbacks=[Clock()]).train()
-    return clock.summary()
+    return {**clock.summary(), **memory.summary()}
 
 
-def run_trl(prompts: Path, model_dir: Path, out: Path, args: argparse.Namespace) -> dict[str, float]:
-    from transformers import AutoTokenizer, LlamaForCausalLM, TrainerCallback
+def run_trl(prompts: Path, model_dir: Path, out: Path, args: argparse.Namespace, checkpointing: bool) -> dict[str, float]:
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
     from trl import GRPOTrainer
+    from trl_common import StepClock, StepMemory, exact_match, grpo_config, prompt_dataset, time_generation
 
-    clock = StepClock()
+    clock, memory = StepClock(), StepMemory()
 
     class Clock(TrainerCallback):
         def on_train_begin(self, *a: Any, **k: Any) -> None:
+            memory.start()
             clock.start()
 
         def on_step_end(self, *a: Any, **k: Any) -> None:
             clock.tick()
+            memory.tick()
 
     config = grpo_config(out, steps=args.steps, prompts=args.prompts, group_size=args.group_size,
-                         max_tokens=args.max_tokens, lr=args.lr, seed=args.seed)
-    model = LlamaForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+                         max_tokens=args.max_tokens, lr=args.lr, seed=args.seed, checkpointing=checkpointing,
+                         min_tokens=0 if args.stop_at_eos else args.max_tokens)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     trainer = GRPOTrainer(model=model, reward_funcs=exact_match, args=config, train_dataset=prompt_dataset(prompts),
                           processing_class=tokenizer, callbacks=[Clock()])
     time_generation(trainer, clock)
     trainer.train()
-    return clock.summary()
+    return {**clock.summary(), **memory.summary()}
 
 
-def print_table(results: dict[str, dict[str, float]], args: argparse.Namespace) -> None:
-    a, t = results["astrai"], results["TRL"]
-    print(f"Online GRPO, {args.prompts} prompts x {args.group_size} completions, max {args.max_tokens} new tokens, "
-          f"{args.steps} steps (median of steps 2..{args.steps}), {torch.get_num_threads()} thread(s), CPU fp32.\n")
-    print("| metric | astrai | TRL GRPOTrainer | astrai / TRL |")
-    print("|---|---|---|---|")
-    rows = [("seconds per step", "step_s", "{:.3f}", True), ("CPU seconds per step", "cpu_s", "{:.3f}", True),
-            ("rollout tokens/s", "tokens_per_s", "{:.0f}", False), ("rollout share of a step", "rollout_share",
-                                                                     "{:.0%}", None),
-            ("rollout tokens per step", "tokens_per_step", "{:.0f}", None),
-            ("rollout seconds per step", "rollout_s", "{:.3f}", True),
-            ("training seconds per step (the rest)", "train_s", "{:.3f}", True)]
-    for label, key, fmt, lower_is_better in rows:
-        ratio = a[key] / t[key] if t[key] else float("nan")
-        note = ""
-        if lower_is_better is True:
-            note = f" ({1 / ratio:.1f}x faster)" if ratio < 1 else f" ({ratio:.1f}x slower)"
-        elif lower_is_better is False:
-            note = f" ({ratio:.1f}x)"
-        print(f"| {label} | {fmt.format(a[key])} | {fmt.format(t[key])} | {ratio:.2f}{note} |")
-    target = t["step_s"] / 3
-    print(f"\nA step 3x faster than TRL's takes {target:.3f} s; astrai's training part alone takes "
-          f"{a['train_s']:.3f} s and its rollout {a['rollout_s']:.3f} s.")
+def child(args: argparse.Namespace) -> int:
+    import torch
+
+    torch.set_num_threads(args.threads)
+    _, train_type, checkpointing = SYSTEMS[args.child]
+    out = Path(args.out)
+    if train_type == "trl":
+        result = run_trl(Path(args.prompts_path), Path(args.model_dir), out, args, checkpointing)
+    else:
+        result = run_astrai(Path(args.prompts_path), Path(args.model_dir), out, args, train_type, checkpointing)
+    print(RESULT + json.dumps(result), flush=True)
+    return 0
+
+
+def run_child(name: str, prompts: Path, model_dir: Path, out: Path, args: argparse.Namespace) -> dict[str, float]:
+    """One system in a fresh interpreter; its summary from the last stdout line."""
+    cmd = [sys.executable, __file__, "--child", name, "--prompts_path", str(prompts), "--model_dir", str(model_dir),
+           "--out", str(out), "--steps", str(args.steps), "--prompts", str(args.prompts),
+           "--group_size", str(args.group_size), "--max_tokens", str(args.max_tokens), "--lr", str(args.lr),
+           "--threads", str(args.threads), "--seed", str(args.seed)] + (["--stop_at_eos"] if args.stop_at_eos else [])
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    lines = [line for line in proc.stdout.splitlines() if line.startswith(RESULT)]
+    if proc.returncode != 0 or not lines:
+        raise RuntimeError(f"bench_rl: system {name!r} failed (exit {proc.returncode}):\n{proc.stderr[-4000:]}")
+    return json.loads(lines[-1][len(RESULT):])
+
+
+# ---------------------------------------------------------------------------- the table
+
+
+def ratio(a: float, b: float) -> str:
+    return f"{a / b:.2f}" if b and b == b and a == a else "-"
+
+
+def print_table(results: dict[str, dict[str, float]], args: argparse.Namespace, model_name: str) -> None:
+    length = "stop at EOS" if args.stop_at_eos else "every completion forced to full length"
+    print(f"Online RL on {model_name}: {args.prompts} prompts x {args.group_size} completions, {args.max_tokens} new "
+          f"tokens ({length}), {args.steps} steps (median of steps 2..{args.steps}), {args.threads} thread(s) "
+          "per system, CPU fp32, each system in its own process.\n")
+    print("| system | s/step | rollout s | train s | CPU s/step | tokens/step | peak RSS MB | step adds MB "
+          "| s/step vs TRL | CPU vs TRL | peak vs TRL |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    ref = results.get("trl", {})
+    for name, r in results.items():
+        cells = [f"{r['step_s']:.3f}", f"{r.get('rollout_s', float('nan')):.3f}", f"{r.get('train_s', float('nan')):.3f}",
+                 f"{r['cpu_s']:.3f}", f"{r.get('tokens_per_step', float('nan')):.0f}", f"{r['peak_rss_mb']:.0f}",
+                 f"{r['step_rss_mb']:.0f}", ratio(r["step_s"], ref.get("step_s", 0)),
+                 ratio(r["cpu_s"], ref.get("cpu_s", 0)), ratio(r["peak_rss_mb"], ref.get("peak_rss_mb", 0))]
+        print(f"| {SYSTEMS[name][0]} | " + " | ".join(cells) + " |")
+    if "astrai" in results and ref:
+        a, target = results["astrai"], 2 if args.model else 3
+        print(f"\nTargets against TRL (checkpointing off): {target}x faster per step -> at most "
+              f"{ref['step_s'] / target:.3f} s (astrai: {a['step_s']:.3f} s, {ref['step_s'] / a['step_s']:.2f}x; "
+              f"CPU {ref['cpu_s'] / a['cpu_s']:.2f}x); peak RSS at most 0.5x -> {ref['peak_rss_mb'] / 2:.0f} MB "
+              f"(astrai: {a['peak_rss_mb']:.0f} MB, {a['peak_rss_mb'] / ref['peak_rss_mb']:.2f}x).")
+    if "astrai" in results and "astrai_ppo" in results:  # what the critic costs
+        g, p = results["astrai"], results["astrai_ppo"]
+        print(f"online_ppo / online_grpo: {p['step_s'] / g['step_s']:.2f}x per step, training part "
+              f"{p.get('train_s', 0) / max(g.get('train_s', 0), 1e-9):.2f}x (the critic's forward, backward and "
+              "optimizer); TRL 1.x ships no PPO trainer, so there is no TRL row for it.")
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="3 steps of 2 prompts (smoke test)")
+    parser.add_argument("--model", type=Path, help="an HF model directory (default: a fresh tiny model)")
+    parser.add_argument("--systems", default=",".join(SYSTEMS), help=f"comma list of {', '.join(SYSTEMS)}")
+    for name in ("steps", "prompts", "group_size", "max_tokens", "threads"):
+        parser.add_argument(f"--{name}", type=int, help=f"default {TINY_DEFAULTS[name]} (tiny), "
+                            f"{MODEL_DEFAULTS[name]} (--model)")
+    parser.add_argument("--lr", type=float, help="default 1e-4 (tiny), 1e-6 (--model)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--stop_at_eos", action="store_true", help="let completions end early (lengths may differ)")
+    parser.add_argument("--json", type=Path, help="also write the settings and every system's figures here")
+    for hidden in ("--child", "--prompts_path", "--model_dir", "--out"):
+        parser.add_argument(hidden, help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    for name, value in (MODEL_DEFAULTS if args.model else TINY_DEFAULTS).items():
+        if getattr(args, name) is None:
+            setattr(args, name, value)
+    if args.quick:
+        args.steps, args.prompts = 3, 2
+    unknown = [s for s in args.systems.split(",") if s not in SYSTEMS]
+    if unknown:
+        parser.error(f"--systems: unknown system {unknown[0]!r}; choose from {', '.join(SYSTEMS)}")
+    if args.model is not None and not (args.model / "config.json").is_file():
+        parser.error(f"--model {args.model}: no config.json there; pass an HF model directory "
+                     "(e.g. .cache/smollm2 from `make real-model`)")
+    return args
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="3 steps of 2 prompts (smoke test)")
-    parser.add_argument("--steps", type=int, default=8)
-    parser.add_argument("--prompts", type=int, default=8, help="prompts per step")
-    parser.add_argument("--group_size", type=int, default=8)
-    parser.add_argument("--max_tokens", type=int, default=16)
-    parser.add_argument("--lr", type=float, default=1e-4)
-    parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads (default 1)")
-    parser.add_argument("--seed", type=int, default=0)
-    args = parser.parse_args(argv)
-    if args.quick:
-        args.steps, args.prompts = 3, 2
-    torch.set_num_threads(args.threads)
+    args = parse_args(argv)
+    if args.child:
+        return child(args)
     try:
         import trl  # noqa: F401
     except ImportError as e:
@@ -162,32 +275,18 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     with tempfile.TemporaryDirectory() as tmp_name:
         tmp = Path(tmp_name)
-        prompts, model_dir = setup(tmp, args.prompts * args.steps, args.seed)
-        results = {"astrai": run_astrai(prompts, model_dir, tmp / "astrai", args),
-                   "TRL": run_trl(prompts, model_dir, tmp / "trl", args)}
-        ppo = run_astrai(prompts, model_dir, tmp / "ppo", args, train_type="online_ppo")
-    print_table(results, args)
-    print_ppo_table(results["astrai"], ppo)
+        model = args.model.resolve() if args.model else None
+        prompts, model_dir = setup(tmp, args.prompts * args.steps, args.seed, model)
+        results = {}
+        for name in args.systems.split(","):
+            print(f"bench_rl: running {name} ...", file=sys.stderr, flush=True)
+            results[name] = run_child(name, prompts, model_dir, tmp / name, args)
+    print_table(results, args, args.model.name if args.model else "a fresh tiny model")
+    if args.json:
+        settings = {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()
+                    if k not in ("child", "prompts_path", "model_dir", "out", "json")}
+        args.json.write_text(json.dumps({"settings": settings, "results": results}, indent=1) + "\n")
     return 0
-
-
-def print_ppo_table(grpo: dict[str, float], ppo: dict[str, float]) -> None:
-    """online_ppo against online_grpo on the same workload: what the critic costs. (TRL 1.x no
-    longer ships a PPO trainer, neither in trl nor in trl.experimental, so there is no TRL row.)"""
-    print("\nOnline PPO (policy + critic) vs online GRPO, astrai, same workload.\n")
-    print("| metric | online_grpo | online_ppo | ppo / grpo |")
-    print("|---|---|---|---|")
-    for label, key, fmt in (("seconds per step", "step_s", "{:.3f}"), ("CPU seconds per step", "cpu_s", "{:.3f}"),
-                            ("rollout share of a step", "rollout_share", "{:.0%}")):
-        ratio = ppo[key] / grpo[key] if grpo[key] else float("nan")
-        print(f"| {label} | {fmt.format(grpo[key])} | {fmt.format(ppo[key])} | {ratio:.2f} |")
-    # the rollout is the same work in both; the rest of a PPO step is policy + critic training
-    train_grpo = grpo["step_s"] * (1 - grpo["rollout_share"])
-    train_ppo = ppo["step_s"] * (1 - ppo["rollout_share"])
-    print(f"| training part of a step (s) | {train_grpo:.3f} | {train_ppo:.3f} | "
-          f"{train_ppo / max(train_grpo, 1e-9):.2f} |")
-    print(f"\nThe critic's forward/backward and its optimizer take about "
-          f"{max(train_ppo - train_grpo, 0) / max(ppo['step_s'], 1e-9):.0%} of a PPO step.")
 
 
 if __name__ == "__main__":

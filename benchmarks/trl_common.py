@@ -10,6 +10,8 @@ online ones share).
 from __future__ import annotations
 
 import json
+import os
+import resource
 import statistics
 import time
 from pathlib import Path
@@ -67,17 +69,18 @@ def exact_match(completions: list[Any], answer: list[str], **kwargs: Any) -> lis
     return [score(c[0]["content"] if isinstance(c, list) else c, a) for c, a in zip(completions, answer)]
 
 
-def train_args(out: Path, *, steps: int, lr: float, warmup_steps: int = 0, seed: int = 0) -> dict[str, Any]:
+def train_args(out: Path, *, steps: int, lr: float, warmup_steps: int = 0, seed: int = 0,
+               checkpointing: bool = False) -> dict[str, Any]:
     """TrainingArguments every TRL trainer here shares, matching astrai's defaults: CPU fp32, AdamW
     (0.9, 0.95) without weight decay at a constant rate after linear warmup, clipping at 1.0, one
-    micro-batch per step, no activation checkpointing (TRL turns it on by default, astrai's
-    `gradient_checkpointing` is off), no saves, no logging in the timed steps."""
+    micro-batch per step, no activation checkpointing unless `checkpointing` (TRL turns it on by
+    default, astrai's `gradient_checkpointing` is off), no saves, no logging in the timed steps."""
     return dict(
         output_dir=str(out), use_cpu=True, bf16=False, seed=seed, report_to="none", save_strategy="no",
         logging_steps=max(steps, 1), disable_tqdm=True, max_steps=steps, learning_rate=lr,
         lr_scheduler_type="constant_with_warmup" if warmup_steps else "constant", warmup_steps=warmup_steps,
         weight_decay=0.0, adam_beta1=0.9, adam_beta2=0.95, max_grad_norm=1.0, gradient_accumulation_steps=1,
-        activation_checkpointing=False, dataloader_num_workers=0,
+        activation_checkpointing=checkpointing, dataloader_num_workers=0,
     )
 
 
@@ -93,14 +96,17 @@ def rollout_args(*, prompts: int, group_size: int, max_tokens: int) -> dict[str,
 
 
 def grpo_config(out: Path, *, steps: int, prompts: int, group_size: int, max_tokens: int, lr: float,
-                warmup_steps: int = 0, seed: int = 0) -> Any:
+                warmup_steps: int = 0, seed: int = 0, checkpointing: bool = False, min_tokens: int = 0) -> Any:
     """TRL's GRPOConfig matching astrai's `online_grpo`: `train_args` and `rollout_args`, token-mean
-    loss (`dapo`), group-std advantages (astrai's `scale_rewards: group`)."""
+    loss (`dapo`), group-std advantages (astrai's `scale_rewards: group`). `min_tokens` > 0 forbids
+    the end tokens before that many new tokens (`min_new_tokens`, as astrai's `min_tokens`)."""
     from trl import GRPOConfig
 
-    return GRPOConfig(**train_args(out, steps=steps, lr=lr, warmup_steps=warmup_steps, seed=seed),
+    extra = {"generation_kwargs": {"min_new_tokens": min_tokens}} if min_tokens else {}
+    return GRPOConfig(**train_args(out, steps=steps, lr=lr, warmup_steps=warmup_steps, seed=seed,
+                                   checkpointing=checkpointing),
                       **rollout_args(prompts=prompts, group_size=group_size, max_tokens=max_tokens),
-                      loss_type="dapo", scale_rewards="group")
+                      loss_type="dapo", scale_rewards="group", **extra)
 
 
 def rloo_config(out: Path, *, steps: int, prompts: int, group_size: int, max_tokens: int, lr: float,
@@ -146,3 +152,45 @@ def time_generation(trainer: Any, clock: StepClock) -> None:
         return out
 
     trainer._generate_single_turn = timed_generate
+
+
+def current_rss_mb() -> float:
+    """This process's resident memory now (MB)."""
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+
+
+def _status_mb(field: str) -> float:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) / 1024  # kB
+    raise RuntimeError(f"/proc/self/status has no {field} line")
+
+
+class StepMemory:
+    """Peak resident memory of the training steps alone: `start` (at train begin, model and
+    optimizer loaded) resets the kernel's high-water mark (writing 5 to /proc/self/clear_refs,
+    Linux >= 4.0) and records the RSS then; `tick` (at each step end) reads the high-water mark,
+    so what loading peaked at, or a save after the last step, is not counted. Where the reset is
+    refused, the peak falls back to the process's whole-life `ru_maxrss`."""
+
+    def __init__(self) -> None:
+        self.base_mb = self.peak_mb = 0.0
+        self.reset_ok = False
+
+    def start(self) -> None:
+        try:
+            with open("/proc/self/clear_refs", "w") as f:
+                f.write("5")
+            self.reset_ok = True
+        except OSError:
+            self.reset_ok = False
+        self.base_mb = current_rss_mb()
+
+    def tick(self) -> None:
+        peak = _status_mb("VmHWM") if self.reset_ok else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+        self.peak_mb = max(self.peak_mb, peak)
+
+    def summary(self) -> dict[str, float]:
+        return {"peak_rss_mb": self.peak_mb, "step_rss_mb": self.peak_mb - self.base_mb, "load_rss_mb": self.base_mb}
