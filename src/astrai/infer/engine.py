@@ -10,17 +10,18 @@ same loop synchronously for RL rollouts, and `generate_all` (text or token-id pr
 the offline `LLM` of llm.py calls. The engine runs the model it is given in place (a live
 training module is switched to eval mode and no_grad for each step, then restored; a model
 already in eval mode runs under inference_mode), and `set_policy_version` keys the prefix
-cache by weights version so KV computed with older weights is never reused. With
+cache by weights version so KV computed with older weights is never reused. An idle engine can
+free its KV pool (`release_kv_cache`, e.g. while a trainer runs its backward pass) and make it
+again at the size the next batch needs (`reserve_kv_cache`; a request re-makes it otherwise). With
 `autocast_dtype` its forward passes run under `torch.autocast`, as a bf16 trainer's do, over a
 KV pool in that dtype (half the bytes per token); sampling stays float32.
 """
 
 from __future__ import annotations
 
-import contextlib
 import itertools
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
@@ -29,7 +30,6 @@ import torch
 from torch import nn
 
 from astrai.infer.block_manager import BlockManager, kv_bytes_per_token
-from astrai.infer.compiled import CompiledDecode
 from astrai.infer.detokenize import detokenize, find_stop_string, flush_text, visible_text
 from astrai.infer.outputs import (
     CompletionOutput,
@@ -37,16 +37,16 @@ from astrai.infer.outputs import (
     RequestMetrics,
     RequestOutput,
     TopLogprobs,
-    logprob_entry,
 )
 from astrai.infer.probe import check_tuning, measure_step_cost, tune_owned_model
-from astrai.infer.runner import ModelRunner, StepLogits, dtype_name, forward_precision, resolve_precision
-from astrai.infer.sampling import Sampler, SamplerOutput, SamplingParams, make_generator, top_alternatives
+from astrai.infer.runner import InferenceMode, ModelRunner, dtype_name, resolve_precision
+from astrai.infer.sampling import Sampler, SamplerOutput, SamplingParams, make_generator
 from astrai.infer.scheduler import Scheduler, Sequence
 from astrai.infer.sizing import (
     check_request,
     decode_view_bytes,
     num_kv_blocks,
+    pool_blocks,
     resolve_max_model_len,
     token_budgets,
 )
@@ -124,11 +124,13 @@ class LLMEngine:
             max_model_len=self.max_model_len, kv_cache_tokens=config.kv_cache_tokens,
             kv_cache_memory_gb=config.kv_cache_memory_gb)
         self.probes: dict[str, Any] = {}  # what load-time probes measured and chose (describe())
-        self._in_inference_mode = False
+        self._inference_mode = InferenceMode(model, device, self.autocast_dtype)
         threshold, batched = token_budgets(
             config.long_prefill_token_threshold, config.max_num_batched_tokens,
             max_num_seqs=config.max_num_seqs, max_model_len=self.max_model_len,
             enable_chunked_prefill=config.enable_chunked_prefill, measure_chunk=self._measure_chunk)
+        self.policy_version = 0
+        self.initial_num_blocks = num_blocks  # reserve_kv_cache(None) makes this size again
         self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, batched, config.enable_chunked_prefill,
                                    threshold, config.max_request_kv_share)
@@ -137,14 +139,8 @@ class LLMEngine:
                                   paged_kernel=config.paged_kernel, cuda_graphs=config.cuda_graphs,
                                   max_num_seqs=config.max_num_seqs, max_model_len=self.max_model_len)
         if config.compile:
-            self.runner.compiled = CompiledDecode(model, config.max_num_seqs)
-            # warmed up in the steps' precision; under autocast the compiled MLP rounds differently
-            # from eager bf16 (measured: log-probs ~1.5x further from the eager bf16 forward)
-            with forward_precision(device, self.autocast_dtype):
-                self.runner.compiled.warm_up()
-            self.probes["compile"] = self.runner.compiled.describe()
+            self.probes["compile"] = self.runner.compile_decode(config.max_num_seqs, self.autocast_dtype)
         self.sampler = Sampler(make_generator(config.engine_seed, device))
-        self.policy_version = 0
         self._requests: dict[str, _Request] = {}
         self._seq_ids = itertools.count()
         self._batch_ids = itertools.count()
@@ -219,6 +215,8 @@ class LLMEngine:
         )
         if params.stop and self.tokenizer is None:
             raise ValueError("stop strings need a tokenizer to detokenise; pass stop_token_ids instead")
+        if not self.has_kv_cache:  # released: made again at its last size
+            self._make_kv_cache(self.block_manager.num_blocks)
         self._requests[request_id] = req
         self.scheduler.add(self._new_sequence(req, 0))
 
@@ -282,33 +280,47 @@ class LLMEngine:
         """Forget every cached prefix (blocks in use are untouched); e.g. between benchmark runs."""
         self.block_manager.reset_prefix_cache()
 
+    # -- the KV pool -----------------------------------------------------------------------------
+    @property
+    def has_kv_cache(self) -> bool:
+        """Whether the KV pool's tensors exist (False after release_kv_cache, until remade)."""
+        return self.runner.kv_caches is not None
+
+    def release_kv_cache(self) -> None:
+        """Free the KV pool: its tensors, the dense decode copy and CUDA graphs over it, and every
+        cached prefix (vLLM's sleep, for the KV cache alone), e.g. while a trainer runs its backward
+        pass. The next request makes it again at its last size; `reserve_kv_cache` at another."""
+        self._check_idle("release_kv_cache")
+        self.runner.release_kv_cache()
+        self.block_manager.reset_prefix_cache()  # their KV is gone
+
+    def reserve_kv_cache(self, num_tokens: int | None = None) -> None:
+        """A KV pool with room for `num_tokens` token slots (in whole blocks; None: the size the
+        engine started with): made afresh, with its own block manager and scheduler and no cached
+        prefix, unless a pool of that size is in place already."""
+        self._check_idle("reserve_kv_cache")
+        num_blocks = self.initial_num_blocks if num_tokens is None else pool_blocks(num_tokens, self.config.block_size)
+        if not self.has_kv_cache or num_blocks != self.block_manager.num_blocks:
+            self._make_kv_cache(num_blocks)
+
+    def _make_kv_cache(self, num_blocks: int) -> None:
+        old, cfg = self.scheduler, self.config
+        self.block_manager = BlockManager(num_blocks, cfg.block_size, cfg.enable_prefix_caching)
+        self.block_manager.set_policy_version(self.policy_version)
+        self.scheduler = Scheduler(self.block_manager, old.max_num_seqs, old.max_num_batched_tokens,
+                                   old.enable_chunked_prefill, old.long_prefill_token_threshold,
+                                   cfg.max_request_kv_share)
+        self.scheduler.num_preemptions = old.num_preemptions
+        self.runner.allocate_kv_cache(num_blocks)
+
+    def _check_idle(self, what: str) -> None:
+        if self._requests:
+            raise RuntimeError(f"{what}: {len(self._requests)} request(s) in flight; let them finish or abort them")
+
     # -- the step -------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         """One schedule -> run -> sample -> postprocess step; the requests that changed."""
         return [self._output(req) for req in self._step()]
-
-    @contextlib.contextmanager
-    def _inference_mode(self) -> Iterator[None]:
-        if self._in_inference_mode:  # generate_all holds the mode for the whole batch
-            yield
-            return
-        was_training = self.model.training
-        if was_training:
-            self.model.eval()
-        # inference_mode skips autograd's view and version tracking (cheaper per op than no_grad),
-        # but tensors it creates can never join a backward pass; a module in training mode is
-        # someone's live policy, whose wrappers (FSDP's unsharded parameters) may keep state
-        # made here, so it gets plain no_grad. Autocast is entered here too, once per batch in
-        # generate_all, so its cache of bf16 weight copies lasts the batch instead of one step
-        try:
-            with (torch.no_grad() if was_training else torch.inference_mode(),
-                  forward_precision(self.device, self.autocast_dtype)):
-                self._in_inference_mode = True
-                yield
-        finally:
-            self._in_inference_mode = False
-            if was_training:
-                self.model.train()
 
     def _step(self) -> list[_Request]:
         sched = self.scheduler.schedule()
@@ -320,7 +332,7 @@ class LLMEngine:
             self.block_manager.pending_copies.clear()
             step = self.runner.execute(sched.scheduled)
             if step.prompt_parts:
-                self._record_prompt_logprobs(step)
+                step.record_prompt_logprobs(self.tokenizer)
         logits, to_sample = step.logits, step.to_sample
         for seq, num_new in sched.scheduled:
             seq.num_computed_tokens += num_new
@@ -342,19 +354,6 @@ class LLMEngine:
     def _free_decode_view_when_idle(self) -> None:
         if not self.scheduler.running and self.runner.decode_view is not None:
             self.runner.decode_view.invalidate()  # nothing decodes: free the dense copy
-
-    def _record_prompt_logprobs(self, step: StepLogits) -> None:
-        """Append {prompt token: Logprob} (+ the k most likely alternatives) under the raw model."""
-        row = 0
-        for seq, first, num_rows in step.prompt_parts:
-            targets = seq.prompt_token_ids[first : first + num_rows]
-            k = seq.params.prompt_logprobs
-            logits = step.prompt_logits[row : row + num_rows].float()  # (R, V); row j predicts targets[j]
-            row += num_rows
-            found = top_alternatives(logits, torch.tensor(targets, device=logits.device), k)
-            ids, lps, ranks, chosen = (t.tolist() for t in found)
-            seq.prompt_logprobs.extend(logprob_entry(self.tokenizer, token, chosen[j], ranks[j], ids[j], lps[j], k)
-                                       for j, token in enumerate(targets))
 
     def _rows_with_forks(self, to_sample: list[Sequence]) -> tuple[list[Sequence], list[int]]:
         """The sampling rows: each sequence, and after a request's prefill its n - 1 new siblings,

@@ -1,6 +1,7 @@
 """The model runner: turns one scheduled step into a forward pass over the paged KV cache.
 
-It owns the KV cache tensors (allocated once through `model.allocate_kv_cache`). For each step
+It owns the KV cache tensors (made through `model.allocate_kv_cache`; `release_kv_cache` frees
+them and everything built over them, `allocate_kv_cache` makes a pool of another size). For each step
 it lays the scheduled tokens of all sequences back to back in one flat row, builds their
 positions and the `PagedAttentionMetadata` (how many new tokens each sequence has, its context
 length and block table), applies the block manager's pending copy-on-write block copies, and
@@ -12,12 +13,14 @@ manager's pool serves their padding rows) and read KV in place through the varle
 (`paged_kernel="varlen"`); both are CUDA-only and off by default. Host-built index tensors go
 to the device from pinned memory when the device is CUDA. It also states the engine's precision (`resolve_precision`, `forward_precision`): forward passes
 in the weights' dtype, or under `torch.autocast` as a bf16 trainer runs them, and the KV pool's
-dtype (the written keys and values are cast to it).
+dtype (the written keys and values are cast to it), and the mode the engine's forward passes run
+in (`InferenceMode`: eval mode, no autograd, that precision).
 """
 
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -26,6 +29,8 @@ from torch import Tensor, nn
 
 from astrai.infer.compiled import CompiledDecode
 from astrai.infer.cuda_graphs import CUDAGraphDecode
+from astrai.infer.outputs import logprob_entry
+from astrai.infer.sampling import top_alternatives
 from astrai.infer.scheduler import Sequence
 from astrai.model.attention import DecodeKVView, PagedAttentionMetadata
 from astrai.model.kernels import to_device
@@ -41,6 +46,19 @@ class StepLogits:
     # row j of a part predicts prompt token `first + j`
     prompt_logits: Tensor | None = None
     prompt_parts: list[tuple[Sequence, int, int]] = field(default_factory=list)
+
+    def record_prompt_logprobs(self, tokenizer: Any) -> None:
+        """Append {prompt token: Logprob} (+ the k most likely alternatives) under the raw model."""
+        row = 0
+        for seq, first, num_rows in self.prompt_parts:
+            targets = seq.prompt_token_ids[first : first + num_rows]
+            k = seq.params.prompt_logprobs
+            logits = self.prompt_logits[row : row + num_rows].float()  # (R, V); row j predicts targets[j]
+            row += num_rows
+            found = top_alternatives(logits, torch.tensor(targets, device=logits.device), k)
+            ids, lps, ranks, chosen = (t.tolist() for t in found)
+            seq.prompt_logprobs.extend(logprob_entry(tokenizer, token, chosen[j], ranks[j], ids[j], lps[j], k)
+                                       for j, token in enumerate(targets))
 
 
 AUTOCAST_DTYPES = (torch.bfloat16, torch.float16)
@@ -79,6 +97,38 @@ def forward_precision(device: torch.device, autocast_dtype: torch.dtype | None) 
     return torch.autocast(device.type, dtype=autocast_dtype)
 
 
+class InferenceMode:
+    """The context of the engine's forward passes over `model`; re-entrant, so a whole batch
+    (generate_all) can hold it across its steps."""
+
+    def __init__(self, model: nn.Module, device: torch.device, autocast_dtype: torch.dtype | None) -> None:
+        self.model, self.device, self.autocast_dtype = model, device, autocast_dtype
+        self.active = False
+
+    @contextlib.contextmanager
+    def __call__(self) -> Iterator[None]:
+        if self.active:  # generate_all holds the mode for the whole batch
+            yield
+            return
+        was_training = self.model.training
+        if was_training:
+            self.model.eval()
+        # inference_mode skips autograd's view and version tracking (cheaper per op than no_grad),
+        # but tensors it creates can never join a backward pass; a module in training mode is
+        # someone's live policy, whose wrappers (FSDP's unsharded parameters) may keep state
+        # made here, so it gets plain no_grad. Autocast is entered here too, once per batch in
+        # generate_all, so its cache of bf16 weight copies lasts the batch instead of one step
+        try:
+            with (torch.no_grad() if was_training else torch.inference_mode(),
+                  forward_precision(self.device, self.autocast_dtype)):
+                self.active = True
+                yield
+        finally:
+            self.active = False
+            if was_training:
+                self.model.train()
+
+
 class ModelRunner:
     def __init__(
         self,
@@ -95,7 +145,6 @@ class ModelRunner:
     ) -> None:
         self.model = model
         self.block_size = block_size
-        self.num_blocks = num_blocks
         self.device = torch.device(device) if device is not None else next(model.parameters()).device
         for name, on in (("paged_kernel='varlen'", paged_kernel == "varlen"), ("cuda_graphs", cuda_graphs)):
             if on and self.device.type != "cuda":
@@ -103,25 +152,56 @@ class ModelRunner:
                                  f"on {self.device.type} (the default path is the tested one there)")
         self.paged_kernel = paged_kernel
         self.dtype = dtype
-        self.kv_caches = model.allocate_kv_cache(num_blocks, block_size, dtype=dtype, device=self.device)
         # decode steps read a kept dense copy of their context instead of gathering it every step
         # (not with the varlen kernel, which reads the paged cache in place)
         use_view = decode_view_bytes > 0 and paged_kernel == "gather"
         self.decode_view = DecodeKVView(decode_view_bytes) if use_view else None
         self.compiled: CompiledDecode | None = None  # EngineConfig.compile: decode steps' MLPs compiled
         self.graphs: CUDAGraphDecode | None = None
+        self.graph_setup: tuple[int, int, bool] | None = None  # (max_num_seqs, max_model_len, capture)
+        self.kv_caches: list[tuple[Tensor, Tensor]] | None = None  # None: released
         if cuda_graphs:
-            self.use_graphs(max_num_seqs, max_model_len, capture=True)
+            self.graph_setup = (max_num_seqs, max_model_len, True)
+        self.allocate_kv_cache(num_blocks)
+
+    def allocate_kv_cache(self, num_blocks: int) -> None:
+        """(Re)make the KV pool: `num_blocks` blocks, plus a scratch block for the padding rows of
+        CUDA graphs when they are on. What was built over an old pool goes first: its decode copy,
+        and its graphs, whose captures hold the old tensors' addresses (new ones are captured
+        lazily over the new pool, as at the start)."""
+        self.release_kv_cache()
+        self.num_blocks = num_blocks
+        scratch = 1 if self.graph_setup is not None else 0
+        self.kv_caches = self.model.allocate_kv_cache(num_blocks + scratch, self.block_size, dtype=self.dtype,
+                                                      device=self.device)
+        if self.graph_setup is not None:
+            self.graphs = CUDAGraphDecode.for_engine(self.model, self.kv_caches, self.block_size, num_blocks,
+                                                     *self.graph_setup)
+
+    def release_kv_cache(self) -> None:
+        """Drop the KV pool and all that holds its tensors (the dense decode copy, the CUDA graphs
+        and their memory pool), so its memory is free until `allocate_kv_cache`."""
+        self.kv_caches = None
+        self.graphs = None
+        if self.decode_view is not None:
+            self.decode_view.invalidate()
 
     def use_graphs(self, max_num_seqs: int, max_model_len: int, capture: bool = True) -> CUDAGraphDecode:
         """Decode steps replay CUDA graphs (capture=False: the same static forward, eagerly, as on
-        CPU in tests). The KV pool gets one scratch block past the block manager's for padding rows;
-        call before the first step."""
-        self.kv_caches = self.model.allocate_kv_cache(self.num_blocks + 1, self.block_size, dtype=self.dtype,
-                                                      device=self.device)
-        self.graphs = CUDAGraphDecode.for_engine(self.model, self.kv_caches, self.block_size, self.num_blocks,
-                                                 max_num_seqs, max_model_len, capture)
+        CPU in tests). The KV pool is made again with one scratch block past the block manager's
+        for padding rows; call before the first step."""
+        self.graph_setup = (max_num_seqs, max_model_len, capture)
+        self.allocate_kv_cache(self.num_blocks)
         return self.graphs
+
+    def compile_decode(self, max_num_seqs: int, autocast_dtype: torch.dtype | None) -> dict:
+        """EngineConfig.compile: decode steps' MLPs under torch.compile, warmed up now; what it made."""
+        self.compiled = CompiledDecode(self.model, max_num_seqs)
+        # warmed up in the steps' precision; under autocast the compiled MLP rounds differently
+        # from eager bf16 (measured: log-probs ~1.5x further from the eager bf16 forward)
+        with forward_precision(self.device, autocast_dtype):
+            self.compiled.warm_up()
+        return self.compiled.describe()
 
     def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
         """Copy-on-write: duplicate block src into dst in every layer's cache."""

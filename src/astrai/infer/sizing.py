@@ -8,7 +8,8 @@ scheduler and the runner are built from what these return; `check_request` is wh
 of it) and the model's config for the rest. An unset size gets its default here:
 `max_model_len` from the model's positions and sliding window, the KV pool from free CUDA
 memory or a CPU cap, and the prefill chunk from the model's measured step cost (the timing
-itself is probe.py's; the engine passes it in, run in its inference mode). A size or a request
+itself is probe.py's; the engine passes it in, run in its inference mode). A pool made again
+for one batch (`LLMEngine.reserve_kv_cache`) is sized by `batch_kv_tokens`. A size or a request
 that cannot work is an error naming the limit and the fix.
 """
 
@@ -66,6 +67,21 @@ def num_kv_blocks(model_cfg: Any, dtype: torch.dtype, device: torch.device, *, b
             f"raise kv_cache_tokens or kv_cache_memory_gb"
         )
     return num_blocks
+
+
+def pool_blocks(num_tokens: int, block_size: int) -> int:
+    """Blocks of a pool made for `num_tokens` token slots (LLMEngine.reserve_kv_cache): rounded up."""
+    if num_tokens < 1:
+        raise ValueError(f"a KV pool needs at least one token slot, got num_tokens={num_tokens}; "
+                         f"give the tokens the next batch needs (batch_kv_tokens)")
+    return -(-num_tokens // block_size)
+
+
+def batch_kv_tokens(num_seqs: int, longest: int, block_size: int) -> int:
+    """Token slots that hold `num_seqs` sequences of up to `longest` tokens at once, in whole
+    blocks per sequence (a sequence's last block is its own however little of it is filled):
+    what a batch needs so that none of it is ever preempted."""
+    return num_seqs * -(-longest // block_size) * block_size
 
 
 def token_budgets(long_prefill_token_threshold: int | None, max_num_batched_tokens: int | None, *,

@@ -6,7 +6,8 @@
 weights: for online RL the rollout engine itself (its KV pool, its prefix cache keyed by policy
 version; under FSDP its unsharded replica, refreshed for the current version); for the offline
 loops an engine of its own over the live module (under FSDP over a replica refreshed before each
-evaluation). Each prompt gets one greedy completion, scored against its answer by
+evaluation). Like a rollout, an evaluation has the engine's KV pool only while it generates (made
+for its sequences, freed after; ``keep_kv_pool`` keeps it). Each prompt gets one greedy completion, scored against its answer by
 ``eval_match`` and by the run's rewards, and ``eval_num_samples`` sampled ones (rollout
 temperature, top-p, top-k) with seeds from (random_seed, step, prompt index): no training RNG is
 drawn and a resumed run logs the same numbers at the same steps. The sums are reduced over ranks;
@@ -31,7 +32,7 @@ from astrai.infer.engine import LLMEngine
 from astrai.infer.sampling import SamplingParams
 from astrai.train import dist
 from astrai.train.rl.rewards import RewardSet
-from astrai.train.rl.rollout import batch_engine, unsharded_replica
+from astrai.train.rl.rollout import batch_engine, batch_kv_pool, unsharded_replica
 
 SUMS = ("prompts", "correct", "greedy_reward", "samples", "sample_reward", "sample_correct", "tokens",
         "truncated", "skipped")
@@ -131,7 +132,10 @@ class GenerationEval:
             self.replica = model = unsharded_replica(model)
         max_len = rl.max_prompt_len + rl.rollout_max_tokens
         num_seqs = max(1, min(64, len(self.records) * (1 + self.num_samples)))
-        return batch_engine(model, trainer.tokenizer, num_seqs, max_len, self.config.train.bf16)
+        engine = batch_engine(model, trainer.tokenizer, num_seqs, max_len, self.config.train.bf16)
+        if not rl.keep_kv_pool:
+            engine.release_kv_cache()  # made for each evaluation (batch_kv_pool)
+        return engine
 
     def _answer(self, engine: LLMEngine, step: int) -> dict[str, float]:
         """Greedy and sampled completions for this rank's records, scored; the sums of SUMS."""
@@ -148,7 +152,10 @@ class GenerationEval:
                                               top_k=rl.rollout_top_k, max_tokens=rl.rollout_max_tokens,
                                               n=self.num_samples, seed=eval_seed(seed, step, i))
                                for i in range(len(kept))]
-        outputs = engine.run_batch(prompts + (prompts if self.num_samples else []), params, return_logprobs=False)
+        longest = max(len(p) for p in prompts) + rl.rollout_max_tokens
+        with batch_kv_pool(engine, len(kept) * (1 + self.num_samples), longest, keep=rl.keep_kv_pool):
+            outputs = engine.run_batch(prompts + (prompts if self.num_samples else []), params,
+                                       return_logprobs=False)
         greedy, sampled = outputs[:len(kept)], outputs[len(kept):]
         records = [{"messages": r["messages"], "answer": r["answer"], **dict(r.get("metadata") or {})} for r in kept]
         answers = [g.outputs[0] for g in greedy]

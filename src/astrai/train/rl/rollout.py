@@ -10,12 +10,17 @@ scored by the ``RewardSet`` and packed into a ``Rollout``: right-padded prompt +
 labels on the response tokens only, the sampler's log-probs at the same positions, rewards
 (B, G) and the policy version the samples came from. The loop publishes each new policy version
 to the engine, whose prefix cache is keyed by version, so KV of older weights is never reused.
+The engine's KV pool exists only while a rollout is drawn (``batch_kv_pool``): made for that
+rollout's sequences at the longest length they can reach, and freed before the rewards and the
+trainer run; ``keep_kv_pool`` keeps one pool, sized at the start, for the whole run instead.
 """
 
 from __future__ import annotations
 
+import contextlib
 import sys
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -26,6 +31,7 @@ from astrai.config import RLConfig
 from astrai.config_values import default_max_prompt_len
 from astrai.infer.engine import LLMEngine
 from astrai.infer.sampling import SamplingParams
+from astrai.infer.sizing import batch_kv_tokens
 from astrai.train import dist
 from astrai.train.losses import IGNORE_INDEX
 from astrai.train.rl.environments import Episode, MultiTurn, episode_stats
@@ -161,6 +167,8 @@ class RolloutRunner:
         self.replica = unsharded_replica(model) if dist.is_fsdp(model) else None
         self.replica_version: int | None = None  # the policy version the replica's weights are
         self.engine = batch_engine(self.replica or model, tokenizer, num_seqs, max_len, bf16)
+        if not cfg.keep_kv_pool:
+            self.engine.release_kv_cache()  # made for each rollout (batch_kv_pool)
         self.num_skipped_total = 0  # prompts over max_prompt_len, this rank, whole run (warned once)
         self.shortest_skipped: int | None = None  # the shortest of them: the max_prompt_len that keeps one
 
@@ -198,7 +206,9 @@ class RolloutRunner:
                                  max_tokens=cfg.rollout_max_tokens, n=G, seed=rollout_seed(self.random_seed, step, first_index + i))
                   for i in keep]
         start = time.perf_counter()
-        outputs = self.engine.run_batch(prompts, params, return_logprobs=True)
+        longest = max(len(p) for p in prompts) + cfg.rollout_max_tokens
+        with batch_kv_pool(self.engine, len(prompts) * G, longest, keep=cfg.keep_kv_pool):
+            outputs = self.engine.run_batch(prompts, params, return_logprobs=True)
         seconds = time.perf_counter() - start
         drawn = {out.policy_version for out in outputs}
         if drawn != {policy_version}:
@@ -243,7 +253,10 @@ class RolloutRunner:
                              f"max_prompt_len)) leaves beside rollout_max_tokens={cfg.rollout_max_tokens}; shorten the "
                              "prompts or tool descriptions, or raise --max_prompt_len")
         self.generation_seconds = 0.0
-        mt.run(episodes, lambda active, turn: self._sample_turn(active, turn, step, policy_version, first_index))
+        # a turn continues its conversation's cached KV, so one pool serves every turn; an
+        # episode's row can reach the engine's max_model_len (tool messages have no other bound)
+        with batch_kv_pool(self.engine, len(episodes), self.engine.max_model_len, keep=cfg.keep_kv_pool):
+            mt.run(episodes, lambda active, turn: self._sample_turn(active, turn, step, policy_version, first_index))
         rollout = _pack_episodes(episodes, G, policy_version)
         total, terms = self._score_episodes(episodes, records)
         rollout.rewards, rollout.reward_terms = total.view(-1, G), {k: v.view(-1, G) for k, v in terms.items()}
@@ -316,12 +329,31 @@ class RolloutRunner:
 
 def batch_engine(model: nn.Module, tokenizer: Any, num_seqs: int, max_len: int, bf16: bool) -> LLMEngine:
     """An engine over a live module for whole batches (rollouts, held-out evaluation): room for
-    `num_seqs` sequences at `max_len` (no preemption inside a batch), throughput first (nobody
-    streams a rollout: no per-step prefill cap). `bf16` (the run's train.bf16): samples in the
-    trainer's precision, the same autocast over a bf16 KV pool."""
+    `num_seqs` sequences at `max_len` (no preemption inside a batch, so no request needs a cap on
+    its share of the pool), throughput first (nobody streams a rollout: no per-step prefill cap).
+    `bf16` (the run's train.bf16): samples in the trainer's precision, the same autocast over a
+    bf16 KV pool."""
     return LLMEngine(model, tokenizer, max_num_seqs=num_seqs, max_model_len=max_len,
                      kv_cache_tokens=num_seqs * (max_len + 16), max_num_batched_tokens=max(2048, max_len),
-                     long_prefill_token_threshold=0, autocast_dtype="bfloat16" if bf16 else None)
+                     long_prefill_token_threshold=0, max_request_kv_share=1.0,
+                     autocast_dtype="bfloat16" if bf16 else None)
+
+
+@contextlib.contextmanager
+def batch_kv_pool(engine: LLMEngine, num_seqs: int, longest: int, keep: bool = False) -> Iterator[None]:
+    """The engine's KV pool for one batch: made with room for `num_seqs` sequences (at most the
+    engine's seats) of up to `longest` tokens (at most its max_model_len), so none is preempted,
+    and freed when the batch is done, so the trainer's forward and backward passes have its
+    memory. `keep` (rl.keep_kv_pool): the engine's pool is used as it is and kept."""
+    if keep:
+        yield
+        return
+    num_seqs = min(num_seqs, engine.config.max_num_seqs)
+    engine.reserve_kv_cache(batch_kv_tokens(num_seqs, min(longest, engine.max_model_len), engine.config.block_size))
+    try:
+        yield
+    finally:
+        engine.release_kv_cache()
 
 
 def unsharded_replica(policy: nn.Module) -> nn.Module:
