@@ -19,14 +19,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import shutil
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
-import yaml
-
+from astrai.demo_stages import plot_accuracy, rl_curves, run_stage, train_stage
 from astrai.flags import ArgumentParser
 
 MODEL = {  # ~100k parameters: small enough for hundreds of RL steps on 2 CPU cores
@@ -57,80 +54,6 @@ ALGOS = {  # --algo -> (train_type, group size, learning rate)
     "ppo": ("online_ppo", 8, 5e-4),
     "online_dpo": ("online_dpo", 4, 2e-4),
 }
-MODEL_FILES = ("config.json", "model.safetensors", "generation_config.json", "tokenizer.json",
-               "tokenizer_config.json")
-
-
-def stage_done(stage_dir: Path) -> dict[str, Any] | None:
-    marker = stage_dir / "stage.json"
-    return json.loads(marker.read_text()) if marker.exists() else None
-
-
-def mark_done(stage_dir: Path, info: dict[str, Any]) -> dict[str, Any]:
-    stage_dir.mkdir(parents=True, exist_ok=True)
-    (stage_dir / "stage.json").write_text(json.dumps(info, indent=2) + "\n")
-    return info
-
-
-def run_stage(name: str, stage_dir: Path, fn, log) -> dict[str, Any]:
-    done = stage_done(stage_dir)
-    if done is not None:
-        log(f"[{name}] reusing the finished stage in {stage_dir}")
-        return done
-    log(f"[{name}] running")
-    start = time.perf_counter()
-    info = fn() or {}
-    info["seconds"] = round(time.perf_counter() - start, 1)
-    log(f"[{name}] done in {info['seconds']} s")
-    return mark_done(stage_dir, info)
-
-
-def publish_final(ckpt_dir: Path, final_dir: Path) -> Path:
-    """Copy the newest complete checkpoint's model files to a plain model directory."""
-    from astrai.model.manifest import newest_checkpoint
-
-    latest = newest_checkpoint(ckpt_dir, "sizes").path
-    if latest is None:
-        raise RuntimeError(f"training finished without a complete checkpoint in {ckpt_dir}")
-    tmp = final_dir.with_name(final_dir.name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    for name in MODEL_FILES:
-        if (latest / name).exists():
-            shutil.copy2(latest / name, tmp / name)
-    shutil.rmtree(final_dir, ignore_errors=True)
-    tmp.rename(final_dir)
-    return final_dir
-
-
-def train_stage(stage_dir: Path, config: dict[str, Any]) -> dict[str, Any]:
-    from astrai.train.cli import main as train_main
-
-    stage_dir.mkdir(parents=True, exist_ok=True)
-    config_path = stage_dir / "config.yaml"
-    config_path.write_text(yaml.safe_dump(config, sort_keys=False))
-    import torch
-
-    # the demo's thread count (--num_threads), which `astrai train` would otherwise set to its own default
-    code = train_main(["--config", str(config_path), "--num_threads", str(torch.get_num_threads())])
-    if code != 0:
-        raise RuntimeError(f"training stage {stage_dir.name} failed with exit code {code}")
-    publish_final(stage_dir / "ckpt", stage_dir / "final")
-    return {"config": str(config_path), **throughput(stage_dir / "metrics.jsonl")}
-
-
-def throughput(metrics_path: Path) -> dict[str, Any]:
-    rows = [json.loads(line) for line in metrics_path.read_text().splitlines() if line.strip()]
-    rows = [r for r in rows if "loss" in r]
-    if not rows:
-        return {}
-    info = {"steps": rows[-1].get("step"), "first_loss": rows[0]["loss"], "final_loss": rows[-1]["loss"]}
-    speeds = sorted(r["tokens_per_s"] for r in rows if "tokens_per_s" in r)  # online RL logs rollout speed only
-    if speeds:
-        info["tokens_per_s"] = round(speeds[len(speeds) // 2], 1)
-    return info
-
-
 def stage_config(kind: str, out: Path, data: Path, tok: Path, steps: int, spec: dict[str, Any],
                  model: dict[str, Any] | None, param_path: Path | None, seed: int) -> dict[str, Any]:
     stage = out / kind
@@ -168,49 +91,11 @@ def rl_config(out: Path, algo: str, data: Path, tok: Path, steps: int, param_pat
     }
 
 
-def rl_curves(metrics_path: Path) -> dict[str, Any]:
-    """Reward and response length at the start and the end (means of 10 steps), rollout tokens/s."""
-    rows = [json.loads(line) for line in metrics_path.read_text().splitlines() if line.strip()]
-    rows = [r for r in rows if "reward_mean" in r]
-    if not rows:
-        return {}
-    k = max(1, min(10, len(rows) // 4))
-
-    def mean(key: str, part: list[dict[str, Any]]) -> float:
-        return round(sum(r[key] for r in part) / len(part), 3)
-
-    speeds = sorted(r["rollout_tokens_per_s"] for r in rows if "rollout_tokens_per_s" in r)
-    return {"reward_first": mean("reward_mean", rows[:k]), "reward_last": mean("reward_mean", rows[-k:]),
-            "length_first": mean("response_length_mean", rows[:k]),
-            "length_last": mean("response_length_mean", rows[-k:]), "curve_window": k,
-            "rollout_tokens_per_s": round(speeds[len(speeds) // 2], 1) if speeds else None}
-
-
 def rl_stage(stage_dir: Path, config: dict[str, Any], eval_path: Path) -> dict[str, Any]:
     info = train_stage(stage_dir, config)
     info.update(rl_curves(stage_dir / "metrics.jsonl"))
     info["eval"] = evaluate(stage_dir / "final", eval_path, TASK["num_eval"])
     return info
-
-
-def plot_accuracy(out: Path, accuracies: dict[str, float]) -> Path:
-    """One bar per stage: held-out exact-match accuracy."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(5, 3.2))
-    bars = ax.bar(list(accuracies), [100 * a for a in accuracies.values()], color=["#999", "#4c72b0", "#dd8452"])
-    ax.bar_label(bars, labels=[f"{a:.1%}" for a in accuracies.values()])
-    ax.set_ylabel("held-out exact match (%)")
-    ax.set_ylim(0, 100)
-    ax.set_title("accuracy after each stage")
-    fig.tight_layout()
-    path = out / "accuracy.png"
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-    return path
 
 
 def evaluate(model_dir: Path, eval_path: Path, limit: int) -> dict[str, Any]:
@@ -265,15 +150,17 @@ def write_report(out: Path, stages: dict[str, dict[str, Any]], minutes: float, a
 
 def main(argv: list[str] | None = None) -> int:
     parser = ArgumentParser(prog="astrai demo", description=__doc__.splitlines()[0])
-    parser.add_argument("--out", default="out/demo", help="output folder (default out/demo)")
+    parser.add_argument("--out", default=None, help="output folder (default out/demo; out/demo-tools for --algo tools)")
     parser.add_argument("--minutes", type=float, default=BUDGET_MINUTES,
                         help=f"time budget that scales the training steps (default {BUDGET_MINUTES:g}; 1 = shortest)")
-    parser.add_argument("--algo", choices=list(ALGOS), default="grpo",
-                        help="the RL stage: online GRPO (default), PPO with a critic, or online DPO")
+    parser.add_argument("--algo", choices=[*ALGOS, "tools"], default="grpo",
+                        help="the RL stage: online GRPO (default), PPO with a critic, or online DPO; `tools`: "
+                             "another demo, a calculator tool learned by multi-turn online GRPO")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--num_threads", "--threads", type=int, default=1, dest="threads",
                         help="torch intra-op threads (default 1: this tiny model runs fastest, and the same, on one)")
     args = parser.parse_args(argv)
+    args.out = args.out or ("out/demo-tools" if args.algo == "tools" else "out/demo")
     if args.minutes <= 0:
         parser.error(f"--minutes must be positive, got {args.minutes}")
     if args.threads < 1:
@@ -283,6 +170,10 @@ def main(argv: list[str] | None = None) -> int:
     threads = torch.get_num_threads()
     torch.set_num_threads(args.threads)
     try:
+        if args.algo == "tools":
+            from astrai.demo_tools import run_tools_demo
+
+            return run_tools_demo(args)
         return _run(args)
     finally:
         torch.set_num_threads(threads)

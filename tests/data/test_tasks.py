@@ -16,6 +16,7 @@ from astrai.data.tasks import (
     score,
     score_final_number,
     write_task_files,
+    write_tool_task_files,
 )
 
 
@@ -82,6 +83,33 @@ def test_task_files(tmp_path):
         assert prompt["metadata"]["task"] in ("add", "sort")
     again = write_task_files(tmp_path / "again", num_train=40, num_eval=10, tasks=["add", "sort"], seed=1)
     assert all(again[k].read_text() == paths[k].read_text() for k in paths)
+
+
+def test_tool_task_files(tmp_path):
+    """The calculator example's files: a tool_share of the SFT conversations call `multiply` and
+    answer with its result, the rest answer at once; every one offers the tool; eval is held out."""
+    paths = write_tool_task_files(tmp_path, num_traces=200, tool_share=0.3, num_prompts=300, num_eval=20,
+                                  digits=2, seed=3)
+    rows = {k: [json.loads(line) for line in p.read_text().splitlines()] for k, p in paths.items()}
+    assert len(rows["sft"]) == 200 and len(rows["prompts"]) == 300 and len(rows["eval"]) == 20
+    calling = [r for r in rows["sft"] if len(r["messages"]) == 4]
+    direct = [r for r in rows["sft"] if len(r["messages"]) == 2]
+    assert len(calling) + len(direct) == 200 and 40 <= len(calling) <= 80  # 60 expected
+    assert all(r["tools"][0]["function"]["name"] == "multiply" for r in rows["sft"])
+    for r in calling:
+        user, call, result, answer = r["messages"]
+        assert call["content"].startswith("<tool_call>") and result["role"] == "tool"
+        assert result["content"] == answer["content"] == _solve(user["content"])
+    assert all(r["messages"][1]["content"] == _solve(r["messages"][0]["content"]) for r in direct)
+    eval_questions = {r["messages"][0]["content"] for r in rows["eval"]}
+    train_questions = {r["messages"][0]["content"] for r in rows["sft"] + rows["prompts"]}
+    assert not eval_questions & train_questions
+    assert all(r["answer"] == _solve(r["messages"][0]["content"]) for r in rows["prompts"] + rows["eval"])
+    again = write_tool_task_files(tmp_path / "again", num_traces=200, tool_share=0.3, num_prompts=300,
+                                  num_eval=20, digits=2, seed=3)
+    assert all(again[k].read_text() == paths[k].read_text() for k in paths)
+    with pytest.raises(ValueError, match="tool_share must be in"):
+        write_tool_task_files(tmp_path / "bad", tool_share=1.5)
 
 
 @pytest.mark.parametrize("completion, answer, expected", [

@@ -347,7 +347,7 @@ def test_multi_turn_runs_train_with_the_exact_rl_contract(tmp_path, tok_dir, mon
     config.write_text(text)
     assert main(["--config", str(config)]) == 0
     first = read_metrics(tmp_path / "run")[0]
-    for key in ("turns_per_episode", "tool_calls_per_episode", "tool_errors", "truncated_episodes",
+    for key in ("turns_per_episode", "tool_calls_per_episode", "tool_use_rate", "tool_errors", "truncated_episodes",
                 "tool_seconds", "generation_seconds", "prefill_tokens_per_episode", "rewards/environment"):
         assert key in first, key
     assert 1 <= first["turns_per_episode"] <= 3

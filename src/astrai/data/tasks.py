@@ -181,6 +181,30 @@ def tool_trace_record(item: TaskItem) -> dict[str, Any]:
             "tools": [function_schema(multiply)]}
 
 
+def write_tool_task_files(out_dir: str | Path, num_traces: int = 1000, tool_share: float = 1.0,
+                          num_prompts: int = 3000, num_eval: int = 100, digits: int = 3,
+                          seed: int = 0) -> dict[str, Path]:
+    """The calculator example's files: sft.jsonl (`num_traces` conversations offering the
+    `multiply` tool, a `tool_share` of them calling it as `tool_trace_record` writes, the rest
+    answering at once), prompts.jsonl (online RL prompts) and eval.jsonl (held out from both)."""
+    if not 0.0 <= tool_share <= 1.0:
+        raise ValueError(f"tool_share must be in [0, 1], got {tool_share}")
+    out = Path(out_dir)
+    eval_items = generate_items(num_eval, ["mul"], digits, seed=seed + 1)
+    train_items = generate_items(max(num_traces, num_prompts), ["mul"], digits, seed=seed,
+                                 exclude={it.question for it in eval_items})
+    rng = random.Random(seed + 2)
+    traces = []
+    for item in train_items[:num_traces]:
+        trace = tool_trace_record(item)
+        if rng.random() >= tool_share:  # the same tools offered, answered without them
+            trace["messages"] = item.messages
+        traces.append(trace)
+    return {"sft": _write_jsonl(out / "sft.jsonl", traces),
+            "prompts": _write_jsonl(out / "prompts.jsonl", (prompt_record(it) for it in train_items[:num_prompts])),
+            "eval": _write_jsonl(out / "eval.jsonl", (prompt_record(it) for it in eval_items))}
+
+
 def write_task_files(out_dir: str | Path, num_train: int = 2000, num_eval: int = 200,
                      tasks: Iterable[str] = ("add",), digits: int = 2, seed: int = 0,
                      num_corpus: int | None = None) -> dict[str, Path]:

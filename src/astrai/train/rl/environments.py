@@ -258,6 +258,7 @@ def episode_stats(episodes: list[Episode], tool_seconds: float, env_seconds: flo
     n = max(len(episodes), 1)
     return {"turns_per_episode": sum(e.num_turns for e in episodes) / n,
             "tool_calls_per_episode": sum(e.num_tool_calls for e in episodes) / n,
+            "tool_use_rate": sum(e.num_tool_calls > 0 for e in episodes) / n,  # episodes with a tool call
             "tool_errors": float(sum(e.num_tool_errors for e in episodes)),
             "truncated_episodes": float(sum(e.truncated for e in episodes)),
             "prefill_tokens_per_episode": sum(e.num_prefill_tokens for e in episodes) / n,
