@@ -10,6 +10,7 @@ import gc
 import weakref
 
 import pytest
+import torch
 
 from astrai.infer.engine import LLMEngine
 from astrai.infer.sampling import SamplingParams
@@ -145,3 +146,21 @@ def test_pool_sizes_in_whole_blocks_per_sequence():
     assert batch_kv_tokens(3, 17, 16) == 3 * 2 * 16  # 17 tokens take 2 blocks each
     assert batch_kv_tokens(4, 32, 16) == 4 * 32
     assert pool_blocks(100, 8) == 13 and pool_blocks(96, 8) == 12
+
+
+def test_a_pool_remade_under_inference_mode_serves_a_live_policy():
+    """A request under the caller's inference_mode re-makes the pool as plain tensors, so a later
+    batch on a module in training mode (run under no_grad) can still write its KV."""
+    model = tiny_model(seed=3)
+    engine = _engine(model)
+    prompts = random_prompts([6, 10], seed=4)
+    engine.release_kv_cache()
+    with torch.inference_mode():
+        first = engine.run_batch(prompts, GREEDY)
+    assert not engine.runner.kv_caches[0][0].is_inference()
+    model.train()
+    try:
+        again = engine.run_batch(prompts, GREEDY)
+    finally:
+        model.eval()
+    assert _flat(again) == _flat(first)

@@ -172,8 +172,11 @@ class ModelRunner:
         self.release_kv_cache()
         self.num_blocks = num_blocks
         scratch = 1 if self.graph_setup is not None else 0
-        self.kv_caches = self.model.allocate_kv_cache(num_blocks + scratch, self.block_size, dtype=self.dtype,
-                                                      device=self.device)
+        # plain tensors even when made under a caller's inference_mode: a live policy's steps
+        # (no_grad) write into them, which an inference tensor refuses
+        with torch.inference_mode(False):
+            self.kv_caches = self.model.allocate_kv_cache(num_blocks + scratch, self.block_size, dtype=self.dtype,
+                                                          device=self.device)
         if self.graph_setup is not None:
             self.graphs = CUDAGraphDecode.for_engine(self.model, self.kv_caches, self.block_size, num_blocks,
                                                      *self.graph_setup)
