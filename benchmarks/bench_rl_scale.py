@@ -16,9 +16,13 @@ figure on a shared machine) and the peak RSS minus the RSS after building model 
   pad    chunked lm head at the labelled tokens, padded rows
   sort   chunked head, samples sorted by length into micro-batches, each trimmed to its longest
   pack   chunked head, rows packed padding-free (first-fit decreasing, document ids)
+``--kv_pool keep|release`` adds the rollout engine of that rollout (32 sequences at its padded
+length, ``rollout.batch_engine``) to the process before the base RSS is read: ``keep`` holds its
+KV pool through the steps (``keep_kv_pool: true``), ``release`` frees it and, after each step,
+times making it again and freeing it (``kv_remake_s``), as the rollout runner does per rollout.
 
     .venv/bin/python benchmarks/bench_rl_scale.py [--settings old,pad,sort,pack] [--repeats 2]
-        [--micro 2] [--entropy] [--chunk ELEMENTS] [--layers 30] [--tiny]
+        [--micro 2] [--entropy] [--chunk ELEMENTS] [--layers 30] [--tiny] [--kv_pool keep|release]
 """
 
 from __future__ import annotations
@@ -78,12 +82,13 @@ def child(args: argparse.Namespace) -> dict:
     rollout.input_ids.clamp_(max=shape["vocab_size"] - 1)
     rollout.labels = torch.where(rollout.labels >= 0, rollout.labels.clamp(max=shape["vocab_size"] - 1), -100)
     objective.prepare(rollout)
+    base = current_rss_mb()
+    engine, remake = kv_pool_engine(model, rollout, args.kv_pool), []
     if args.setting == "old":
         objective.logps = old_logps(cfg.rl)
         objective.layout = "pad"
     else:
         objective.layout = args.setting
-    base = current_rss_mb()
     seconds, cpu = [], []
     for _ in range(args.steps):
         t0, c0 = time.perf_counter(), time.process_time()
@@ -92,10 +97,29 @@ def child(args: argparse.Namespace) -> dict:
         seconds.append(time.perf_counter() - t0)
         cpu.append(time.process_time() - c0)
         model.zero_grad(set_to_none=True)
-    return {"setting": args.setting, "s_per_step": statistics.median(seconds[1:] or seconds),
+        if args.kv_pool == "release":  # the next rollout's pool, made and freed again
+            t0 = time.perf_counter()
+            engine.reserve_kv_cache(engine.initial_num_blocks * engine.config.block_size)
+            engine.release_kv_cache()
+            remake.append(time.perf_counter() - t0)
+    extra = {"kv_remake_s": statistics.median(remake)} if remake else {}
+    return {**extra, "setting": args.setting, "s_per_step": statistics.median(seconds[1:] or seconds),
             "cpu_s_per_step": statistics.median(cpu[1:] or cpu),
             "peak_rss_mb": rss_mb(), "step_rss_mb": rss_mb() - base,
             "tokens": int(rollout.attention_mask.sum()), "padded": int(rollout.attention_mask.numel())}
+
+
+def kv_pool_engine(model, rollout, kv_pool: str):
+    """The rollout's engine for --kv_pool (None without): room for every row at the rollout's length."""
+    if kv_pool == "none":
+        return None
+    from astrai.train.rl.rollout import batch_engine
+
+    N, T = rollout.input_ids.shape
+    engine = batch_engine(model, None, N, T, bf16=False)
+    if kv_pool == "release":
+        engine.release_kv_cache()
+    return engine
 
 
 def main() -> None:
@@ -109,6 +133,8 @@ def main() -> None:
     p.add_argument("--chunk", type=int, default=0, help="LOGITS_CHUNK_ELEMENTS override")
     p.add_argument("--layers", type=int, default=0)
     p.add_argument("--tiny", action="store_true", help="bench_rl's tiny model shape instead")
+    p.add_argument("--kv_pool", choices=["none", "keep", "release"], default="none",
+                   help="the rollout engine's KV pool held through the steps, or freed and timed re-made")
     p.add_argument("--setting", help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.setting:
@@ -128,6 +154,9 @@ def main() -> None:
         print(f"{setting:8} {med['s_per_step']:8.2f} {med['cpu_s_per_step']:11.2f} {med['peak_rss_mb']:12.0f} "
               f"{med['step_rss_mb']:13.0f}")
     first = next(iter(results.values()))[0]
+    if "kv_remake_s" in first:
+        remake = statistics.median(r["kv_remake_s"] for rows in results.values() for r in rows)
+        print(f"KV pool made again and freed: {remake:.3f} s per rollout")
     print(f"rollout: {first['tokens']} real tokens in {first['padded']} padded positions")
 
 
