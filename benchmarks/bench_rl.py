@@ -280,7 +280,9 @@ def main(argv: list[str] | None = None) -> int:
         results = {}
         for name in args.systems.split(","):
             print(f"bench_rl: running {name} ...", file=sys.stderr, flush=True)
-            results[name] = run_child(name, prompts, model_dir, tmp / name, args)
+            r = results[name] = run_child(name, prompts, model_dir, tmp / name, args)
+            print(f"bench_rl: {name}: {r['step_s']:.3f} s/step, {r['cpu_s']:.3f} CPU s/step, peak RSS "
+                  f"{r['peak_rss_mb']:.0f} MB", file=sys.stderr, flush=True)
     print_table(results, args, args.model.name if args.model else "a fresh tiny model")
     if args.json:
         settings = {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()
