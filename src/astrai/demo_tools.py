@@ -7,7 +7,7 @@ Stages, each reused when a re-run finds it finished (as in `astrai demo`):
   tokenizer a byte-level BPE trained on the rendered conversations (the tool's schema included);
   sft       a tiny model trained from scratch on the conversations: it learns both ways of
             answering, but a model this small cannot multiply in its head, so only the tool
-            way is right; the majority way (no tool) is what it does greedily;
+            way is right (when it copies the tool's result well, which takes most of the steps);
   eval      held-out accuracy and tool-use rate of the SFT model: multi-turn episodes through the
             engine (the model's tool calls run, their results go back as `tool` messages), greedy
             and sampled (temperature 1, the rollouts' policy);
@@ -31,11 +31,11 @@ MODEL = {  # the demo's model shape (~100k parameters); vocab_size comes from th
     "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
     "num_key_value_heads": 2, "max_position_embeddings": 256, "tie_word_embeddings": True,
 }
-# 2-digit factors (products up to 4 digits); 30% of the SFT conversations call the tool
-TASK = {"digits": 2, "num_traces": 1000, "tool_share": 0.3, "num_prompts": 3000, "num_eval": 100}
+# 2-digit factors (products up to 4 digits); half of the SFT conversations call the tool
+TASK = {"digits": 2, "num_traces": 1000, "tool_share": 0.5, "num_prompts": 3000, "num_eval": 100}
 VOCAB_SIZE = 440  # what BPE reaches on the rendered conversations (fewer are kept if it stops earlier)
 BUDGET_MINUTES = 8.0  # the default --minutes; it scales the steps below
-SFT = {"steps": 1500, "batch": 16, "max_seq_len": 256, "max_lr": 3e-3}
+SFT = {"steps": 3000, "batch": 16, "max_seq_len": 256, "max_lr": 3e-3}
 RL = {"steps": 40, "prompts": 32, "group_size": 8, "rollout_interval": 2, "max_tokens": 40, "max_turns": 3,
       "max_lr": 5e-4, "warmup_steps": 3}
 EVAL = {"max_tokens": 40, "max_prompt_len": 160, "samples": 4}  # samples per prompt at temperature 1
