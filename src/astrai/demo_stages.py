@@ -6,11 +6,14 @@ from __future__ import annotations
 
 import json
 import shutil
+import signal
 import time
 from pathlib import Path
 from typing import Any
 
 import yaml
+
+from astrai.train import signals
 
 MODEL_FILES = ("config.json", "model.safetensors", "generation_config.json", "tokenizer.json",
                "tokenizer_config.json")
@@ -35,6 +38,11 @@ def run_stage(name: str, stage_dir: Path, fn, log) -> dict[str, Any]:
     log(f"[{name}] running")
     start = time.perf_counter()
     info = fn() or {}
+    stopped_by = signals.last_signal()  # `astrai train` ends a stopped run with a checkpoint and exit 0
+    if stopped_by is not None:
+        log(f"[{name}] stopped by {signal.Signals(stopped_by).name}: the stage is not marked finished; run the "
+            "demo again to redo it")
+        raise SystemExit(128 + stopped_by)
     info["seconds"] = round(time.perf_counter() - start, 1)
     log(f"[{name}] done in {info['seconds']} s")
     return mark_done(stage_dir, info)
