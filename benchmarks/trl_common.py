@@ -1,4 +1,4 @@
-"""What the TRL-side benchmarks share: step clocks, TRL's trainer configs and reward, and its timed generation.
+"""What the TRL-side benchmarks share: step clocks and step memory, TRL's trainer configs and reward, and its timed generation.
 
 `bench_rl.py` (step time on a fresh model) and `compare_trl.py` (step time, memory and accuracy
 reached from an SFT'd model) run TRL's `GRPOTrainer`, `RLOOTrainer` and `DPOTrainer` on astrai's
