@@ -13,6 +13,8 @@ Stages, each reused when a re-run finds it finished (a `stage.json` marker):
             (online GRPO by default; `--algo ppo | online_dpo`), rewarded by `exact_match`,
             then scored on the same held-out problems;
 and finally a markdown report with plots of the training curves and of the accuracy per stage.
+`--algo tools` runs another demo instead: a calculator tool learned by multi-turn online RL
+(`astrai.demo_tools`, in out/demo-tools).
 """
 
 from __future__ import annotations
