@@ -294,7 +294,7 @@ def row_grpo(args) -> dict:
     tmp = Path(tempfile.mkdtemp())
     rl = argparse.Namespace(steps=2 if args.quick else 6, prompts=2 if args.quick else 8, group_size=4 if args.quick
                             else 8, max_tokens=8 if args.quick else 64, lr=1e-4, seed=0)
-    prompts, model_dir = setup(tmp, rl.prompts * rl.steps, 0)
+    prompts, model_dir = setup(tmp, rl.prompts * rl.steps, 0, None)  # None: a fresh tiny model
     stamps: list[float] = []
 
     class Clock:
