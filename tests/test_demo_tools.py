@@ -2,16 +2,18 @@
 
 The SFT model calls the `multiply` tool in about 70% of its sampled episodes (as often as its
 traces did) and answers the rest from its head, wrongly; online GRPO with `CalculatorEnv` makes it
-call the tool nearly always. Measured 2026-12-02 over 5 runs (seeds 0, 1, 2, 3 at one thread, seed
-0 at two threads; each seed also draws its own problems), on the 100 held-out problems, sampled at
-temperature 1 (4 episodes per problem, the rollouts' policy), SFT -> RL:
-  tool use  70 -> 91, 70 -> 100, 69 -> 99, 68 -> 98, 75 -> 99%   (gain +21 to +31 points)
-  accuracy  12.8 -> 20.8, 68.2 -> 95.8, 67.8 -> 95.8, 62.3 -> 92.2, 68.2 -> 90.8%   (gain +8 to +30)
-  rollout reward (first / last 10 steps)  0.14 -> 0.22, 0.78 -> 0.98, 0.76 -> 0.98, 0.79 -> 0.96, 0.75 -> 0.91
+call the tool nearly always. Measured 2026-12-02 over 7 runs (seeds 0-4 at one thread, seeds 0
+and 1 at two threads; each seed also draws its own problems), on the 100 held-out problems, sampled
+at temperature 1 (4 episodes per problem, the rollouts' policy), SFT -> RL, in that order:
+  tool use  70 -> 91, 70 -> 100, 69 -> 99, 68 -> 98, 68 -> 94, 75 -> 99, 69 -> 99%   (gain +21 to +31 points)
+  accuracy  12.8 -> 20.8, 68.2 -> 95.8, 67.8 -> 95.8, 62.3 -> 92.2, 22.0 -> 31.2, 68.2 -> 90.8,
+            65.0 -> 95.8%   (gain +8 to +31)
+  rollout reward (first / last 10 steps)  0.14 -> 0.22, 0.78 -> 0.98, 0.76 -> 0.98, 0.79 -> 0.96,
+            0.29 -> 0.35, 0.75 -> 0.91, 0.78 -> 0.96
 Greedy decoding already calls the tool after SFT (the call is its single most likely first
-token), so greedy accuracy is what copying the result allows: 79-100% after SFT, 75-100% after RL;
-it is reported, not asserted. Seed 0 at one thread (this test) is the weak run: its SFT copied
-the tool's result less reliably when sampling. Margins, about half the measured minimum: tool use
+token), so greedy accuracy is what copying the result allows: 52-100% after SFT, 45-100% after RL;
+it is reported, not asserted. Seed 0 at one thread (this test) and seed 4 are the weak runs: their
+SFT copied the tool's result less reliably. Margins, about half the measured minimum: tool use
 +10 points, accuracy +4 points; the rollout reward must rise. With 2 layers, or with 50% of the
 traces calling the tool, copying the result was not learned at all for some seeds (held-out
 accuracy about 1%), so those settings were dropped. About 5 minutes on 2 idle cores.
