@@ -363,10 +363,22 @@ def test_config_checks_multi_turn_fields():
     assert cfg.rl.tools == ["m:f", "m:g"] and cfg.rl.environment == "m:E"
 
 
+def assert_stopped_run_equals_straight(tmp_path) -> None:
+    """The resumed run in tmp_path/stopped logged the metrics and reached the weights of the
+    uninterrupted one in tmp_path/straight, bit for bit."""
+    from tests.train.test_rl import _weights
+
+    keys = ("step", "policy_version", "loss", "grad_norm", "reward_mean", "turns_per_episode")
+    got = [{k: m.get(k) for k in keys} for m in read_metrics(tmp_path / "stopped")]
+    want = [{k: m.get(k) for k in keys} for m in read_metrics(tmp_path / "straight")]
+    assert got == want
+    a, b = _weights(tmp_path / "stopped"), _weights(tmp_path / "straight")
+    assert a.keys() == b.keys() and all(a[k].equal(b[k]) for k in a)
+
+
 @pytest.mark.slow
 def test_sigterm_and_resume_of_a_multi_turn_run_equals_the_uninterrupted_run(tmp_path, tok_dir):
     """Episodes are redrawn reproducibly: seeds from (random_seed, step, prompt, sample, turn)."""
-    from tests.train.test_rl import _weights
 
     runs = {}
     for name in ("straight", "stopped"):
@@ -376,12 +388,7 @@ def test_sigterm_and_resume_of_a_multi_turn_run_equals_the_uninterrupted_run(tmp
     assert main(["--config", str(runs["straight"])]) == 0
     sigterm_after_step(runs["stopped"], 3, tmp_path)
     assert main(["--config", str(runs["stopped"]), "--resume"]) == 0
-    keys = ("step", "policy_version", "loss", "grad_norm", "reward_mean", "turns_per_episode")
-    got = [{k: m.get(k) for k in keys} for m in read_metrics(tmp_path / "stopped")]
-    want = [{k: m.get(k) for k in keys} for m in read_metrics(tmp_path / "straight")]
-    assert got == want
-    a, b = _weights(tmp_path / "stopped"), _weights(tmp_path / "straight")
-    assert a.keys() == b.keys() and all(a[k].equal(b[k]) for k in a)
+    assert_stopped_run_equals_straight(tmp_path)
 
 
 # ------------------------------------------------------------------------------ the calculator example
@@ -438,7 +445,6 @@ def test_a_stop_while_episodes_are_in_flight_redraws_them_on_resume(tmp_path, to
     dropped, the run stops at step 4, and the resumed run redraws those episodes with the same
     seeds, ending equal to the uninterrupted run."""
     from astrai.train.checkpoint import latest_checkpoint
-    from tests.train.test_rl import _weights
 
     runs = {}
     for name in ("straight", "stopped"):
@@ -452,9 +458,4 @@ def test_a_stop_while_episodes_are_in_flight_redraws_them_on_resume(tmp_path, to
     assert proc.returncode == 0 and "stopped at step 4" in proc.stderr, proc.stderr[-2000:]
     assert latest_checkpoint(tmp_path / "stopped" / "ckpt").name == "step_00000004"
     assert main(["--config", str(runs["stopped"]), "--resume"]) == 0
-    keys = ("step", "policy_version", "loss", "grad_norm", "reward_mean", "turns_per_episode")
-    got = [{k: m.get(k) for k in keys} for m in read_metrics(tmp_path / "stopped")]
-    want = [{k: m.get(k) for k in keys} for m in read_metrics(tmp_path / "straight")]
-    assert got == want
-    a, b = _weights(tmp_path / "stopped"), _weights(tmp_path / "straight")
-    assert a.keys() == b.keys() and all(a[k].equal(b[k]) for k in a)
+    assert_stopped_run_equals_straight(tmp_path)
