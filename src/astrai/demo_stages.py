@@ -95,7 +95,8 @@ def throughput(metrics_path: Path) -> dict[str, Any]:
 
 
 def rl_curves(metrics_path: Path) -> dict[str, Any]:
-    """Reward and response length at the start and the end (means of 10 steps), rollout tokens/s."""
+    """Reward and response length at the start and the end (means of 10 steps), rollout tokens/s;
+    for multi-turn runs also the tool-use rate of the rollouts in those steps."""
     rows = [json.loads(line) for line in metrics_path.read_text().splitlines() if line.strip()]
     rows = [r for r in rows if "reward_mean" in r]
     if not rows:
@@ -106,10 +107,14 @@ def rl_curves(metrics_path: Path) -> dict[str, Any]:
         return round(sum(r[key] for r in part) / len(part), 3)
 
     speeds = sorted(r["rollout_tokens_per_s"] for r in rows if "rollout_tokens_per_s" in r)
-    return {"reward_first": mean("reward_mean", rows[:k]), "reward_last": mean("reward_mean", rows[-k:]),
-            "length_first": mean("response_length_mean", rows[:k]),
-            "length_last": mean("response_length_mean", rows[-k:]), "curve_window": k,
-            "rollout_tokens_per_s": round(speeds[len(speeds) // 2], 1) if speeds else None}
+    curves = {"reward_first": mean("reward_mean", rows[:k]), "reward_last": mean("reward_mean", rows[-k:]),
+              "length_first": mean("response_length_mean", rows[:k]),
+              "length_last": mean("response_length_mean", rows[-k:]), "curve_window": k,
+              "rollout_tokens_per_s": round(speeds[len(speeds) // 2], 1) if speeds else None}
+    first, last = ([r for r in part if "tool_use_rate" in r] for part in (rows[:k], rows[-k:]))
+    if first and last:  # multi-turn runs: the share of episodes that called a tool, on the rollouts of the window
+        curves.update(tool_use_first=mean("tool_use_rate", first), tool_use_last=mean("tool_use_rate", last))
+    return curves
 
 
 def plot_accuracy(out: Path, accuracies: dict[str, float]) -> Path:

@@ -131,16 +131,6 @@ def rl_config(out: Path, tok_dir: Path, steps: int, seed: int) -> dict[str, Any]
     }
 
 
-def tool_curves(metrics_path: Path, k: int) -> dict[str, float]:
-    """The rollouts' tool-use rate at the start and the end (means of `k` rollouts)."""
-    rows = [json.loads(line) for line in metrics_path.read_text().splitlines() if line.strip()]
-    rates = [r["tool_use_rate"] for r in rows if "tool_use_rate" in r]
-    if not rates:
-        return {}
-    k = max(1, min(k, len(rates) // 2))
-    return {"tool_use_first": round(sum(rates[:k]) / k, 3), "tool_use_last": round(sum(rates[-k:]) / k, 3)}
-
-
 def run_tools_demo(args: argparse.Namespace) -> int:
     """`astrai demo --algo tools` (args: out, minutes, seed; threads are set by the caller)."""
     out, scale = Path(args.out), args.minutes / BUDGET_MINUTES
@@ -162,7 +152,6 @@ def run_tools_demo(args: argparse.Namespace) -> int:
     def rl_stage() -> dict[str, Any]:
         info = train_stage(out / "rl-tools", rl)
         info.update(rl_curves(out / "rl-tools" / "metrics.jsonl"))
-        info.update(tool_curves(out / "rl-tools" / "metrics.jsonl", info.get("curve_window", 5)))
         info["eval"] = evaluate_both(out / "rl-tools" / "final", eval_path, args.seed)
         return info
 
