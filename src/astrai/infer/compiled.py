@@ -55,12 +55,14 @@ class CompiledDecode:
         for mlp in self.mlps:  # an instance attribute: parameter names and state_dict stay as they are
             mlp.forward = self._forward_of(mlp)
 
-    def _forward_of(self, mlp: MLP) -> Callable[[Tensor], Tensor]:
-        def forward(x: Tensor) -> Tensor:
-            weights = (mlp.gate_proj.weight, mlp.up_proj.weight, mlp.down_proj.weight)
+    def _forward_of(self, mlp: MLP) -> Callable[..., Tensor]:
+        def forward(x: Tensor, norm: nn.Module | None = None) -> Tensor:
             n = x.size(-2)
             if not self.active or torch.is_grad_enabled() or n > self.buckets[-1]:
-                return swiglu(x, *weights)
+                return MLP.forward(mlp, x, norm)
+            if norm is not None:
+                x = norm(x)
+            weights = (mlp.gate_proj.weight, mlp.up_proj.weight, mlp.down_proj.weight)
             bucket = next(b for b in self.buckets if b >= n)
             padded = F.pad(x, (0, 0, 0, bucket - n)) if bucket != n else x  # (..., bucket, C)
             self.num_calls += 1

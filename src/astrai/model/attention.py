@@ -26,7 +26,7 @@ from astrai.model.kernels import (
     paged_decode,
     to_device,
 )
-from astrai.model.ops import apply_rope, rms_norm
+from astrai.model.ops import apply_rope, norm_linears, rms_norm
 
 
 class RMSNorm(nn.Module):
@@ -373,14 +373,17 @@ class Attention(nn.Module):
     def forward(
         self, x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor | None,
         meta: PagedAttentionMetadata | None = None, query_idx: Tensor | None = None,
+        norm: RMSNorm | None = None,
     ) -> Tensor:
-        """x (B, T, C) -> (B, T, C); with `query_idx` (K,) (padded batches only) only those
-        positions query, every position still gives keys and values, and the result is (B, K, C)."""
+        """x (B, T, C) -> (B, T, C), attending over norm(x) when a `norm` is given; with
+        `query_idx` (K,) (padded batches only) only those positions query, every position still
+        gives keys and values, and the result is (B, K, C)."""
         B, T, _ = x.shape
-        xq, cos_q, sin_q = (x, cos, sin) if query_idx is None else (x[:, query_idx], cos[:, query_idx], sin[:, query_idx])
-        q = self.q_proj(xq).view(B, xq.size(1), self.num_heads, self.head_dim)  # (B, Tq, H, D)
-        k = self.k_proj(x).view(B, T, self.num_kv_heads, self.head_dim)  # (B, T, Hkv, D)
-        v = self.v_proj(x).view(B, T, self.num_kv_heads, self.head_dim)
+        cos_q, sin_q = (cos, sin) if query_idx is None else (cos[:, query_idx], sin[:, query_idx])
+        q, k, v = self._project(x, norm, query_idx)
+        q = q.view(B, q.size(1), self.num_heads, self.head_dim)  # (B, Tq, H, D)
+        k = k.view(B, T, self.num_kv_heads, self.head_dim)  # (B, T, Hkv, D)
+        v = v.view(B, T, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, cos_q, sin_q), apply_rope(k, cos, sin)
@@ -403,6 +406,22 @@ class Attention(nn.Module):
         else:
             out = self._paged(q[0], k[0], v[0], meta)[None]
         return self.o_proj(out.reshape(B, q.size(1), self.num_heads * self.head_dim))
+
+    def _project(self, x: Tensor, norm: RMSNorm | None, query_idx: Tensor | None) -> tuple[Tensor, Tensor, Tensor]:
+        """q (at `query_idx` only, when given), k and v of norm(x). With gradients and plain
+        linears, one `norm_linears`: the normed input is recomputed in backward, not saved."""
+        if norm is not None and query_idx is None and self.fusable:
+            projections = (self.q_proj, self.k_proj, self.v_proj)
+            return norm_linears(x, norm.weight, norm.eps, [p.weight for p in projections],
+                                [p.bias for p in projections])
+        if norm is not None:
+            x = norm(x)
+        return self.q_proj(x if query_idx is None else x[:, query_idx]), self.k_proj(x), self.v_proj(x)
+
+    @property
+    def fusable(self) -> bool:
+        """q, k and v are plain linears (not LoRA-wrapped): the norm may run inside them."""
+        return all(type(p) is nn.Linear for p in (self.q_proj, self.k_proj, self.v_proj))
 
     def _gather(self, cache: Tensor, blocks: Tensor) -> Tensor:
         """Whole cache blocks, back to back: (len(blocks) * block_size, Hkv, D)."""

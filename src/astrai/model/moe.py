@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from astrai.model.config import ModelConfig
+from astrai.model.ops import swiglu
 
 
 class MLP(nn.Module):
@@ -22,8 +23,19 @@ class MLP(nn.Module):
         self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
 
-    def forward(self, x: Tensor) -> Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+    def forward(self, x: Tensor, norm: nn.Module | None = None) -> Tensor:
+        """down(silu(gate(h)) * up(h)) for h = x, or h = norm(x) for an `RMSNorm` `norm`. Plain
+        linears run as one `swiglu` (which saves the products' inputs only); wrapped ones (LoRA)
+        op by op."""
+        if self.fusable:
+            return swiglu(x, self.gate_proj.weight, self.up_proj.weight, self.down_proj.weight,
+                          norm=None if norm is None else (norm.weight, norm.eps))
+        h = x if norm is None else norm(x)
+        return self.down_proj(F.silu(self.gate_proj(h)) * self.up_proj(h))
+
+    @property
+    def fusable(self) -> bool:
+        return all(type(p) is nn.Linear and p.bias is None for p in (self.gate_proj, self.up_proj, self.down_proj))
 
 
 def load_balancing_loss(router_probs: Tensor, top_idx: Tensor, num_experts: int) -> Tensor:

@@ -54,13 +54,13 @@ class DecoderLayer(nn.Module):
         meta: PagedAttentionMetadata | None, token_mask: Tensor | None, keep: Tensor | None = None,
     ) -> tuple[Tensor, Tensor | None, dict]:
         """x (B, T, C) -> (B, T, C); with `keep` (K,) only those positions' outputs, (B, K, C)."""
-        attn = self.self_attn(self.input_layernorm(x), cos, sin, mask, meta, query_idx=keep)
+        # the norms run inside the projections that read them (their outputs are not saved)
+        attn = self.self_attn(x, cos, sin, mask, meta, query_idx=keep, norm=self.input_layernorm)
         x = x + attn if keep is None else x[:, keep] + attn
-        h = self.post_attention_layernorm(x)
         if self.is_moe:
-            y, aux, stats = self.mlp(h, token_mask)
+            y, aux, stats = self.mlp(self.post_attention_layernorm(x), token_mask)
         else:
-            y, aux, stats = self.mlp(h), None, {}
+            y, aux, stats = self.mlp(x, norm=self.post_attention_layernorm), None, {}
         return x + y, aux, stats
 
 
