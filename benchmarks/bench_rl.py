@@ -26,6 +26,9 @@ seconds per step (the robust figure on a shared machine), rollout tokens per ste
 of the steps (the kernel's high-water mark reset once model and optimizer are loaded) and what
 the steps add to the RSS after loading. Ratios are against TRL with gradient checkpointing off
 (the same work as astrai's default); TRL's default (checkpointing on) is a second row.
+Two more rows separate the C allocator's policy from the rest: astrai with glibc's default
+(`host_mmap_threshold_mb 0`; astrai's default fixes the mmap threshold at 1 MiB), and TRL with
+the same fixed threshold from the environment (`MALLOC_MMAP_THRESHOLD_`).
 
     .venv/bin/python benchmarks/bench_rl.py [--quick] [--model DIR] [--steps N] [--prompts B]
         [--group_size G] [--max_tokens T] [--threads N] [--systems astrai,trl,...] [--stop_at_eos] [--json PATH]
@@ -61,7 +64,13 @@ SYSTEMS = {
     "trl_ckpt": ("TRL GRPOTrainer, checkpointing on (default)", "trl", True),
     "astrai_dpo": ("astrai online_dpo", "online_dpo", False),
     "astrai_ppo": ("astrai online_ppo", "online_ppo", False),
+    # the C allocator's policy, each way on each side: astrai fixes glibc's mmap threshold at
+    # 1 MiB by default (rl.host_mmap_threshold_mb); TRL gets the same policy from the environment
+    "astrai_heap": ("astrai online_grpo, glibc's default allocator (host_mmap_threshold_mb 0)", "online_grpo", False),
+    "trl_mmap": ("TRL GRPOTrainer, checkpointing off, MALLOC_MMAP_THRESHOLD_=1 MiB", "trl", False),
 }
+CHILD_ENV = {"trl_mmap": {"MALLOC_MMAP_THRESHOLD_": str(2**20)}}  # glibc reads it when the process starts
+CHILD_FLAGS = {"astrai_heap": {"host_mmap_threshold_mb": 0}}
 TINY_DEFAULTS = {"steps": 8, "prompts": 8, "group_size": 8, "max_tokens": 16, "threads": 1, "lr": 1e-4}
 MODEL_DEFAULTS = {"steps": 3, "prompts": 8, "group_size": 4, "max_tokens": 64, "threads": 2, "lr": 1e-6}
 RESULT = "BENCH_RL_RESULT "  # the child's last stdout line: this prefix, then its JSON summary
@@ -108,7 +117,7 @@ def force_full_length() -> None:
 
 
 def run_astrai(prompts: Path, model_dir: Path, out: Path, args: argparse.Namespace, train_type: str,
-               checkpointing: bool) -> dict[str, float]:
+               checkpointing: bool, extra_flags: dict[str, Any] | None = None) -> dict[str, float]:
     from trl_common import StepClock, StepMemory
 
     from astrai.config import load_config
@@ -137,7 +146,8 @@ def run_astrai(prompts: Path, model_dir: Path, out: Path, args: argparse.Namespa
              "rollout_temperature": 1.0, "max_steps": args.steps, "n_epoch": 100, "max_lr": args.lr,
              "schedule": "constant", "max_grad_norm": 1.0, "kl_coef": 0.0, "clip_eps": 0.2,
              "rl_loss_agg": "token_mean", "random_seed": args.seed, "ckpt_dir": out / "ckpt", "ckpt_interval": 0,
-             "log_dir": out, "progress": False, "gradient_checkpointing": checkpointing, "rewards": rewards}
+             "log_dir": out, "progress": False, "gradient_checkpointing": checkpointing, "rewards": rewards,
+             **(extra_flags or {})}
     cfg = load_config(None, [item for k, v in flags.items() for item in (f"--{k}", str(v))])
     OnlineLoop(cfg, callbacks=[Clock()]).train()
     return {**clock.summary(), **memory.summary()}
@@ -181,7 +191,8 @@ def child(args: argparse.Namespace) -> int:
     if train_type == "trl":
         result = run_trl(Path(args.prompts_path), Path(args.model_dir), out, args, checkpointing)
     else:
-        result = run_astrai(Path(args.prompts_path), Path(args.model_dir), out, args, train_type, checkpointing)
+        result = run_astrai(Path(args.prompts_path), Path(args.model_dir), out, args, train_type, checkpointing,
+                            CHILD_FLAGS.get(args.child))
     print(RESULT + json.dumps(result), flush=True)
     return 0
 
@@ -192,7 +203,7 @@ def run_child(name: str, prompts: Path, model_dir: Path, out: Path, args: argpar
            "--out", str(out), "--steps", str(args.steps), "--prompts", str(args.prompts),
            "--group_size", str(args.group_size), "--max_tokens", str(args.max_tokens), "--lr", str(args.lr),
            "--threads", str(args.threads), "--seed", str(args.seed)] + (["--stop_at_eos"] if args.stop_at_eos else [])
-    proc = subprocess.run(cmd, capture_output=True, text=True)
+    proc = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, **CHILD_ENV.get(name, {})})
     lines = [line for line in proc.stdout.splitlines() if line.startswith(RESULT)]
     if proc.returncode != 0 or not lines:
         raise RuntimeError(f"bench_rl: system {name!r} failed (exit {proc.returncode}):\n{proc.stderr[-4000:]}")

@@ -50,6 +50,9 @@ def validate(cfg: Config) -> None:
                           f"{rl.rewards}; give one weight per reward")
     if not rl.rewards and not rl.environment:
         raise ConfigError("rewards is empty; name at least one reward (e.g. [exact_match]) or an environment")
+    if not 0 <= rl.host_mmap_threshold_mb <= 32:
+        raise ConfigError(f"host_mmap_threshold_mb={rl.host_mmap_threshold_mb} must be within [0, 32] (MiB; glibc "
+                          f"accepts at most 32); use 1, or 0 to keep the C allocator's default")
     if rl.max_turns < 1:
         raise ConfigError(f"max_turns={rl.max_turns} must be >= 1 (assistant turns per multi-turn episode)")
     if "overlong" in rl.rewards and not 0 < rl.overlong_buffer <= rl.rollout_max_tokens:

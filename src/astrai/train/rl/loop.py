@@ -38,6 +38,7 @@ from astrai.train.build import (
     setup_objective,
 )
 from astrai.train.context import TrainContext
+from astrai.train.host_memory import set_mmap_threshold
 from astrai.train.objectives import LossOutput, num_tokens
 from astrai.train.rl.guard import RewardsInterrupted
 from astrai.train.rl.rewards import RewardSet
@@ -85,6 +86,7 @@ class OnlineLoop:
                  prompts: Any = None, callbacks: list[Any] | None = None, ctx: TrainContext | None = None):
         cfg = self.config = config
         self.ctx = ctx or TrainContext()
+        set_mmap_threshold(cfg.rl.host_mmap_threshold_mb)  # before the model: nothing fragments the heap first
         run = build_run(cfg, model, tokenizer)  # ranks, seed, tokenizer, model, objective, wrapping
         self.dist, self.device, self.is_main = run.dist, run.device, run.is_main
         self.tokenizer, self.raw_model, self.model, self.objective = run.tokenizer, run.raw_model, run.model, run.objective
