@@ -26,9 +26,9 @@ seconds per step (the robust figure on a shared machine), rollout tokens per ste
 of the steps (the kernel's high-water mark reset once model and optimizer are loaded) and what
 the steps add to the RSS after loading. Ratios are against TRL with gradient checkpointing off
 (the same work as astrai's default); TRL's default (checkpointing on) is a second row.
-Two more rows separate the C allocator's policy from the rest: astrai with glibc's default
-(`host_mmap_threshold_mb 0`; astrai's default fixes the mmap threshold at 1 MiB), and TRL with
-the same fixed threshold from the environment (`MALLOC_MMAP_THRESHOLD_`).
+Two more rows show the C allocator's policy on each side: astrai with glibc's mmap threshold
+fixed at 1 MiB (`host_mmap_threshold_mb 1`; the default keeps glibc's), and TRL with the same
+fixed threshold from the environment (`MALLOC_MMAP_THRESHOLD_`).
 
     .venv/bin/python benchmarks/bench_rl.py [--quick] [--model DIR] [--steps N] [--prompts B]
         [--group_size G] [--max_tokens T] [--threads N] [--systems astrai,trl,...] [--stop_at_eos] [--json PATH]
@@ -64,13 +64,13 @@ SYSTEMS = {
     "trl_ckpt": ("TRL GRPOTrainer, checkpointing on (default)", "trl", True),
     "astrai_dpo": ("astrai online_dpo", "online_dpo", False),
     "astrai_ppo": ("astrai online_ppo", "online_ppo", False),
-    # the C allocator's policy, each way on each side: astrai fixes glibc's mmap threshold at
-    # 1 MiB by default (rl.host_mmap_threshold_mb); TRL gets the same policy from the environment
-    "astrai_heap": ("astrai online_grpo, glibc's default allocator (host_mmap_threshold_mb 0)", "online_grpo", False),
+    # the C allocator's policy, each way on each side: astrai's rl.host_mmap_threshold_mb 1 fixes
+    # glibc's mmap threshold at 1 MiB; TRL gets the same policy from the environment
+    "astrai_mmap": ("astrai online_grpo, host_mmap_threshold_mb 1", "online_grpo", False),
     "trl_mmap": ("TRL GRPOTrainer, checkpointing off, MALLOC_MMAP_THRESHOLD_=1 MiB", "trl", False),
 }
 CHILD_ENV = {"trl_mmap": {"MALLOC_MMAP_THRESHOLD_": str(2**20)}}  # glibc reads it when the process starts
-CHILD_FLAGS = {"astrai_heap": {"host_mmap_threshold_mb": 0}}
+CHILD_FLAGS = {"astrai_mmap": {"host_mmap_threshold_mb": 1}}
 TINY_DEFAULTS = {"steps": 8, "prompts": 8, "group_size": 8, "max_tokens": 16, "threads": 1, "lr": 1e-4}
 MODEL_DEFAULTS = {"steps": 3, "prompts": 8, "group_size": 4, "max_tokens": 64, "threads": 2, "lr": 1e-6}
 RESULT = "BENCH_RL_RESULT "  # the child's last stdout line: this prefix, then its JSON summary

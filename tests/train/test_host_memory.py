@@ -59,3 +59,21 @@ def test_the_environment_wins():
 def test_out_of_range_is_one_clear_line(value):
     with pytest.raises(ConfigError, match=rf"host_mmap_threshold_mb={value} must be within \[0, 32\]"):
         load_config(None, ["--train_type", "online_grpo", "--host_mmap_threshold_mb", str(value)])
+
+
+@pytest.mark.parametrize("megabytes", [0, 1])
+def test_the_online_loop_applies_the_setting_before_the_model(tmp_path, monkeypatch, megabytes):
+    import astrai.train.rl.loop as loop_mod
+    from astrai.train.rl.loop import OnlineLoop
+    from tests.train.resume_data import write_tokenizer
+    from tests.train.test_rl import write_rl_run
+
+    calls = []
+    real_build = loop_mod.build_run
+    monkeypatch.setattr(loop_mod, "set_mmap_threshold", lambda mb: calls.append(("threshold", mb)))
+    monkeypatch.setattr(loop_mod, "build_run", lambda *a, **k: calls.append(("model",)) or real_build(*a, **k))
+    tok_dir = tmp_path / "tok"
+    write_tokenizer(tok_dir)
+    config = write_rl_run(tmp_path / "run", tok_dir, host_mmap_threshold_mb=megabytes)
+    OnlineLoop(load_config(config, []))
+    assert calls == [("threshold", megabytes), ("model",)]
