@@ -19,7 +19,9 @@ the intermediate width per token (gate(x), up(x), silu(gate(x)) and the product 
                                dg = dh * u * sigmoid(g) * (1 + g * (1 - sigmoid(g)))
                                dx = dg Wg + du Wu,  dWg = dg^T x,  dWu = du^T x
 
-so it saves x, g and u and recomputes s and h (elementwise, no matrix product) in backward.
+so it saves x, g and u and recomputes s and h (elementwise, no matrix product) in backward. A
+pre-norm can run inside it (and inside `norm_linears`, the attention's q, k and v): then the norm's
+xhat and 1/rms are saved instead of x, and the normed input is rebuilt from them in backward.
 
 Without gradients (inference, evaluation) the same forward arithmetic runs without the
 `autograd.Function` wrapper, whose bookkeeping matters at decode batch sizes. Statistics are
