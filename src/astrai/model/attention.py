@@ -410,7 +410,7 @@ class Attention(nn.Module):
     def _project(self, x: Tensor, norm: RMSNorm | None, query_idx: Tensor | None) -> tuple[Tensor, Tensor, Tensor]:
         """q (at `query_idx` only, when given), k and v of norm(x). With gradients and plain
         linears, one `norm_linears`: the normed input is recomputed in backward, not saved."""
-        if norm is not None and query_idx is None and self.fusable:
+        if norm is not None and query_idx is None and torch.is_grad_enabled() and self.fusable:
             projections = (self.q_proj, self.k_proj, self.v_proj)
             return norm_linears(x, norm.weight, norm.eps, [p.weight for p in projections],
                                 [p.bias for p in projections])

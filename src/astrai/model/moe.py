@@ -24,10 +24,10 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
 
     def forward(self, x: Tensor, norm: nn.Module | None = None) -> Tensor:
-        """down(silu(gate(h)) * up(h)) for h = x, or h = norm(x) for an `RMSNorm` `norm`. Plain
-        linears run as one `swiglu` (which saves the products' inputs only); wrapped ones (LoRA)
-        op by op."""
-        if self.fusable:
+        """down(silu(gate(h)) * up(h)) for h = x, or h = norm(x) for an `RMSNorm` `norm`. With
+        gradients, plain linears run as one `swiglu` (which saves the products' inputs only);
+        wrapped ones (LoRA), and everything without gradients, op by op."""
+        if torch.is_grad_enabled() and self.fusable:  # inference skips the check: nothing is saved there
             return swiglu(x, self.gate_proj.weight, self.up_proj.weight, self.down_proj.weight,
                           norm=None if norm is None else (norm.weight, norm.eps))
         h = x if norm is None else norm(x)
