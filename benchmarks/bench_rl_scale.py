@@ -16,6 +16,9 @@ figure on a shared machine) and the peak RSS minus the RSS after building model 
   pad    chunked lm head at the labelled tokens, padded rows
   sort   chunked head, samples sorted by length into micro-batches, each trimmed to its longest
   pack   chunked head, rows packed padding-free (first-fit decreasing, document ids)
+  share  pack, and each group's common prompt computed once (the default layout)
+``--shared_prompts`` gives the 4 samples of each prompt the same prompt tokens, as a GRPO
+rollout has them (without it every sample's prompt is its own, and ``share`` finds nothing).
 ``--kv_pool keep|release`` adds the rollout engine of that rollout (32 sequences at its padded
 length, ``rollout.batch_engine``) to the process before the base RSS is read: ``keep`` holds its
 KV pool through the steps (``keep_kv_pool: true``), ``release`` frees it and, after each step,
@@ -23,6 +26,7 @@ times making it again and freeing it (``kv_remake_s``), as the rollout runner do
 
     .venv/bin/python benchmarks/bench_rl_scale.py [--settings old,pad,sort,pack] [--repeats 2]
         [--micro 2] [--entropy] [--chunk ELEMENTS] [--layers 30] [--tiny] [--kv_pool keep|release]
+        [--shared_prompts]
 """
 
 from __future__ import annotations
@@ -66,7 +70,7 @@ def child(args: argparse.Namespace) -> dict:
     from astrai.model.config import ModelConfig
     from astrai.model.transformer import CausalLM
     from astrai.train.objectives import OBJECTIVES
-    from tests.train.test_packed_rollouts import make_rollout, old_logps
+    from tests.train.test_packed_rollouts import make_rollout, old_logps, shared_prompt_rollout
 
     if args.chunk:
         chunked_head.LOGITS_CHUNK_ELEMENTS = args.chunk
@@ -78,7 +82,10 @@ def child(args: argparse.Namespace) -> dict:
     gen = torch.Generator().manual_seed(0)
     prompts = torch.randint(24, 65, (32,), generator=gen).tolist()
     responses = torch.randint(1, 65, (32,), generator=gen).tolist()
-    rollout = make_rollout(prompts, responses, seed=0)
+    if args.shared_prompts:  # each group of 4 samples starts with its first sample's prompt
+        rollout = shared_prompt_rollout([prompts[i - i % 4] for i in range(32)], responses, seed=0)
+    else:
+        rollout = make_rollout(prompts, responses, seed=0)
     rollout.input_ids.clamp_(max=shape["vocab_size"] - 1)
     rollout.labels = torch.where(rollout.labels >= 0, rollout.labels.clamp(max=shape["vocab_size"] - 1), -100)
     objective.prepare(rollout)
@@ -124,7 +131,8 @@ def kv_pool_engine(model, rollout, kv_pool: str):
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--settings", default="old,pad,sort,pack")
+    p.add_argument("--settings", default="old,pad,sort,pack,share")
+    p.add_argument("--shared_prompts", action="store_true", help="samples of a group share their prompt")
     p.add_argument("--repeats", type=int, default=2, help="fresh processes per setting, interleaved")
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--micro", type=int, default=2, help="micro-batches per step (grad_accum_steps)")

@@ -3,8 +3,10 @@
 The reference is the path before the chunked head, written out here: the model's full logits at
 the labelled positions, ``truncated_token_logps`` / ``selective_log_softmax`` / ``token_entropy``
 on them, every micro-batch at the rollout's width. Each rollout objective runs one step's
-micro-batches under that reference and under every row layout (pad, sort, pack); the loss sum,
-every gradient, the metrics and the pins agree to 1e-6 (gradients: of their largest entry).
+micro-batches under that reference and under every row layout (pad, sort, pack, share), on
+rollouts whose groups have distinct prompts and on ones whose samples share their group's prompt
+(as GRPO's do, which ``share`` computes once); the loss sum, every gradient, the metrics and the
+pins agree to 1e-6 (gradients: of their largest entry).
 SFT and DPO are checked against their losses on full logits.
 """
 
@@ -20,7 +22,7 @@ from astrai.model.transformer import CausalLM
 from astrai.train.losses import dpo_loss, sequence_logps, token_cross_entropy, token_entropy
 from astrai.train.objectives import OBJECTIVES
 from astrai.train.objectives.base import PolicyLogps, labelled_positions
-from astrai.train.objectives.packing import RowLayout, first_fit_decreasing
+from astrai.train.objectives.packing import MIN_SHARED_PREFIX, RowLayout, first_fit_decreasing, prefix_trees
 from astrai.train.rl.rollout import Rollout
 from tests.train.resume_data import MODEL
 
@@ -47,6 +49,16 @@ def make_rollout(prompt_lens, response_lens, group_size=4, seed=0):
 
 
 PROMPTS, RESPONSES = [3, 5, 4, 6, 2, 7, 3, 5], [9, 1, 4, 2, 6, 3, 8, 1]
+SHARED_PROMPTS = [10] * 4 + [12] * 4
+
+
+def shared_prompt_rollout(prompt_lens=SHARED_PROMPTS, response_lens=RESPONSES, group_size=4, seed=0):
+    """make_rollout, with every sample of a group starting with its group's prompt (as GRPO's do)."""
+    rollout = make_rollout(prompt_lens, response_lens, group_size, seed)
+    for first in range(0, len(prompt_lens), group_size):
+        P = prompt_lens[first]
+        rollout.input_ids[first:first + group_size, :P] = rollout.input_ids[first, :P]
+    return rollout
 
 
 def old_logps(rl):
@@ -110,19 +122,20 @@ SETTINGS = {
 }
 
 
+@pytest.mark.parametrize("shared", [False, True], ids=["distinct_prompts", "shared_prompts"])
 @pytest.mark.parametrize("name", list(SETTINGS))
-def test_rollout_objectives_equal_the_padded_full_logits_path(name):
+def test_rollout_objectives_equal_the_padded_full_logits_path(name, shared):
     train_type, flags = SETTINGS[name]
     cfg = load_config(None, ["--train_type", train_type, *flags])
     model = CausalLM(ModelConfig(**MODEL), seed=0)
     with torch.no_grad():  # peaked distributions, so top-k / top-p cut
         model.lm_head.weight.mul_(8.0)
     objective = OBJECTIVES[train_type](cfg, model)
-    rollout = make_rollout(PROMPTS, RESPONSES)
+    rollout = shared_prompt_rollout() if shared else make_rollout(PROMPTS, RESPONSES)
     objective.prepare(rollout)
     ref_loss, ref_grads, ref_metrics, ref_pins = one_step(objective, model, rollout, "old")
     assert "entropy" in ref_metrics and ref_loss.abs() > 0
-    for layout in ("pad", "sort", "pack"):
+    for layout in ("pad", "sort", "pack", "share"):
         loss, grads, metrics, pins = one_step(objective, model, rollout, layout)
         torch.testing.assert_close(loss, ref_loss, atol=1e-6, rtol=1e-6)
         for a, b in zip(grads, ref_grads, strict=True):
@@ -159,6 +172,75 @@ def test_packed_rows_hold_every_token_once_with_positions_restarting():
     shifted = torch.zeros_like(inputs["input_ids"])
     shifted[:, :-1] = inputs["input_ids"][:, 1:]
     assert torch.equal(shifted[rows.dst], targets)
+
+
+def test_prefix_trees_by_hand():
+    P = MIN_SHARED_PREFIX
+    base = torch.arange(3, 3 + 2 * P + 4)
+    ids = torch.stack([base, base, base, base]).clone()
+    ids[1, P + 2] = 0  # rows 0 and 1 agree on P + 2 tokens
+    ids[2, P] = 0  # row 2 agrees with row 0 on P only
+    ids[3, 0] = 0  # row 3 shares nothing
+    lengths = [len(base)] * 4
+    # row 2 joins (2 members x P >= 1 x (P + 2)); row 3 starts a tree of its own
+    assert prefix_trees(ids, lengths) == [([0, 1, 2], P), ([3], 0)]
+    # a prefix never takes a member's last token, and shorter common prefixes are not shared
+    assert prefix_trees(ids[:2, :P + 1], [P + 1, P + 1]) == [([0, 1], P)]
+    assert prefix_trees(ids[:2, :P], [P, P]) == [([0], 0), ([1], 0)]
+
+
+def test_shared_rows_hold_each_prompt_once_with_positions_continuing():
+    rollout = shared_prompt_rollout()
+    labelled = rollout.labels != -100
+    rows = RowLayout.build(rollout.attention_mask, labelled, "share", rollout.input_ids)
+    lengths = rollout.attention_mask.sum(1)
+    inputs = rows.inputs(rollout.input_ids, rollout.attention_mask)
+    shared_tokens = sum(3 * P for P in SHARED_PROMPTS[::4])  # every group's prompt 3 times fewer
+    assert int(inputs["attention_mask"].sum()) == int(lengths.sum()) - shared_tokens
+    for i in range(len(SHARED_PROMPTS)):
+        own = inputs["document_ids"] == i + 1
+        P = SHARED_PROMPTS[i]
+        assert torch.equal(inputs["input_ids"][own], rollout.input_ids[i, P:lengths[i]])
+        assert torch.equal(inputs["position_ids"][own], torch.arange(P, int(lengths[i])))
+        prefix = inputs["prefix_ids"][own]
+        assert len(prefix.unique()) == 1 and int(prefix[0]) > len(SHARED_PROMPTS)
+        prompt = inputs["document_ids"] == prefix[0]
+        assert torch.equal(inputs["input_ids"][prompt], rollout.input_ids[i, :P])
+    targets = rollout.labels[rows.src]
+    shifted = torch.zeros_like(inputs["input_ids"])
+    shifted[:, :-1] = inputs["input_ids"][:, 1:]
+    in_prompt = rows.src[1] == torch.tensor(SHARED_PROMPTS)[rows.src[0]] - 1  # predicts the first response token
+    assert torch.equal(shifted[rows.dst][~in_prompt], targets[~in_prompt])
+    # the prompt's last position is read once per sample, each time with that sample's target
+    assert len(set(zip(*(t[in_prompt].tolist() for t in rows.dst)))) == 2
+
+
+def test_shared_prefix_attention_equals_its_dense_mask():
+    from astrai.model.attention import shared_prefix_dense_mask
+    from astrai.model.kernels import shared_prefix_attention, shared_prefix_segments
+
+    rollout = shared_prompt_rollout()
+    rows = RowLayout.build(rollout.attention_mask, rollout.labels != -100, "share", rollout.input_ids)
+    inputs = rows.inputs(rollout.input_ids, rollout.attention_mask)
+    R, W = inputs["input_ids"].shape
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(R, W, h, 8, generator=gen, dtype=torch.float64) for h in (4, 2, 2))
+    segs = shared_prefix_segments(inputs["document_ids"], inputs["prefix_ids"])
+    out = shared_prefix_attention(q, k, v, segs, gqa=True)
+    mask = shared_prefix_dense_mask(inputs["document_ids"], inputs["prefix_ids"], W, "cpu")
+    ref = torch.nn.functional.scaled_dot_product_attention(
+        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask, enable_gqa=True).transpose(1, 2)
+    real = inputs["attention_mask"].bool()
+    torch.testing.assert_close(out[real], ref[real], atol=1e-12, rtol=1e-12)
+    assert torch.equal(out[~real], torch.zeros_like(out[~real]))  # padding columns read zeros
+
+
+def test_prefix_ids_naming_no_earlier_prefix_are_refused():
+    from astrai.model.kernels import shared_prefix_segments
+
+    docs = torch.tensor([[1, 1, 2, 2, 3, 3]])
+    with pytest.raises(ValueError, match="prefix document 3, which is not earlier in the same row"):
+        shared_prefix_segments(docs, torch.tensor([[0, 0, 3, 3, 0, 0]]))
 
 
 @pytest.mark.parametrize("smoothing", [0.0, 0.1])

@@ -21,9 +21,12 @@ from astrai.model.config import ModelConfig
 from astrai.model.kernels import (
     PackedSegments,
     PagedDecodeTables,
+    SharedPrefixSegments,
     packed_attention,
     packed_segments,
     paged_decode,
+    shared_prefix_attention,
+    shared_prefix_segments,
     to_device,
 )
 from astrai.model.ops import apply_rope, norm_linears, rms_norm
@@ -82,10 +85,16 @@ def document_ids_from_positions(position_ids: Tensor) -> Tensor | None:
 
 
 def build_attention_mask(
-    attention_mask: Tensor | None, document_ids: Tensor | None, T: int, device: torch.device
-) -> Tensor | PackedSegments | None:
+    attention_mask: Tensor | None, document_ids: Tensor | None, T: int, device: torch.device,
+    prefix_ids: Tensor | None = None,
+) -> Tensor | PackedSegments | SharedPrefixSegments | None:
     """Boolean mask (B, 1, T, T), True = may attend; None when plain causal attention suffices;
-    on CUDA, packed rows without padding as `PackedSegments` (the varlen kernel, no mask)."""
+    on CUDA, packed rows without padding as `PackedSegments` (the varlen kernel, no mask); rows
+    whose samples share prompts (`prefix_ids`) as `SharedPrefixSegments` on every device."""
+    if prefix_ids is not None:
+        if document_ids is None:
+            raise ValueError("prefix_ids name prefix documents: pass the document_ids of the packed rows too")
+        return shared_prefix_segments(document_ids, prefix_ids)
     if attention_mask is not None and bool(attention_mask.all()):
         attention_mask = None  # no padding: plain causal attention takes the faster kernel
     if attention_mask is None and document_ids is None:
@@ -106,6 +115,15 @@ def dense_document_mask(attention_mask: Tensor | None, document_ids: Tensor | No
     # a padding query may attend to nothing; let it see itself so softmax stays finite
     allowed = allowed | torch.eye(T, dtype=torch.bool, device=device)[None]
     return allowed[:, None]
+
+
+def shared_prefix_dense_mask(document_ids: Tensor, prefix_ids: Tensor, T: int, device: torch.device | str) -> Tensor:
+    """`SharedPrefixSegments` as a dense (B, 1, T, T) mask: causal, within each document or
+    onto the prefix document a token names."""
+    same = document_ids[:, :, None] == document_ids[:, None, :]
+    onto_prefix = (prefix_ids[:, :, None] == document_ids[:, None, :]) & (prefix_ids != 0)[:, :, None]
+    allowed = torch.ones(T, T, dtype=torch.bool, device=device).tril()[None] & (same | onto_prefix)
+    return (allowed | torch.eye(T, dtype=torch.bool, device=device)[None])[:, None]
 
 
 # -- paged inference metadata ------------------------------------------------------------------
@@ -392,6 +410,11 @@ class Attention(nn.Module):
                 out = packed_attention(q, k, v, mask, self.num_kv_heads != self.num_heads)
                 return self.o_proj(out.reshape(B, T, self.num_heads * self.head_dim))
             mask = dense_document_mask(None, mask.document_ids, T, x.device)  # a few query rows: dense is fine
+        elif isinstance(mask, SharedPrefixSegments):
+            if query_idx is None:
+                out = shared_prefix_attention(q, k, v, mask, self.num_kv_heads != self.num_heads)
+                return self.o_proj(out.reshape(B, T, self.num_heads * self.head_dim))
+            mask = shared_prefix_dense_mask(mask.document_ids, mask.prefix_ids, T, x.device)
         if meta is None:
             if query_idx is not None:  # rows of the (T, T) mask for the querying positions only
                 if mask is None:

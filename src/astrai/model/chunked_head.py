@@ -107,13 +107,26 @@ class ChunkedHeadLogps(torch.autograd.Function):
             sl = slice(start, start + rows)
             tempered = _tempered(hidden[sl], weight, bias, temperature)  # (n, V)
             z = _truncated(tempered, targets[sl], options)
-            lse[sl] = torch.logsumexp(z, dim=-1)
-            logps[sl] = z.gather(-1, targets[sl, None]).squeeze(-1) - lse[sl]
+            logps[sl] = z.gather(-1, targets[sl, None]).squeeze(-1)
             if smoothing:
-                means[sl] = z.mean(dim=-1) - lse[sl]
-            if want_entropy:  # of the tempered distribution before truncation, as the metric always was
-                lp = torch.log_softmax(tempered, dim=-1)
-                ent[sl] = -(lp.exp() * lp).sum(dim=-1)
+                means[sl] = z.mean(dim=-1)
+            if want_entropy and z is tempered:
+                # one exp pass serves both: lse = m + log sum p', entropy = lse - sum p' z / sum p'
+                # with p' = exp(z - m); p' is the chunk's only other (n, V) block
+                m = z.amax(dim=-1, keepdim=True)
+                p = torch.sub(z, m).exp_()
+                total = p.sum(dim=-1)
+                lse[sl] = m.squeeze(-1) + total.log()
+                ent[sl] = lse[sl] - torch.linalg.vecdot(p, z) / total
+                del p
+            else:
+                lse[sl] = torch.logsumexp(z, dim=-1)
+                if want_entropy:  # of the tempered distribution before truncation, as the metric always was
+                    lp = torch.log_softmax(tempered, dim=-1)
+                    ent[sl] = -torch.linalg.vecdot(lp.exp(), lp)
+            logps[sl] -= lse[sl]
+            if smoothing:
+                means[sl] -= lse[sl]
         ctx.save_for_backward(hidden, weight, bias, targets, lse)
         ctx.options = options
         ctx.mark_non_differentiable(ent)
@@ -132,20 +145,23 @@ class ChunkedHeadLogps(torch.autograd.Function):
             sl = slice(start, start + rows)
             h, t = hidden[sl], targets[sl]
             z = _truncated(_tempered(h, weight, bias, temperature), t, ctx.options)  # (n, V), recomputed
-            probs = (z - lse[sl, None]).exp()  # 0 where truncated
+            probs = z.sub_(lse[sl, None]).exp_()  # in place (z is this chunk's own); 0 where truncated
             ga = g_logps[sl].float()
             total = ga + g_means[sl].float() if smoothing else ga
-            dz = probs.mul_(-total[:, None])  # d/dz of ga * log p_t + gm * mean_v log p_v
-            dz[torch.arange(dz.size(0), device=dz.device), t] += ga
+            # d/dz of ga * log p_t + gm * mean_v log p_v, with the 1 / temperature of the tempering
+            scale = 1.0 / temperature if temperature > 0 and temperature != 1.0 else 1.0
+            dz = probs.mul_(-total[:, None] * scale)
+            dz[torch.arange(dz.size(0), device=dz.device), t] += ga * scale
             if smoothing:
-                dz += g_means[sl].float()[:, None] / V
-            if temperature > 0 and temperature != 1.0:
-                dz = dz / temperature
+                dz += g_means[sl].float()[:, None] * (scale / V)
             dz = dz.to(weight.dtype)
             if need_h:
                 g_h[sl] = dz @ weight
             if need_w:
-                g_w += (dz.t() @ h).float()
+                if g_w.dtype == dz.dtype:
+                    g_w.addmm_(dz.t(), h)  # no (V, C) temporary
+                else:
+                    g_w += (dz.t() @ h).float()
             if need_b:
                 g_b += dz.float().sum(dim=0)
         return (g_h, g_w.to(weight.dtype) if need_w else None, g_b.to(bias.dtype) if need_b else None, None, None)

@@ -70,6 +70,82 @@ def packed_attention(q: Tensor, k: Tensor, v: Tensor, segs: PackedSegments, gqa:
 
 
 @dataclass
+class SharedPrefixSegments:
+    """Packed rows where samples share a prompt (``prefix_ids``): each run of equal document ids
+    is a segment of the flattened (B * T) tokens, causal within itself, and a segment whose
+    tokens name a prefix document also sees all of that prefix's keys (its own row, earlier
+    columns). The prompt of a GRPO group is then computed once for all its samples.
+
+    Attention runs as one SDPA call over all segments, each a batch row: its queries, then as
+    keys the prefix it names followed by its own tokens, padded to the longest (``query_idx``,
+    ``key_idx`` and ``mask`` index the flat tokens; ``out_idx`` puts each token's output back,
+    padding columns of the packed rows reading a zero row)."""
+
+    document_ids: Tensor  # (B, T)
+    prefix_ids: Tensor  # (B, T) the document each token may also attend to in full; 0: none
+    query_idx: Tensor  # (S, Lq) flat token of each segment's query rows (0 past its end)
+    key_idx: Tensor  # (S, Lk) flat token of each key: the named prefix, then its own tokens
+    mask: Tensor  # (S, 1, Lq, Lk) bool, True = may attend
+    out_idx: Tensor  # (B * T,) row of the (S * Lq + 1) outputs each token takes (the last is zeros)
+
+
+def shared_prefix_segments(document_ids: Tensor, prefix_ids: Tensor) -> SharedPrefixSegments:
+    """The segments of packed rows with shared prefixes (document id 0 is padding); a prefix must
+    lie in the same row as, and before, every segment that names it."""
+    B, T = document_ids.shape
+    docs, prefixes = document_ids.flatten().tolist(), prefix_ids.flatten().tolist()
+    runs: list[tuple[int, int]] = []  # (start, end) of each run of equal, non-zero document ids
+    for row in range(B):
+        start = row * T
+        for i in range(row * T + 1, (row + 1) * T + 1):
+            if i == (row + 1) * T or docs[i] != docs[start]:
+                if docs[start]:
+                    runs.append((start, i))
+                start = i
+    where = {docs[a]: (a, b) for a, b in runs}
+    spans = []  # (start, end, prefix start, prefix end)
+    for a, b in runs:
+        p = prefixes[a]
+        if not p:
+            spans.append((a, b, a, a))
+            continue
+        if p not in where or where[p][1] > a or where[p][0] // T != a // T:
+            raise ValueError(f"prefix_ids: tokens {a}..{b - 1} name prefix document {p}, which is not "
+                             "earlier in the same row; place each shared prefix before its samples")
+        spans.append((a, b, *where[p]))
+    S = max(len(spans), 1)
+    Lq = max((b - a for a, b, _, _ in spans), default=1)
+    Lk = max((b - a + pb - pa for a, b, pa, pb in spans), default=1)
+    query_idx, key_idx = [[0] * Lq for _ in range(S)], [[0] * Lk for _ in range(S)]
+    mask = torch.zeros(S, Lq, Lk, dtype=torch.bool)
+    mask[:, :, 0] = True  # a padding query row sees one key, so its softmax stays finite
+    out_idx = [S * Lq] * (B * T)
+    for s, (a, b, pa, pb) in enumerate(spans):
+        n, p = b - a, pb - pa
+        query_idx[s][:n] = range(a, b)
+        key_idx[s][:p + n] = [*range(pa, pb), *range(a, b)]
+        mask[s, :n, :p] = True
+        mask[s, :n, p:p + n] = torch.ones(n, n, dtype=torch.bool).tril()
+        out_idx[a:b] = range(s * Lq, s * Lq + n)
+    device = document_ids.device
+    as_long = lambda values: torch.tensor(values, dtype=torch.long, device=device)  # noqa: E731
+    return SharedPrefixSegments(document_ids, prefix_ids, as_long(query_idx), as_long(key_idx),
+                                mask[:, None].to(device), as_long(out_idx))
+
+
+def shared_prefix_attention(q: Tensor, k: Tensor, v: Tensor, segs: SharedPrefixSegments, gqa: bool) -> Tensor:
+    """q (B, T, H, D), k/v (B, T, Hkv, D) -> (B, T, H, D): every segment a row of one SDPA call,
+    over the keys of the prefix it names and its own (causal)."""
+    B, T, H, D = q.shape
+    fq, fk, fv = q.reshape(B * T, H, D), k.reshape(B * T, -1, D), v.reshape(B * T, -1, D)
+    qs = fq[segs.query_idx].transpose(1, 2)  # (S, H, Lq, D)
+    ks, vs = fk[segs.key_idx].transpose(1, 2), fv[segs.key_idx].transpose(1, 2)  # (S, Hkv, Lk, D)
+    o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=segs.mask, enable_gqa=gqa)  # (S, H, Lq, D)
+    o = torch.cat([o.transpose(1, 2).reshape(-1, H, D), o.new_zeros(1, H, D)])  # (S * Lq + 1, H, D)
+    return o[segs.out_idx].view(B, T, H, D)
+
+
+@dataclass
 class PagedDecodeTables:
     """Paged decode read in place (`paged_kernel="varlen"`): the flash varlen kernel's block-table
     form visits each sequence's cache blocks where they lie, with no gathered copy."""

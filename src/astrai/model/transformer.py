@@ -84,6 +84,8 @@ class Transformer(nn.Module):
         document_ids: Tensor | None = None,
         attn_metadata: PagedAttentionMetadata | None = None,
         keep: Tensor | None = None,
+        *,
+        prefix_ids: Tensor | None = None,
     ) -> tuple[Tensor, Tensor | None, dict[str, Tensor]]:
         """input_ids (B, T) -> (hidden (B, T, C), mean MoE aux loss or None, mean router stats).
 
@@ -92,6 +94,10 @@ class Transformer(nn.Module):
         computes all positions, since later positions attend to their keys and values): when
         only the reply of an SFT or DPO row carries a loss, its prompt skips the last layer's
         query, attention output and MLP work.
+
+        `prefix_ids` (B, T) with `document_ids`, packed rows only: each token also attends to all
+        of the document it names (0: none), a prompt placed once before the samples that share it
+        (``train/objectives/packing.py``, layout ``share``).
         """
         if input_ids.dim() != 2:
             raise ValueError(f"input_ids must be (batch, seq_len), got shape {tuple(input_ids.shape)}")
@@ -109,7 +115,7 @@ class Transformer(nn.Module):
         if attn_metadata is None:
             if document_ids is None:
                 document_ids = document_ids_from_positions(position_ids)
-            mask = build_attention_mask(attention_mask, document_ids, T, input_ids.device)
+            mask = build_attention_mask(attention_mask, document_ids, T, input_ids.device, prefix_ids)
         x = self.embed_tokens(input_ids)  # (B, T, C)
         cos, sin = rope_cos_sin(self.inv_freq, position_ids, x.dtype)  # (B, T, D) each
         if keep is not None and attn_metadata is not None:
@@ -186,16 +192,19 @@ class CausalLM(nn.Module):
         attn_metadata: PagedAttentionMetadata | None = None,
         logits_indices: Tensor | None = None,
         head: Callable[[Tensor, nn.Module], Any] | None = None,
+        *,
+        prefix_ids: Tensor | None = None,
     ) -> ModelOutput:
         """Logits at every position, or at `logits_indices` only: in padded batches (K,) positions
         of every row, for which the last layer computes just those rows; in paged batches (K,)
         indices into the flat row. `head` (padded batches): called as head(hidden, lm_head)
         instead of the lm head, e.g. chunked log-probs (`model/chunked_head.py`) that never hold
         the logits; its result is `head` of the output and `logits` is None. It runs here, inside
-        the model's forward, so FSDP's unshard and reshard hooks cover the lm head's weight."""
+        the model's forward, so FSDP's unshard and reshard hooks cover the lm head's weight.
+        `prefix_ids`: shared prompts in packed rows (`Transformer.forward`)."""
         if attn_metadata is None:
             hidden, aux_loss, router_stats = self.model(
-                input_ids, attention_mask, position_ids, document_ids, keep=logits_indices
+                input_ids, attention_mask, position_ids, document_ids, keep=logits_indices, prefix_ids=prefix_ids
             )
             if head is not None:
                 return ModelOutput(None, hidden, aux_loss, router_stats, head=head(hidden, self.lm_head))

@@ -89,12 +89,16 @@ class ValueModel(nn.Module):
         attention_mask: Tensor | None = None,
         position_ids: Tensor | None = None,
         document_ids: Tensor | None = None,
+        *,
+        prefix_ids: Tensor | None = None,
     ) -> Tensor:
         """input_ids (B, T) -> values (B, T) in float32, one per token (the value of the state
-        after reading that token). MoE load-balancing loss of the trunk is not used."""
+        after reading that token). MoE load-balancing loss of the trunk is not used.
+        `prefix_ids`: shared prompts in packed rows (`Transformer.forward`)."""
         _check_shapes(input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                      document_ids=document_ids)
-        hidden, _, _ = self.model(input_ids, attention_mask, position_ids, document_ids)  # (B, T, C)
+                      document_ids=document_ids, prefix_ids=prefix_ids)
+        hidden, _, _ = self.model(input_ids, attention_mask, position_ids, document_ids,
+                                  prefix_ids=prefix_ids)  # (B, T, C)
         return self.value_head(hidden).squeeze(-1).float()  # (B, T)
 
 

@@ -173,7 +173,7 @@ class PolicyLogps:
     rows: RowLayout | None = None  # how the rows went through the model (PPO's critic runs them the same way)
 
 
-def token_logps(model: Any, batch: Batch, rl: RLConfig, entropy: bool = False, layout: str = "pack") -> PolicyLogps:
+def token_logps(model: Any, batch: Batch, rl: RLConfig, entropy: bool = False, layout: str = "share") -> PolicyLogps:
     """The labelled tokens' log-probs under the distribution the rollout sampler drew from:
     logits / rollout_temperature, truncated to rollout_top_k and rollout_top_p and renormalised
     (docs/training.md, "The log-prob contract"); temperature 0 (greedy) uses the plain logits, as
@@ -182,7 +182,7 @@ def token_logps(model: Any, batch: Batch, rl: RLConfig, entropy: bool = False, l
     no (rows, vocab) logits tensor); results come back in the padded (B, K) layout, 0 off-label."""
     labels = batch["labels"]
     labelled = labels != IGNORE_INDEX
-    rows = RowLayout.build(batch["attention_mask"], labelled, layout)
+    rows = RowLayout.build(batch["attention_mask"], labelled, layout, batch["input_ids"])
     keep = rows.keep()
     targets = labels[rows.src]  # (M,)
 
@@ -231,10 +231,11 @@ class RolloutObjective(Objective):
     correct the sampler-trainer mismatch (``behaviour``)."""
 
     online = False
-    # how micro-batches go through the model (measured in benchmarks/bench_rl_scale.py): "pack"
-    # (padding-free rows), "sort" (samples sorted by length into micro-batches, each trimmed to
-    # its longest), "pad" (every micro-batch at the rollout's width, as before)
-    layout = "pack"
+    # how micro-batches go through the model (measured in benchmarks/bench_rl_scale.py): "share"
+    # (padding-free rows, each group's common prompt computed once), "pack" (padding-free rows),
+    # "sort" (samples sorted by length into micro-batches, each trimmed to its longest), "pad"
+    # (every micro-batch at the rollout's width, as before)
+    layout = "share"
 
     def __init__(self, rl: RLConfig):
         self.rl = rl

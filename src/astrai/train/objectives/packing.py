@@ -8,6 +8,16 @@ as first-fit decreasing allows, position ids restarting at each sample and docum
 attention inside it, as packed SFT does). The objective keeps working on its padded (B, K) tensors:
 ``RowLayout`` says where each labelled token sits in the model's input (``dst``), which of those
 columns the last layer needs (``keep``), and scatters per-token results back (``scatter``).
+
+``share`` packs like ``pack`` and also computes a prompt once for the samples that share it: the
+G samples of a GRPO group are consecutive rows that begin with the same tokens, so the trunk's
+work on those tokens is the same G times. Consecutive rows with a common prefix (at least
+``MIN_SHARED_PREFIX`` tokens, and no row's last token) become one tree: the prefix once, then each
+row's remaining tokens, with positions continuing from the prefix. ``prefix_ids`` let each
+sample's tokens attend to the whole prefix and causally to their own
+(``model/kernels.py: SharedPrefixSegments``). A labelled token inside the prefix (the prompt's
+last, which predicts each sample's first response token) reads the shared hidden state, once
+per sample. Values equal the padded path's; gradients are the same sums in another order.
 """
 
 from __future__ import annotations
@@ -17,7 +27,36 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-ROW_LAYOUTS = ("pad", "trim", "pack")
+ROW_LAYOUTS = ("pad", "trim", "pack", "share")
+MIN_SHARED_PREFIX = 8  # shorter common prefixes are not worth a segment of their own
+
+
+def common_prefix(a: Tensor, b: Tensor) -> int:
+    """Length of the common prefix of two 1-D token tensors."""
+    n = min(len(a), len(b))
+    differ = (a[:n] != b[:n]).nonzero()
+    return int(differ[0]) if len(differ) else n
+
+
+def prefix_trees(input_ids: Tensor, lengths: list[int], min_prefix: int = MIN_SHARED_PREFIX) -> list[tuple[list[int], int]]:
+    """Consecutive rows grouped into (rows, shared prefix length) trees, greedily: a row joins
+    the current tree while the tokens saved, (members - 1) x prefix, do not shrink; a prefix
+    keeps every member's last token its own; a tree of one row shares nothing (prefix 0)."""
+    trees: list[tuple[list[int], int]] = []
+    i, B = 0, len(lengths)
+    while i < B:
+        members, shared = [i], lengths[i] - 1
+        j = i + 1
+        while j < B:
+            new = min(shared, lengths[j] - 1, common_prefix(input_ids[i, :lengths[i]], input_ids[j, :lengths[j]]))
+            if new < min_prefix or len(members) * new < (len(members) - 1) * shared:
+                break
+            members.append(j)
+            shared = new
+            j += 1
+        trees.append((members, shared if len(members) > 1 else 0))
+        i = j
+    return trees
 
 
 def first_fit_decreasing(lengths: list[int], width: int) -> tuple[list[int], list[int]]:
@@ -44,14 +83,25 @@ class RowLayout:
     width: int  # W
     src: tuple[Tensor, Tensor]  # (M,) rows and columns of the labelled tokens in the padded rows
     dst: tuple[Tensor, Tensor]  # (M,) where they sit in the model's input
+    # layout "share": per padded row, the length of the prefix it shares (0: none), where that
+    # prefix starts in its model-input row, and whether this row writes it (its tree's first)
+    shared: Tensor | None = None
+    base: Tensor | None = None
+    writes_prefix: Tensor | None = None
 
     @classmethod
-    def build(cls, attention_mask: Tensor, labelled: Tensor, layout: str) -> RowLayout:
-        """attention_mask (B, T), right-padded; labelled (B, T) bool: where a loss is taken."""
+    def build(cls, attention_mask: Tensor, labelled: Tensor, layout: str,
+              input_ids: Tensor | None = None) -> RowLayout:
+        """attention_mask (B, T), right-padded; labelled (B, T) bool: where a loss is taken;
+        input_ids (B, T): layout "share" only, to find the shared prefixes."""
         if layout not in ROW_LAYOUTS:
             raise ValueError(f"row layout {layout!r} is unknown; choose one of {', '.join(ROW_LAYOUTS)}")
         B, T = attention_mask.shape
         lengths = attention_mask.sum(dim=1)  # (B,)
+        if layout == "share":
+            if input_ids is None:
+                raise ValueError("row layout 'share' compares the rows' tokens: pass input_ids")
+            return cls._build_shared(lengths.tolist(), labelled, input_ids)
         width = T if layout == "pad" else max(int(lengths.max()), 1)
         rows = torch.arange(B, device=attention_mask.device)
         offset = torch.zeros_like(rows)
@@ -62,19 +112,67 @@ class RowLayout:
         num_rows = int(rows.max()) + 1 if B else 0
         return cls(layout, (B, T), rows, offset, num_rows, width, (r, c), (rows[r], offset[r] + c))
 
+    @classmethod
+    def _build_shared(cls, lengths: list[int], labelled: Tensor, input_ids: Tensor) -> RowLayout:
+        """Prefix trees (``prefix_trees``) packed first-fit decreasing into rows as wide as the
+        longest tree: [prefix][row a's rest][row b's rest]... Token c of a row sits at
+        ``base + c`` inside the prefix (c < shared), else at ``offset + c``."""
+        B, T = labelled.shape
+        device = labelled.device
+        trees = prefix_trees(input_ids, lengths)
+        sizes = [shared + sum(lengths[m] - shared for m in members) for members, shared in trees]
+        width = max(max(sizes, default=1), 1)
+        bins, starts = first_fit_decreasing(sizes, width)
+        bin_of, offset, shared_of, base, writes = ([0] * B for _ in range(5))
+        for (members, shared), b, start in zip(trees, bins, starts):
+            cursor = start + shared
+            for m in members:
+                bin_of[m], base[m], shared_of[m], offset[m] = b, start, shared, cursor - shared
+                cursor += lengths[m] - shared
+            writes[members[0]] = 1
+        as_long = lambda values: torch.tensor(values, dtype=torch.long, device=device)  # noqa: E731
+        bin_of, offset, shared, base = as_long(bin_of), as_long(offset), as_long(shared_of), as_long(base)
+        r, c = labelled.nonzero(as_tuple=True)
+        cols = torch.where(c < shared[r], base[r] + c, offset[r] + c)
+        num_rows = max(bins, default=0) + 1 if B else 0
+        return cls("share", (B, T), bin_of, offset, num_rows, width, (r, c), (bin_of[r], cols), shared, base,
+                   as_long(writes).bool())
+
     def inputs(self, input_ids: Tensor, attention_mask: Tensor) -> dict[str, Tensor]:
         """The model's keyword inputs: padded or trimmed rows as they are (position ids = columns,
-        as the padded path has them), packed rows with per-sample positions and document ids."""
-        if self.layout != "pack":
+        as the padded path has them), packed rows with per-sample positions and document ids
+        (and, layout "share", the prefix document each sample's tokens also see)."""
+        if self.layout not in ("pack", "share"):
             return {"input_ids": input_ids[:, :self.width], "attention_mask": attention_mask[:, :self.width]}
         r, c = attention_mask.nonzero(as_tuple=True)  # (N,) every real token
-        at = (self.bin_of[r], self.offset[r] + c)
+        documents_of = r + 1
+        if self.layout == "share":
+            in_prefix = c < self.shared[r]
+            keep = ~in_prefix | self.writes_prefix[r]  # a shared prefix is written once
+            r, c, in_prefix, documents_of = r[keep], c[keep], in_prefix[keep], documents_of[keep]
+            # a prefix is document B + 1 + (its first row): unique, and apart from the rows' ids
+            prefix_doc = self.shape[0] + 1 + self._first_row()
+            documents_of = torch.where(in_prefix, prefix_doc[r], documents_of)
+            cols = torch.where(in_prefix, self.base[r] + c, self.offset[r] + c)
+        else:
+            cols = self.offset[r] + c
+        at = (self.bin_of[r], cols)
         shape = (self.num_rows, self.width)
         ids = input_ids.new_zeros(shape).index_put_(at, input_ids[r, c])
         mask = attention_mask.new_zeros(shape).index_put_(at, attention_mask.new_ones(len(r)))
         positions = torch.zeros(shape, dtype=torch.long, device=ids.device).index_put_(at, c)
-        documents = torch.zeros(shape, dtype=torch.long, device=ids.device).index_put_(at, r + 1)
-        return {"input_ids": ids, "attention_mask": mask, "position_ids": positions, "document_ids": documents}
+        documents = torch.zeros(shape, dtype=torch.long, device=ids.device).index_put_(at, documents_of)
+        out = {"input_ids": ids, "attention_mask": mask, "position_ids": positions, "document_ids": documents}
+        if self.layout == "share":
+            sees = torch.where(in_prefix | (self.shared[r] == 0), 0, prefix_doc[r])
+            out["prefix_ids"] = torch.zeros(shape, dtype=torch.long, device=ids.device).index_put_(at, sees)
+        return out
+
+    def _first_row(self) -> Tensor:
+        """(B,) the first row of each row's prefix tree (itself when it shares nothing)."""
+        first = torch.arange(self.shape[0], device=self.bin_of.device)
+        writer = torch.where(self.writes_prefix, first, 0)
+        return torch.cummax(writer, dim=0).values  # rows of a tree are consecutive, its writer first
 
     def keep(self) -> Tensor | None:
         """Columns (K',) of the model's input where some labelled token sits, None when every one."""
