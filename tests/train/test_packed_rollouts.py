@@ -291,3 +291,21 @@ def test_dpo_loss_and_gradient_equal_the_full_logits_path(loss_type):
     torch.testing.assert_close(new, losses.sum(), atol=1e-6, rtol=1e-6)
     for a, b in zip(torch.autograd.grad(new, params), torch.autograd.grad(losses.sum(), params), strict=True):
         assert_grad_close(a, b)
+
+
+def test_moe_policies_keep_every_sample_prompt_in_their_routing_statistics():
+    """MoE load balancing counts tokens, so a shared prompt would count once instead of once per
+    sample: with experts, layout "share" runs as "pack" and the aux loss is the padded path's."""
+    cfg = load_config(None, ["--train_type", "online_grpo"])
+    model = CausalLM(ModelConfig(**{**MODEL, "num_experts": 4, "num_experts_per_tok": 2, "router_aux_loss_coef": 0.1}), seed=0)
+    objective = OBJECTIVES["online_grpo"](cfg, model)
+    rollout = shared_prompt_rollout()
+    objective.prepare(rollout)
+    losses = {}
+    for layout in ("pad", "share"):
+        objective.layout = layout
+        batch = objective.batches(rollout, 1)[0]
+        pol = objective.logps(model, batch)
+        assert pol.rows.layout == ("pad" if layout == "pad" else "pack")
+        losses[layout] = objective(model, batch).loss
+    torch.testing.assert_close(losses["share"], losses["pad"], atol=1e-6, rtol=1e-6)

@@ -26,6 +26,7 @@ from torch import Tensor, nn
 
 from astrai.config import Config, RLConfig
 from astrai.model.chunked_head import HeadLogps, head_logps
+from astrai.train.dist import unwrap_model
 from astrai.train.losses import IGNORE_INDEX, aggregate_token_loss, importance_weights
 from astrai.train.objectives.packing import RowLayout
 
@@ -182,6 +183,8 @@ def token_logps(model: Any, batch: Batch, rl: RLConfig, entropy: bool = False, l
     no (rows, vocab) logits tensor); results come back in the padded (B, K) layout, 0 off-label."""
     labels = batch["labels"]
     labelled = labels != IGNORE_INDEX
+    if layout == "share" and getattr(getattr(unwrap_model(model), "config", None), "num_experts", 0):
+        layout = "pack"  # MoE routing statistics count tokens: a shared prompt must count once per sample
     rows = RowLayout.build(batch["attention_mask"], labelled, layout, batch["input_ids"])
     keep = rows.keep()
     targets = labels[rows.src]  # (M,)
