@@ -104,17 +104,40 @@ def test_cross_entropy_with_label_smoothing(smoothing):
         assert_grad_close(a, b)
 
 
-@pytest.mark.parametrize("temperature", [0.0, 0.7])
-def test_entropy_equals_the_metric_on_full_logits(temperature):
+@pytest.mark.parametrize("temperature", [0.0, 0.7, 1.0])
+@pytest.mark.parametrize("top_k", [5, 0], ids=["truncated", "untruncated"])
+@pytest.mark.parametrize("bias", [False, True])
+def test_entropy_equals_the_metric_on_full_logits(temperature, top_k, bias):
+    """Truncated rows take logsumexp and entropy separately; untruncated ones share one exp pass
+    (and, in float32, the reused blocks), which must give the same entropy and log-probs."""
     from astrai.train.losses import token_entropy
 
     torch.manual_seed(0)
-    lm = torch.nn.Linear(16, 97, bias=False)
+    lm = torch.nn.Linear(16, 97, bias=bias)
     h, t = torch.randn(3, 7, 16), torch.randint(0, 97, (3, 7))
-    out = head_logps(h, lm, t, temperature, top_k=5, entropy=True, chunk_rows=4)
+    out = head_logps(h, lm, t, temperature, top_k=top_k, entropy=True, chunk_rows=4)
     scale = temperature if temperature > 0 else 1.0
     torch.testing.assert_close(out.entropy, token_entropy(lm(h).float() / scale), **TOL)
     assert not out.entropy.requires_grad
+    torch.testing.assert_close(out.logps, reference_logps(lm(h), t, temperature, top_k, 1.0), **TOL)
+
+
+def test_low_precision_weights_take_the_allocating_path():
+    """bf16 weights do not use the float32 block: values still match the full-logits path."""
+    torch.manual_seed(0)
+    lm = torch.nn.Linear(16, 97, bias=False).to(torch.bfloat16)
+    h, t = torch.randn(3, 7, 16, dtype=torch.bfloat16, requires_grad=True), torch.randint(0, 97, (3, 7))
+    out = head_logps(h, lm, t, 1.0, entropy=True, chunk_rows=4)
+    torch.testing.assert_close(out.logps, selective_log_softmax(lm(h).float(), t), atol=1e-5, rtol=1e-5)
+    out.logps.sum().backward()
+    assert h.grad is not None and lm.weight.grad is not None and lm.weight.grad.dtype == torch.bfloat16
+
+
+def test_zero_rows_give_zero_gradients():
+    lm = torch.nn.Linear(16, 97, bias=True)
+    h = torch.randn(0, 16, requires_grad=True)
+    head_logps(h, lm, torch.zeros(0, dtype=torch.long)).logps.sum().backward()
+    assert lm.weight.grad is not None and not lm.weight.grad.any() and not lm.bias.grad.any()
 
 
 def test_lora_model_and_its_disabled_reference():

@@ -5,8 +5,9 @@ step. `Sampler.sample` turns the rows into tokens in a few batched tensor operat
 logit_bias, min_tokens and the grammar mask of guided rows (`guided.py`) first (the "processed"
 logits), then temperature and truncation (top_k, top_p, min_p), then greedy argmax or a draw by
 inverse CDF (one uniform number per token); a guided row's grammar then advances past its
-token. Every token gets two log-probs from the shared `selective_log_softmax`: `logprob` under the distribution it was drawn from and
-`raw_logprob` under the unprocessed model. Seeded requests draw from their own generator, so
+token. Every token gets two log-probs: `logprob` under the distribution it was drawn from (the
+draw's own exponential pass gives its log-normaliser) and `raw_logprob` under the unprocessed
+model (`selective_log_softmax`, as the trainer computes it). Seeded requests draw from their own generator, so
 their samples do not depend on which other requests share the batch.
 """
 
@@ -246,7 +247,8 @@ def process_logits(logits: Tensor, rows: list[SamplingState]) -> tuple[Tensor, T
                           [1.0 if p.greedy else p.top_p for p in params],
                           [0.0 if p.greedy else p.min_p for p in params]], dtype=torch.float64)  # (4, B)
     temps, top_k, top_p, min_p = to_device(knobs, device)  # one transfer for the four
-    final = processed / temps.float()[:, None]
+    # x / 1 == x exactly: at temperature 1 everywhere (RL rollouts) skip the pass over (B, V)
+    final = processed if bool((knobs[0] == 1.0).all()) else processed / temps.float()[:, None]
     return processed, apply_truncation(final, top_k.long(), top_p.float(), min_p.float())
 
 
@@ -269,9 +271,10 @@ class Sampler:
         greedy = [r.params.greedy for r in rows]
         if all(greedy):
             tokens = _argmax(processed)  # (B,)
+            logprobs = selective_log_softmax(final, tokens)
         else:
-            tokens = self._draw(final, rows, greedy, processed)
-        logprobs = selective_log_softmax(final, tokens)
+            tokens, lse = self._draw(final, rows, greedy, processed)
+            logprobs = final.gather(-1, tokens[:, None])[:, 0] - lse
         # greedy rows without processing sample from the raw model itself: one log-softmax serves
         raw_logprobs = logprobs if final is raw else selective_log_softmax(raw, tokens)
         # the step's one device->host transfer: tokens (exact in float64) and both log-probs together
@@ -285,7 +288,10 @@ class Sampler:
             out.raw_top_ids, out.raw_top_logprobs, out.raw_ranks, _ = top_alternatives(raw, tokens, k)
         return out
 
-    def _draw(self, final: Tensor, rows: list[SamplingState], greedy: list[bool], processed: Tensor) -> Tensor:
+    def _draw(self, final: Tensor, rows: list[SamplingState], greedy: list[bool], processed: Tensor
+              ) -> tuple[Tensor, Tensor]:
+        """(tokens (B,), logsumexp of `final` (B,)): one exponential pass serves the draw and the
+        log-probs (lse = m + log sum exp(final - m), as `torch.logsumexp` computes it)."""
         # inverse-CDF sampling takes one uniform number per row, so a seeded row draws from its own
         # generator without a per-row pass over the vocabulary (a Gumbel or exponential race needs
         # one random number per vocabulary entry: most of the step's time at real vocab sizes)
@@ -300,11 +306,14 @@ class Sampler:
         u = parts[0]
         if shared or seeded:
             u = u.index_copy(0, to_device(torch.tensor(shared + seeded, dtype=torch.long), device), torch.cat(parts[1:]))
-        drawn = inverse_cdf(final.softmax(dim=-1), u)  # (B,)
+        m = final.amax(dim=-1, keepdim=True)  # (B, 1)
+        weights = torch.sub(final, m).exp_()  # (B, V) unnormalised probabilities: inverse_cdf takes any total
+        lse = m[:, 0] + weights.sum(dim=-1).log()
+        drawn = inverse_cdf(weights, u)  # (B,)
         if any(greedy):
             is_greedy = torch.tensor(greedy, device=device)
             drawn = torch.where(is_greedy, _argmax(processed), drawn)
-        return drawn
+        return drawn, lse
 
 
 CDF_CHUNK = 256  # vocabulary entries per chunk of the two-level CDF
@@ -315,13 +324,15 @@ def inverse_cdf(probs: Tensor, u: Tensor) -> Tensor:
     (non-negative, any total) given u (B,) uniform in [0, 1). A zero-probability token is never
     returned.
 
-    The CDF has two levels: chunk masses in float64 pick a chunk, then a cumulative sum inside
-    that chunk picks the token. A float32 running sum over a whole 50k vocabulary would drift by
-    about 1e-5, which is the entire probability of many rare tokens."""
+    The CDF has two levels: chunk masses, accumulated in float64, pick a chunk, then a cumulative
+    sum inside that chunk picks the token. A float32 running sum over a whole 50k vocabulary
+    would drift by about 1e-5, which is the entire probability of many rare tokens; a chunk's own
+    mass is summed in the input's precision (256 terms: a relative error near the rounding of the
+    probabilities themselves, without a float64 copy of the whole (B, V) block)."""
     B, V = probs.shape
     pad = -V % CDF_CHUNK
     chunks = (F.pad(probs, (0, pad)) if pad else probs).view(B, -1, CDF_CHUNK)  # (B, NC, C)
-    chunk_cdf = chunks.sum(dim=-1, dtype=torch.float64).cumsum(dim=-1)  # (B, NC)
+    chunk_cdf = chunks.sum(dim=-1).double().cumsum(dim=-1)  # (B, NC)
     x = u * chunk_cdf[:, -1]  # (B,)
     c = _search(chunk_cdf, x)  # (B,) chunk holding the draw
     rows = torch.arange(B, device=probs.device)

@@ -70,10 +70,28 @@ def head_logps(hidden: Tensor, lm_head: nn.Module, targets: Tensor, temperature:
                      ent.reshape(shape) if entropy else None)
 
 
-def _tempered(h: Tensor, weight: Tensor, bias: Tensor | None, temperature: float) -> Tensor:
-    """One chunk's float32 logits (n, V) / temperature (greedy, 0: as they are)."""
-    z = nn.functional.linear(h, weight, bias).float()  # (n, V)
-    return z / temperature if temperature > 0 and temperature != 1.0 else z  # x / 1 == x: skip the pass
+def _block(h: Tensor, weight: Tensor, rows: int) -> Tensor | None:
+    """The (rows, V) float32 block a call writes each chunk's logits into, or None where the
+    product would not run in float32 (low-precision weights, autocast): those chunks allocate.
+    One block reused from chunk to chunk saves a fresh 64 MiB allocation per chunk, whose page
+    faults on a CPU cost about as much as a pass over it."""
+    if h.dtype != torch.float32 or weight.dtype != torch.float32 or torch.is_autocast_enabled(h.device.type):
+        return None
+    return torch.empty(min(rows, h.size(0)), weight.size(0), dtype=torch.float32, device=h.device)
+
+
+def _tempered(h: Tensor, weight: Tensor, bias: Tensor | None, temperature: float, block: Tensor | None) -> Tensor:
+    """One chunk's float32 logits (n, V) / temperature (greedy, 0: as they are), written into
+    `block` (from `_block`) when there is one."""
+    if block is None:
+        z = nn.functional.linear(h, weight, bias).float()  # (n, V), this chunk's own
+    else:
+        z = block[: h.size(0)]
+        if bias is None:
+            torch.mm(h, weight.t(), out=z)
+        else:
+            torch.addmm(bias, h, weight.t(), out=z)
+    return z.div_(temperature) if temperature > 0 and temperature != 1.0 else z  # x / 1 == x: skip the pass
 
 
 def _truncated(z: Tensor, targets: Tensor, options: tuple) -> Tensor:
@@ -103,9 +121,11 @@ class ChunkedHeadLogps(torch.autograd.Function):
         lse = torch.zeros_like(logps)
         means = torch.zeros_like(logps)
         ent = torch.zeros_like(logps)
+        block = _block(hidden, weight, rows)
+        p_block = torch.empty_like(block) if block is not None and want_entropy else None
         for start in range(0, N, rows):
             sl = slice(start, start + rows)
-            tempered = _tempered(hidden[sl], weight, bias, temperature)  # (n, V)
+            tempered = _tempered(hidden[sl], weight, bias, temperature, block)  # (n, V)
             z = _truncated(tempered, targets[sl], options)
             logps[sl] = z.gather(-1, targets[sl, None]).squeeze(-1)
             if smoothing:
@@ -114,10 +134,12 @@ class ChunkedHeadLogps(torch.autograd.Function):
                 # one exp pass serves both: lse = m + log sum p', entropy = lse - sum p' z / sum p'
                 # with p' = exp(z - m); p' is the chunk's only other (n, V) block
                 m = z.amax(dim=-1, keepdim=True)
-                p = torch.sub(z, m).exp_()
+                p = torch.sub(z, m, out=p_block[: z.size(0)]) if p_block is not None else torch.sub(z, m)
+                p.exp_()
                 total = p.sum(dim=-1)
                 lse[sl] = m.squeeze(-1) + total.log()
-                ent[sl] = lse[sl] - torch.linalg.vecdot(p, z) / total
+                # sum_v p' z as a batched (1, V) x (V, 1) product: no (n, V) product block
+                ent[sl] = lse[sl] - torch.bmm(p[:, None], z[:, :, None])[:, 0, 0] / total
                 del p
             else:
                 lse[sl] = torch.logsumexp(z, dim=-1)
@@ -137,14 +159,16 @@ class ChunkedHeadLogps(torch.autograd.Function):
         hidden, weight, bias, targets, lse = ctx.saved_tensors
         temperature, _, _, smoothing, _, rows = ctx.options
         need_h, need_w, need_b = ctx.needs_input_grad[0], ctx.needs_input_grad[1], bias is not None and ctx.needs_input_grad[2]
-        g_h = torch.zeros_like(hidden) if need_h else None
-        g_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_w else None
+        # every row of g_h is written, chunk by chunk
+        g_h = torch.empty(hidden.shape, dtype=hidden.dtype, device=hidden.device) if need_h else None
+        g_w = None  # float32 (V, C): the first chunk's product, then accumulated into
         g_b = torch.zeros(bias.shape, dtype=torch.float32, device=bias.device) if need_b else None
         V = weight.size(0)
+        block = _block(hidden, weight, rows)
         for start in range(0, hidden.size(0), rows):
             sl = slice(start, start + rows)
             h, t = hidden[sl], targets[sl]
-            z = _truncated(_tempered(h, weight, bias, temperature), t, ctx.options)  # (n, V), recomputed
+            z = _truncated(_tempered(h, weight, bias, temperature, block), t, ctx.options)  # (n, V), recomputed
             probs = z.sub_(lse[sl, None]).exp_()  # in place (z is this chunk's own); 0 where truncated
             ga = g_logps[sl].float()
             total = ga + g_means[sl].float() if smoothing else ga
@@ -156,12 +180,19 @@ class ChunkedHeadLogps(torch.autograd.Function):
                 dz += g_means[sl].float()[:, None] * (scale / V)
             dz = dz.to(weight.dtype)
             if need_h:
-                g_h[sl] = dz @ weight
+                if g_h.dtype == dz.dtype == weight.dtype:
+                    torch.mm(dz, weight, out=g_h[sl])
+                else:
+                    g_h[sl] = dz @ weight
             if need_w:
-                if g_w.dtype == dz.dtype:
+                if g_w is None:
+                    g_w = (dz.t() @ h).float()
+                elif g_w.dtype == dz.dtype:
                     g_w.addmm_(dz.t(), h)  # no (V, C) temporary
                 else:
                     g_w += (dz.t() @ h).float()
             if need_b:
                 g_b += dz.float().sum(dim=0)
+        if need_w and g_w is None:  # no rows
+            g_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
         return (g_h, g_w.to(weight.dtype) if need_w else None, g_b.to(bias.dtype) if need_b else None, None, None)

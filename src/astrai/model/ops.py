@@ -19,7 +19,8 @@ the intermediate width per token (gate(x), up(x), silu(gate(x)) and the product 
                                dg = dh * u * sigmoid(g) * (1 + g * (1 - sigmoid(g)))
                                dx = dg Wg + du Wu,  dWg = dg^T x,  dWu = du^T x
 
-so it saves x, g and u and recomputes s and h (elementwise, no matrix product) in backward. A
+so it saves x, g and u and recomputes s and h (elementwise, no matrix product) in backward,
+reusing their buffers for du and dg (`silu_backward` writes dg in one pass). A
 pre-norm can run inside it (and inside `norm_linears`, the attention's q, k and v): then the norm's
 xhat and 1/rms are saved instead of x, and the normed input is rebuilt from them in backward.
 
@@ -200,7 +201,7 @@ class _SwiGLU(torch.autograd.Function):
             inp = _Input(x, norm_weight, eps, dtype)
             wg, wu, wd = (w.to(dtype) for w in (w_gate, w_up, w_down))
             g, u = F.linear(inp.value, wg), F.linear(inp.value, wu)
-            y = F.linear(F.silu(g) * u, wd)
+            y = F.linear(F.silu(g).mul_(u), wd)
         inp.pack(ctx, g, u, wg, wu, wd)
         ctx.w_dtypes = (w_gate.dtype, w_up.dtype, w_down.dtype)
         return y
@@ -211,12 +212,16 @@ class _SwiGLU(torch.autograd.Function):
         inp, saved, (g, u, wg, wu, wd) = _Input.unpack(ctx)
         need_x, need_norm, _, need_g, need_u, need_d = ctx.needs_input_grad
         dy = dy.to(g.dtype)
-        s, sig = F.silu(g), torch.sigmoid(g)  # s exactly as the forward computed it
-        dw_down = _weight_grad(dy, s * u).to(ctx.w_dtypes[2]) if need_d else None
+        # three (..., I) blocks in all, each a fresh allocation (on a CPU the page faults of a
+        # fresh block cost more than the pass over it): s, then h = s * u, whose buffer takes du
+        # once dWd is taken, and dh, which becomes dh * u in place; silu's own backward kernel
+        # (one pass: dh * u * sig * (1 + g * (1 - sig))) writes dg over s
+        s = F.silu(g)  # exactly as the forward computed it
+        h_prod = s * u
+        dw_down = _weight_grad(dy, h_prod).to(ctx.w_dtypes[2]) if need_d else None
         dh = dy @ wd  # (..., I)
-        du = dh * s
-        # d silu / dg = sig * (1 + g * (1 - sig)), folded into dh in place
-        dg = dh.mul_(u).mul_(sig.mul_(g.mul(sig.neg().add_(1)).add_(1)))
+        du = torch.mul(dh, s, out=h_prod)
+        dg = torch.ops.aten.silu_backward.grad_input(dh.mul_(u), g, grad_input=s)
         h = inp.restore(saved) if need_g or need_u else None
         dw_gate = _weight_grad(dg, h).to(ctx.w_dtypes[0]) if need_g else None
         dw_up = _weight_grad(du, h).to(ctx.w_dtypes[1]) if need_u else None
@@ -283,7 +288,7 @@ def swiglu(x: Tensor, w_gate: Tensor, w_up: Tensor, w_down: Tensor,
     if _wants_grad(x, norm_weight, w_gate, w_up, w_down):
         return _SwiGLU.apply(x, norm_weight, eps, w_gate, w_up, w_down)
     h = x if norm is None else rms_norm(x, norm_weight, eps)
-    return F.linear(F.silu(F.linear(h, w_gate)) * F.linear(h, w_up), w_down)
+    return F.linear(F.silu(F.linear(h, w_gate), inplace=True).mul_(F.linear(h, w_up)), w_down)
 
 
 def norm_linears(x: Tensor, norm_weight: Tensor, eps: float, weights: list[Tensor],
