@@ -32,7 +32,8 @@ from astrai.infer.cuda_graphs import CUDAGraphDecode
 from astrai.infer.outputs import logprob_entry
 from astrai.infer.sampling import top_alternatives
 from astrai.infer.scheduler import Sequence
-from astrai.model.attention import DecodeKVView, PagedAttentionMetadata
+from astrai.model.attention import PagedAttentionMetadata
+from astrai.model.decode_view import DecodeKVView
 from astrai.model.kernels import to_device
 
 
