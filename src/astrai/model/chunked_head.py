@@ -122,7 +122,9 @@ class ChunkedHeadLogps(torch.autograd.Function):
         means = torch.zeros_like(logps)
         ent = torch.zeros_like(logps)
         block = _block(hidden, weight, rows)
-        p_block = torch.empty_like(block) if block is not None and want_entropy else None
+        # the one-exp-pass entropy runs only on untruncated chunks (`z is tempered` below)
+        truncates = temperature > 0 and (options[1] < weight.size(0) or options[2] < 1.0)
+        p_block = torch.empty_like(block) if block is not None and want_entropy and not truncates else None
         for start in range(0, N, rows):
             sl = slice(start, start + rows)
             tempered = _tempered(hidden[sl], weight, bias, temperature, block)  # (n, V)
