@@ -26,9 +26,12 @@ seconds per step (the robust figure on a shared machine), rollout tokens per ste
 of the steps (the kernel's high-water mark reset once model and optimizer are loaded) and what
 the steps add to the RSS after loading. Ratios are against TRL with gradient checkpointing off
 (the same work as astrai's default); TRL's default (checkpointing on) is a second row.
-Two more rows show the C allocator's policy on each side: astrai with glibc's mmap threshold
+More rows show the C allocator's policy on each side: astrai with glibc's mmap threshold
 fixed at 1 MiB (`host_mmap_threshold_mb 1`; the default keeps glibc's), and TRL with the same
-fixed threshold from the environment (`MALLOC_MMAP_THRESHOLD_`).
+fixed threshold from the environment (`MALLOC_MMAP_THRESHOLD_`); astrai with glibc's heap trim
+throughout (`host_keep_heap false`; by default astrai keeps freed heap memory mapped while it
+decodes), and TRL with the heap never trimmed, from the environment (`MALLOC_TRIM_THRESHOLD_`,
+`MALLOC_MMAP_THRESHOLD_`).
 
     .venv/bin/python benchmarks/bench_rl.py [--quick] [--model DIR] [--steps N] [--prompts B]
         [--group_size G] [--max_tokens T] [--threads N] [--systems astrai,trl,...] [--stop_at_eos] [--json PATH]
@@ -68,9 +71,16 @@ SYSTEMS = {
     # glibc's mmap threshold at 1 MiB; TRL gets the same policy from the environment
     "astrai_mmap": ("astrai online_grpo, host_mmap_threshold_mb 1", "online_grpo", False),
     "trl_mmap": ("TRL GRPOTrainer, checkpointing off, MALLOC_MMAP_THRESHOLD_=1 MiB", "trl", False),
+    # the heap's trim: astrai keeps freed heap memory mapped while it decodes (rl.host_keep_heap, the
+    # default), glibc's default gives the heap's top back; TRL can only set it for the whole process
+    "astrai_trim": ("astrai online_grpo, host_keep_heap false (glibc's trim)", "online_grpo", False),
+    "trl_keep": ("TRL GRPOTrainer, checkpointing off, heap never trimmed (MALLOC_TRIM_THRESHOLD_)", "trl", False),
 }
-CHILD_ENV = {"trl_mmap": {"MALLOC_MMAP_THRESHOLD_": str(2**20)}}  # glibc reads it when the process starts
-CHILD_FLAGS = {"astrai_mmap": {"host_mmap_threshold_mb": 1}}
+CHILD_ENV = {  # glibc reads these when the process starts
+    "trl_mmap": {"MALLOC_MMAP_THRESHOLD_": str(2**20)},
+    "trl_keep": {"MALLOC_TRIM_THRESHOLD_": str(2**31 - 1), "MALLOC_MMAP_THRESHOLD_": str(32 * 2**20)},
+}
+CHILD_FLAGS = {"astrai_mmap": {"host_mmap_threshold_mb": 1}, "astrai_trim": {"host_keep_heap": False}}
 TINY_DEFAULTS = {"steps": 8, "prompts": 8, "group_size": 8, "max_tokens": 16, "threads": 1, "lr": 1e-4}
 MODEL_DEFAULTS = {"steps": 3, "prompts": 8, "group_size": 4, "max_tokens": 64, "threads": 2, "lr": 1e-6}
 RESULT = "BENCH_RL_RESULT "  # the child's last stdout line: this prefix, then its JSON summary

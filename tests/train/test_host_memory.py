@@ -1,5 +1,6 @@
 """rl.host_mmap_threshold_mb: glibc's mmap threshold fixed for the online loop, so a large freed
-host tensor goes back to the kernel instead of leaving a hole in the heap."""
+host tensor goes back to the kernel instead of leaving a hole in the heap; rl.host_keep_heap:
+freed heap memory stays mapped for the next step instead of being trimmed and faulted back."""
 
 from __future__ import annotations
 
@@ -55,14 +56,67 @@ def test_the_environment_wins():
     assert set_ok == "False"
 
 
+# in a fresh interpreter: RSS given back when a burst of four touched 24 MiB blocks (96 MiB at the
+# heap's top, after a warm-up block that settles glibc's moving thresholds at 24 / 48 MiB) is
+# freed; malloc directly, so nothing small lands between the blocks and pins the top
+KEEP_PROBE = """
+import ctypes, sys
+from astrai.train.host_memory import HeapTrim
+libc = ctypes.CDLL(None)
+libc.malloc.restype, libc.malloc.argtypes = ctypes.c_void_p, [ctypes.c_size_t]
+libc.free.argtypes = [ctypes.c_void_p]
+def rss_mb():
+    return int(open("/proc/self/statm").read().split()[1]) * 4096 / 2**20
+def block():
+    p = libc.malloc(24 * 2**20)
+    ctypes.memset(p, 1, 24 * 2**20)
+    return p
+heap = HeapTrim()
+ok = heap.start(sys.argv[1] == "1")
+libc.free(block())
+freed = []
+for phase in ("rollout", "train"):
+    with heap.rollout() if phase == "rollout" else open("/dev/null"):
+        burst = [block() for _ in range(4)]
+        before = rss_mb()
+        for p in burst:
+            libc.free(p)
+        freed.append(round(before - rss_mb()))
+print(ok, *freed)
+"""
+
+
+def run_keep_probe(enabled: bool, env: dict | None = None) -> tuple[str, int, int]:
+    out = subprocess.run([sys.executable, "-c", KEEP_PROBE, "1" if enabled else "0"], capture_output=True,
+                         text=True, check=True, env=env).stdout.split()
+    return out[0], int(out[1]), int(out[2])
+
+
+@pytest.mark.skipif(not GLIBC, reason="mallopt(M_TRIM_THRESHOLD) is glibc's")
+def test_the_heap_is_kept_during_the_rollout_and_trimmed_in_training():
+    ok, in_rollout, in_training = run_keep_probe(True)
+    assert ok == "True" and in_rollout <= 4  # the 96 MiB stay in the heap for the next decode step
+    assert in_training >= 64  # the trainer's policy: glibc's settled default, which trims the top
+    default_ok, default_rollout, _ = run_keep_probe(False)
+    assert default_ok == "False" and default_rollout >= 64  # off: glibc's default trims the top
+
+
+@pytest.mark.skipif(not GLIBC, reason="mallopt(M_TRIM_THRESHOLD) is glibc's")
+def test_a_trim_threshold_from_the_environment_wins():
+    import os
+
+    ok, in_rollout, _ = run_keep_probe(True, env={**os.environ, "MALLOC_TRIM_THRESHOLD_": str(2**20)})
+    assert ok == "False" and in_rollout >= 64
+
+
 @pytest.mark.parametrize("value", [-1, 33])
 def test_out_of_range_is_one_clear_line(value):
     with pytest.raises(ConfigError, match=rf"host_mmap_threshold_mb={value} must be within \[0, 32\]"):
         load_config(None, ["--train_type", "online_grpo", "--host_mmap_threshold_mb", str(value)])
 
 
-@pytest.mark.parametrize("megabytes", [0, 1])
-def test_the_online_loop_applies_the_setting_before_the_model(tmp_path, monkeypatch, megabytes):
+@pytest.mark.parametrize("megabytes,keep", [(0, True), (1, False)])
+def test_the_online_loop_applies_the_setting_before_the_model(tmp_path, monkeypatch, megabytes, keep):
     import astrai.train.rl.loop as loop_mod
     from astrai.train.rl.loop import OnlineLoop
     from tests.train.resume_data import write_tokenizer
@@ -71,9 +125,11 @@ def test_the_online_loop_applies_the_setting_before_the_model(tmp_path, monkeypa
     calls = []
     real_build = loop_mod.build_run
     monkeypatch.setattr(loop_mod, "set_mmap_threshold", lambda mb: calls.append(("threshold", mb)))
+    monkeypatch.setattr(loop_mod.HeapTrim, "start", lambda self, on, mb: calls.append(("keep", on, mb)))
     monkeypatch.setattr(loop_mod, "build_run", lambda *a, **k: calls.append(("model",)) or real_build(*a, **k))
     tok_dir = tmp_path / "tok"
     write_tokenizer(tok_dir)
-    config = write_rl_run(tmp_path / "run", tok_dir, host_mmap_threshold_mb=megabytes)
+    config = write_rl_run(tmp_path / "run", tok_dir, host_mmap_threshold_mb=megabytes,
+                           host_keep_heap=keep)
     OnlineLoop(load_config(config, []))
-    assert calls == [("threshold", megabytes), ("model",)]
+    assert calls == [("threshold", megabytes), ("keep", keep, megabytes), ("model",)]

@@ -38,7 +38,7 @@ from astrai.train.build import (
     setup_objective,
 )
 from astrai.train.context import TrainContext
-from astrai.train.host_memory import set_mmap_threshold
+from astrai.train.host_memory import HeapTrim, set_mmap_threshold
 from astrai.train.objectives import LossOutput, num_tokens
 from astrai.train.rl.guard import RewardsInterrupted
 from astrai.train.rl.rewards import RewardSet
@@ -87,6 +87,8 @@ class OnlineLoop:
         cfg = self.config = config
         self.ctx = ctx or TrainContext()
         set_mmap_threshold(cfg.rl.host_mmap_threshold_mb)  # before the model: nothing fragments the heap first
+        self.heap = HeapTrim()
+        self.heap.start(cfg.rl.host_keep_heap, cfg.rl.host_mmap_threshold_mb)
         run = build_run(cfg, model, tokenizer)  # ranks, seed, tokenizer, model, objective, wrapping
         self.dist, self.device, self.is_main = run.dist, run.device, run.is_main
         self.tokenizer, self.raw_model, self.model, self.objective = run.tokenizer, run.raw_model, run.model, run.objective
@@ -189,7 +191,8 @@ class OnlineLoop:
         request interrupted a reward (the stop check after each draw then ends the draws)."""
         first = (self.dist.rank + draw * self.dist.world_size) * self.num_prompts  # seeds differ per draw
         try:
-            return self.runner.generate(batch, self.ctx.step, self.ctx.policy_version, first_index=first)
+            with self.heap.rollout():
+                return self.runner.generate(batch, self.ctx.step, self.ctx.policy_version, first_index=first)
         except RewardsInterrupted as e:
             print(f"note: {e}; the rollout is dropped and the run stops after step {self.ctx.step}", file=sys.stderr)
             return None
