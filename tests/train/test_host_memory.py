@@ -133,3 +133,30 @@ def test_the_online_loop_applies_the_setting_before_the_model(tmp_path, monkeypa
                            host_keep_heap=keep)
     OnlineLoop(load_config(config, []))
     assert calls == [("threshold", megabytes), ("keep", keep, megabytes), ("model",)]
+
+
+def test_the_online_loop_decodes_every_rollout_inside_the_kept_heap(tmp_path, monkeypatch):
+    from contextlib import contextmanager
+
+    import astrai.train.rl.loop as loop_mod
+    from astrai.train.rl.loop import OnlineLoop
+    from tests.train.resume_data import write_tokenizer
+    from tests.train.test_rl import write_rl_run
+
+    events = []
+
+    @contextmanager
+    def rollout(self):
+        events.append("enter")
+        yield
+        events.append("exit")
+
+    monkeypatch.setattr(loop_mod.HeapTrim, "rollout", rollout)
+    tok_dir = tmp_path / "tok"
+    write_tokenizer(tok_dir)
+    config = write_rl_run(tmp_path / "run", tok_dir)
+    loop = OnlineLoop(load_config(config, ["--max_steps", "2"]))
+    generate = loop.runner.generate
+    monkeypatch.setattr(loop.runner, "generate", lambda *a, **k: events.append("generate") or generate(*a, **k))
+    loop.train()
+    assert events == ["enter", "generate", "exit"] * 2  # one rollout per step, each inside the policy
