@@ -74,30 +74,30 @@ def block():
 heap = HeapTrim()
 ok = heap.start(sys.argv[1] == "1")
 libc.free(block())
-freed = []
-for phase in ("rollout", "train"):
-    with heap.rollout() if phase == "rollout" else open("/dev/null"):
-        burst = [block() for _ in range(4)]
-        before = rss_mb()
-        for p in burst:
-            libc.free(p)
-        freed.append(round(before - rss_mb()))
-print(ok, *freed)
+with heap.rollout() if sys.argv[2] == "rollout" else open("/dev/null"):
+    burst = [block() for _ in range(4)]
+    before = rss_mb()
+    for p in burst:
+        libc.free(p)
+    after = rss_mb()
+print(ok, round(before - after))
 """
 
 
-def run_keep_probe(enabled: bool, env: dict | None = None) -> tuple[str, int, int]:
-    out = subprocess.run([sys.executable, "-c", KEEP_PROBE, "1" if enabled else "0"], capture_output=True,
+def run_keep_probe(enabled: bool, phase: str, env: dict | None = None) -> tuple[str, int]:
+    """In a fresh interpreter each time, so the heap's layout is the probe's own."""
+    out = subprocess.run([sys.executable, "-c", KEEP_PROBE, "1" if enabled else "0", phase], capture_output=True,
                          text=True, check=True, env=env).stdout.split()
-    return out[0], int(out[1]), int(out[2])
+    return out[0], int(out[1])
 
 
 @pytest.mark.skipif(not GLIBC, reason="mallopt(M_TRIM_THRESHOLD) is glibc's")
 def test_the_heap_is_kept_during_the_rollout_and_trimmed_in_training():
-    ok, in_rollout, in_training = run_keep_probe(True)
+    ok, in_rollout = run_keep_probe(True, "rollout")
     assert ok == "True" and in_rollout <= 4  # the 96 MiB stay in the heap for the next decode step
-    assert in_training >= 64  # the trainer's policy: glibc's settled default, which trims the top
-    default_ok, default_rollout, _ = run_keep_probe(False)
+    ok, in_training = run_keep_probe(True, "train")
+    assert ok == "True" and in_training >= 64  # the trainer's policy: glibc's settled default, which trims the top
+    default_ok, default_rollout = run_keep_probe(False, "rollout")
     assert default_ok == "False" and default_rollout >= 64  # off: glibc's default trims the top
 
 
@@ -105,7 +105,7 @@ def test_the_heap_is_kept_during_the_rollout_and_trimmed_in_training():
 def test_a_trim_threshold_from_the_environment_wins():
     import os
 
-    ok, in_rollout, _ = run_keep_probe(True, env={**os.environ, "MALLOC_TRIM_THRESHOLD_": str(2**20)})
+    ok, in_rollout = run_keep_probe(True, "rollout", env={**os.environ, "MALLOC_TRIM_THRESHOLD_": str(2**20)})
     assert ok == "False" and in_rollout >= 64
 
 
