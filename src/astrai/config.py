@@ -110,7 +110,7 @@ class RLConfig:
     max_policy_lag: int = 8  # a rollout more policy versions old than this is an error
     keep_kv_pool: bool = False  # the engine's KV pool stays allocated through training; false: made per rollout, freed after
     host_mmap_threshold_mb: int = 0  # glibc: host tensors this large (MiB) get their own mapping (no heap fragmentation); 0 = glibc's default
-    host_keep_heap: bool = True  # glibc: freed heap memory stays mapped for the next step (no trim, no page faults back)
+    host_keep_heap: bool = True  # glibc: while the engine decodes, freed heap memory stays mapped (no trim, no page faults back)
     rollout_is_level: str = "token"  # none | token | sequence: truncated importance weights for sampler-trainer mismatch
     rollout_is_cap: float = 2.0  # the weight min(pi_trainer_old / pi_sampler, cap) is capped here
     clip_eps: float = 0.2  # PPO clip of the token ratio, below 1

@@ -73,32 +73,32 @@ class HeapTrim:
     """`rl.host_keep_heap`: the heap's top is kept, not trimmed, while the engine decodes.
 
     glibc stops moving its thresholds once one is set, so `start` fixes them where the moving ones
-    settle (mmap at 32 MiB, or at `host_mmap_threshold_mb`; trim at twice that), the policy the
-    trainer keeps; inside `rollout()` the trim threshold is at its maximum. Inert (`active` False)
-    when not enabled, on another C library, or with a `MALLOC_TRIM_THRESHOLD_` in the environment."""
+    settle (mmap at 32 MiB unless `set_mmap_threshold` fixed it at `host_mmap_threshold_mb`; trim at
+    twice the mmap threshold), the policy the trainer keeps; inside `rollout()` the trim threshold
+    is at its maximum. Inert when not enabled, on another C library, or with a
+    `MALLOC_TRIM_THRESHOLD_` in the environment."""
 
     def __init__(self) -> None:
-        self.active = False
         self.trim_bytes = 2 * MAX_THRESHOLD_MB * 2**20
-        self._mallopt: Any = None
+        self._mallopt: Any = None  # set while the policy is on
 
     def start(self, enabled: bool, mmap_threshold_mb: int = 0) -> bool:
         """Fix the thresholds for this process; True when the policy is on."""
         mallopt = _mallopt() if enabled and "MALLOC_TRIM_THRESHOLD_" not in os.environ else None
         if mallopt is None:
             return False
+        if mmap_threshold_mb <= 0 and "MALLOC_MMAP_THRESHOLD_" not in os.environ:
+            mallopt(M_MMAP_THRESHOLD, MAX_THRESHOLD_MB * 2**20)  # else set_mmap_threshold's value stands
         mmap_mb = min(mmap_threshold_mb, MAX_THRESHOLD_MB) if mmap_threshold_mb > 0 else MAX_THRESHOLD_MB
-        if "MALLOC_MMAP_THRESHOLD_" not in os.environ:
-            mallopt(M_MMAP_THRESHOLD, mmap_mb * 2**20)
         self.trim_bytes = 2 * mmap_mb * 2**20
-        self.active = mallopt(M_TRIM_THRESHOLD, self.trim_bytes) == 1
-        self._mallopt = mallopt
-        return self.active
+        if mallopt(M_TRIM_THRESHOLD, self.trim_bytes) == 1:
+            self._mallopt = mallopt
+        return self._mallopt is not None
 
     @contextmanager
     def rollout(self) -> Iterator[None]:
         """Freed heap memory stays mapped inside: each decode step reuses the pages of the last."""
-        if not self.active:
+        if self._mallopt is None:
             yield
             return
         self._mallopt(M_TRIM_THRESHOLD, MAX_TRIM_BYTES)
