@@ -136,6 +136,22 @@ def test_decode_view_is_reused_between_steps_and_rebuilt_when_needed(model):
     assert small.runner.decode_view.kv == []  # over budget: every step gathered instead
 
 
+def test_decode_view_gathers_no_room_past_what_the_sequences_can_reach(model):
+    # 6 new tokens at most: a rebuild copies each row up to the longest prompt + 6 (a block's
+    # rounding), not `slack` (128) spare tokens it can never fill
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    kept, gathered = _engine_pair(model, kv_cache_tokens=2048, block_size=8)
+    for i, prompt in enumerate(PROMPTS):
+        kept.add_request(str(i), prompt, params)
+    widths = set()
+    while kept.has_unfinished_requests():
+        kept.step()
+        widths |= {k.size(2) for k, _ in kept.runner.decode_view.kv}  # (Sd, Hkv, capacity, D)
+    reach = max(len(p) for p in PROMPTS) + 6
+    assert widths == {-(-reach // 8) * 8}
+    assert same(results(kept, params), results(gathered, params))
+
+
 def test_decode_view_follows_aborts_and_train_eval_switches_mid_generation():
     model = tiny_model(seed=4)
     kept, gathered = _engine_pair(model, kv_cache_tokens=1024, block_size=8)

@@ -160,6 +160,7 @@ class ModelRunner:
         self.compiled: CompiledDecode | None = None  # EngineConfig.compile: decode steps' MLPs compiled
         self.graphs: CUDAGraphDecode | None = None
         self.graph_setup: tuple[int, int, bool] | None = None  # (max_num_seqs, max_model_len, capture)
+        self.max_model_len = max_model_len
         self.kv_caches: list[tuple[Tensor, Tensor]] | None = None  # None: released
         if cuda_graphs:
             self.graph_setup = (max_num_seqs, max_model_len, True)
@@ -259,6 +260,7 @@ class ModelRunner:
             if end == seq.num_tokens:
                 logits_indices.append(len(input_ids) - 1)
                 to_sample.append(seq)
+        self._set_reach([seq for seq, _ in scheduled])
         # a step of partial prefill chunks without prompt log-probs asks for no logits at all
         logits = self._forward(input_ids, positions, query_lens, context_lens, block_tables, seq_ids,
                                logits_indices + prompt_indices)  # (S + P, V)
@@ -277,6 +279,7 @@ class ModelRunner:
                 return StepLogits(logits, seqs)
         if self.compiled is not None:
             self.compiled.active = True
+        self._set_reach(seqs)
         try:
             logits = self._forward([seq.token_ids[-1] for seq in seqs], positions, [1] * len(seqs),
                                    [p + 1 for p in positions], [seq.block_table for seq in seqs],
@@ -285,6 +288,13 @@ class ModelRunner:
             if self.compiled is not None:
                 self.compiled.active = False
         return StepLogits(logits, seqs)
+
+    def _set_reach(self, seqs: list[Sequence]) -> None:
+        """Tell the decode copy how far this step's sequences can grow (prompt + max_tokens, or
+        max_model_len): a rebuild then gathers no spare room that no sequence can use."""
+        if self.decode_view is not None:
+            self.decode_view.reach = max((self.max_model_len if seq.params.max_tokens is None else
+                                          seq.num_prompt_tokens + seq.params.max_tokens for seq in seqs), default=None)
 
     def _forward(self, input_ids: list[int], positions: list[int], query_lens: list[int], context_lens: list[int],
                  block_tables: list[list[int]], seq_ids: list[int], logits_indices: list[int] | None) -> Tensor:

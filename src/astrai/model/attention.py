@@ -18,7 +18,13 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from astrai.model.config import ModelConfig
-from astrai.model.decode_view import DecodeKVView, DecodeViewStep, _decode_mask, _pad_tables  # noqa: F401 - re-exported
+from astrai.model.decode_view import (  # noqa: F401 - re-exported
+    DecodeKVView,
+    DecodeViewStep,
+    _decode_mask,
+    _pad_tables,
+    decode_attention,
+)
 from astrai.model.kernels import (
     PackedSegments,
     PagedDecodeTables,
@@ -383,14 +389,12 @@ class Attention(nn.Module):
             if meta.decode_view is not None:
                 new_k, new_v = (k, v) if decode_only else (k[meta.decode_token_idx], v[meta.decode_token_idx])
                 kd, vd = meta.decode_view.layer_kv(self.layer_idx, k_cache, v_cache, new_k, new_v)
-                kd, vd = kd[:, :L], vd[:, :L]  # (Sd, L, Hkv, D) views of the dense copy
+                kd, vd = kd[:, :, :L], vd[:, :, :L]  # (Sd, Hkv, L, D) views of the dense copy
             else:
                 blocks = meta.decode_blocks.flatten()
-                kd = self._gather(k_cache, blocks).view(Sd, L, self.num_kv_heads, self.head_dim)
-                vd = self._gather(v_cache, blocks).view(Sd, L, self.num_kv_heads, self.head_dim)
-            o = F.scaled_dot_product_attention(
-                qd, kd.transpose(1, 2).to(q.dtype), vd.transpose(1, 2).to(q.dtype), attn_mask=meta.decode_mask.to(q.dtype)
-            )  # (Sd, Hkv, G, D)
+                kd = self._gather(k_cache, blocks).view(Sd, L, self.num_kv_heads, self.head_dim).transpose(1, 2)
+                vd = self._gather(v_cache, blocks).view(Sd, L, self.num_kv_heads, self.head_dim).transpose(1, 2)
+            o = decode_attention(qd, kd.to(q.dtype), vd.to(q.dtype), meta.decode_mask.to(q.dtype))  # (Sd, Hkv, G, D)
             if decode_only:
                 return o.reshape(Sd, self.num_heads, self.head_dim)
             # under autocast o is bf16 while out has q's dtype (float32 after rope): index_put needs one dtype

@@ -4,9 +4,10 @@ and masks that paged attention metadata builds from block tables; used by `atten
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 from astrai.model.kernels import to_device
@@ -26,6 +27,21 @@ def _decode_mask(context_lens: Tensor, width: int, kv_caches: list[tuple[Tensor,
     return to_device(torch.zeros(real.shape, dtype=dtype).masked_fill_(~real, float("-inf")), device)
 
 
+def decode_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor) -> Tensor:
+    """One query per sequence: q (Sd, Hkv, G, D), the G query heads of a kv head as G query rows;
+    k, v (Sd, Hkv, L, D); mask (Sd, 1, 1, L) additive -> (Sd, Hkv, G, D).
+
+    On CPU a batched matmul, softmax, matmul: with so few query rows the fused SDPA kernel's
+    blocking and its copy of non-contiguous keys cost more than the arithmetic (64 sequences x 2
+    kv heads x 28 keys: 380 against 116 us at 2 threads, 239 against 185 at 1; SmolLM2's 32 x 3
+    x 100: 574 against 339 us). Elsewhere, and in lower precision, the fused kernel: it keeps
+    the scores in float32, as the trainer's bf16 forward does, where bf16 matmuls would round them."""
+    if q.device.type != "cpu" or q.dtype != torch.float32 or torch.is_autocast_enabled("cpu"):
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+    scores = torch.matmul(q, k.transpose(-1, -2)).mul_(q.size(-1) ** -0.5).add_(mask)  # (Sd, Hkv, G, L)
+    return torch.matmul(torch.softmax(scores, dim=-1), v)
+
+
 # -- a dense copy of the decoding sequences' KV, kept across steps ----------------------------
 @dataclass
 class DecodeViewStep:
@@ -34,31 +50,40 @@ class DecodeViewStep:
     view: DecodeKVView
     rebuild: bool
     blocks: Tensor | None  # rebuild: (Sd * capacity / block_size,) blocks to gather, row after row
-    slots: Tensor | None  # append: (Sd,) where each sequence's new token goes in the flat copy
+    slots: Tensor | None  # append: (Sd,) each sequence's new column, row * capacity + column
     capacity: int  # tokens per row
     mask: Tensor  # (Sd, 1, 1, longest context) additive decode mask, a view of the kept one
+    _at: dict[int, Tensor] = field(default_factory=dict)  # append: flat rows per kv-head count
 
     def layer_kv(self, layer: int, k_cache: Tensor, v_cache: Tensor, new_k: Tensor, new_v: Tensor
                  ) -> tuple[Tensor, Tensor]:
-        """This layer's (Sd, capacity, Hkv, D) keys and values, current to this step's tokens
-        (the paged cache already holds them: a rebuild reads it after this step's write)."""
+        """This layer's (Sd, Hkv, capacity, D) keys and values, current to this step's tokens
+        (the paged cache already holds them: a rebuild reads it after this step's write). Heads
+        before positions, so each (sequence, kv head) is one contiguous (capacity, D) matrix and
+        the decode attention is a plain batched matmul."""
         kv = self.view.kv
+        Hkv, D = k_cache.size(2), k_cache.size(3)
         if self.rebuild:
             while len(kv) <= layer:
                 kv.append(None)
             kv[layer] = None  # free the old copy before making the new one
-            shape = (-1, self.capacity, k_cache.size(2), k_cache.size(3))
-            kv[layer] = (torch.index_select(k_cache, 0, self.blocks).view(shape),
-                         torch.index_select(v_cache, 0, self.blocks).view(shape))
+            shape = (-1, self.capacity, Hkv, D)
+            kv[layer] = tuple(torch.index_select(cache, 0, self.blocks).view(shape).transpose(1, 2).contiguous()
+                              for cache in (k_cache, v_cache))
             return kv[layer]
         kd, vd = kv[layer]
-        kd.view(-1, kd.size(2), kd.size(3)).index_copy_(0, self.slots, new_k.to(kd.dtype))
-        vd.view(-1, vd.size(2), vd.size(3)).index_copy_(0, self.slots, new_v.to(vd.dtype))
+        at = self._at.get(Hkv)
+        if at is None:  # row r's new column c is flat row (r * Hkv + h) * capacity + c of the (., D) view
+            row, col = self.slots // self.capacity, self.slots % self.capacity
+            heads = torch.arange(Hkv, device=self.slots.device) * self.capacity
+            at = self._at[Hkv] = ((row * Hkv * self.capacity + col)[:, None] + heads).flatten()  # (Sd * Hkv,)
+        kd.view(-1, D).index_copy_(0, at, new_k.reshape(-1, D).to(kd.dtype))
+        vd.view(-1, D).index_copy_(0, at, new_v.reshape(-1, D).to(vd.dtype))
         return kd, vd
 
 
 class DecodeKVView:
-    """Dense per-layer copies (rows, capacity, kv_heads, head_dim) of the decoding sequences' KV.
+    """Dense per-layer copies (rows, kv_heads, capacity, head_dim) of the decoding sequences' KV.
 
     A decode step attends over each sequence's whole context. Gathering that context out of the
     paged cache every step copies the batch's entire KV once per layer per step, which on a CPU
@@ -68,7 +93,10 @@ class DecodeKVView:
     truth) whenever the decoding sequences or their order change, a context outgrows the
     capacity (`slack` spare tokens per row are gathered on each rebuild), autograd mode changes
     between inference_mode and no_grad, or a step failed. A copy that would exceed `max_bytes`
-    is not made: that step gathers from the paged cache instead.
+    is not made: that step gathers from the paged cache instead. `reach`, when the caller sets it
+    (the runner does, before each step), is the longest context any of the step's sequences can
+    still grow to (prompt + max_tokens): a rebuild gathers no spare tokens beyond it, so a short
+    rollout does not copy (and fault in) `slack` tokens per row it never uses.
     """
 
     def __init__(self, max_bytes: int, slack: int = 128) -> None:
@@ -77,6 +105,7 @@ class DecodeKVView:
         self.kv: list[tuple[Tensor, Tensor] | None] = []
         self.mask: Tensor | None = None  # (rows, 1, 1, capacity), kept up to date like the copy
         self.num_rebuilds = 0
+        self.reach: int | None = None  # longest context the step's sequences can reach (None: unknown)
         self._state: tuple | None = None  # (seq ids, context lens, capacity, inference mode) once valid
         self._pending: tuple | None = None
 
@@ -94,7 +123,10 @@ class DecodeKVView:
                                      dtype=torch.long), device)
                 self.mask.view(-1).index_fill_(0, slots, 0.0)  # each row's new token becomes visible
                 return DecodeViewStep(self, False, None, slots, capacity, self.mask[..., : max(context_lens)])
-        width = -(-(max(context_lens) + self.slack) // block_size)
+        longest = max(context_lens) + self.slack
+        if self.reach is not None:
+            longest = max(min(longest, self.reach), max(context_lens))
+        width = -(-longest // block_size)
         capacity = width * block_size
         per_token = sum(2 * k.element_size() * k.size(2) * k.size(3) for k, _ in kv_caches)
         if len(ids) * capacity * per_token > self.max_bytes:
