@@ -54,6 +54,7 @@ class DecodeViewStep:
     capacity: int  # tokens per row
     mask: Tensor  # (Sd, 1, 1, longest context) additive decode mask, a view of the kept one
     _at: dict[int, Tensor] = field(default_factory=dict)  # append: flat rows per kv-head count
+    _scratch: Tensor | None = None  # rebuild: the gathered blocks of one layer's keys or values
 
     def layer_kv(self, layer: int, k_cache: Tensor, v_cache: Tensor, new_k: Tensor, new_v: Tensor
                  ) -> tuple[Tensor, Tensor]:
@@ -67,9 +68,15 @@ class DecodeViewStep:
             while len(kv) <= layer:
                 kv.append(None)
             kv[layer] = None  # free the old copy before making the new one
-            shape = (-1, self.capacity, Hkv, D)
-            kv[layer] = tuple(torch.index_select(cache, 0, self.blocks).view(shape).transpose(1, 2).contiguous()
-                              for cache in (k_cache, v_cache))
+            copies = []
+            for cache in (k_cache, v_cache):
+                # gathered into one scratch block, reused by every layer of the step, so the kept
+                # copies are made back to back with no freed gather between them
+                if self._scratch is None or self._scratch.shape[1:] != cache.shape[1:] or self._scratch.dtype != cache.dtype:
+                    self._scratch = cache.new_empty((len(self.blocks), *cache.shape[1:]))
+                gathered = torch.index_select(cache, 0, self.blocks, out=self._scratch)
+                copies.append(gathered.view(-1, self.capacity, Hkv, D).transpose(1, 2).contiguous())
+            kv[layer] = tuple(copies)
             return kv[layer]
         kd, vd = kv[layer]
         at = self._at.get(Hkv)
