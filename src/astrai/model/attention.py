@@ -23,7 +23,6 @@ from astrai.model.decode_view import (  # noqa: F401 - re-exported
     DecodeViewStep,
     _decode_mask,
     _pad_tables,
-    decode_attention,
 )
 from astrai.model.kernels import (
     PackedSegments,
@@ -394,7 +393,8 @@ class Attention(nn.Module):
                 blocks = meta.decode_blocks.flatten()
                 kd = self._gather(k_cache, blocks).view(Sd, L, self.num_kv_heads, self.head_dim).transpose(1, 2)
                 vd = self._gather(v_cache, blocks).view(Sd, L, self.num_kv_heads, self.head_dim).transpose(1, 2)
-            o = decode_attention(qd, kd.to(q.dtype), vd.to(q.dtype), meta.decode_mask.to(q.dtype))  # (Sd, Hkv, G, D)
+            o = F.scaled_dot_product_attention(qd, kd.to(q.dtype), vd.to(q.dtype), attn_mask=meta.decode_mask.to(q.dtype)
+                                               )  # (Sd, Hkv, G, D)
             if decode_only:
                 return o.reshape(Sd, self.num_heads, self.head_dim)
             # under autocast o is bf16 while out has q's dtype (float32 after rope): index_put needs one dtype

@@ -7,7 +7,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
 from astrai.model.kernels import to_device
@@ -25,21 +24,6 @@ def _decode_mask(context_lens: Tensor, width: int, kv_caches: list[tuple[Tensor,
     real = (torch.arange(width)[None, :] < context_lens[:, None])[:, None, None, :]
     dtype = kv_caches[0][0].dtype if kv_caches else torch.float32
     return to_device(torch.zeros(real.shape, dtype=dtype).masked_fill_(~real, float("-inf")), device)
-
-
-def decode_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor) -> Tensor:
-    """One query per sequence: q (Sd, Hkv, G, D), the G query heads of a kv head as G query rows;
-    k, v (Sd, Hkv, L, D); mask (Sd, 1, 1, L) additive -> (Sd, Hkv, G, D).
-
-    On CPU a batched matmul, softmax, matmul: with so few query rows the fused SDPA kernel's
-    blocking and its copy of non-contiguous keys cost more than the arithmetic (64 sequences x 2
-    kv heads x 28 keys: 380 against 116 us at 2 threads, 239 against 185 at 1; SmolLM2's 32 x 3
-    x 100: 574 against 339 us). Elsewhere, and in lower precision, the fused kernel: it keeps
-    the scores in float32, as the trainer's bf16 forward does, where bf16 matmuls would round them."""
-    if q.device.type != "cpu" or q.dtype != torch.float32 or torch.is_autocast_enabled("cpu"):
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
-    scores = torch.matmul(q, k.transpose(-1, -2)).mul_(q.size(-1) ** -0.5).add_(mask)  # (Sd, Hkv, G, L)
-    return torch.matmul(torch.softmax(scores, dim=-1), v)
 
 
 # -- a dense copy of the decoding sequences' KV, kept across steps ----------------------------
@@ -60,8 +44,8 @@ class DecodeViewStep:
                  ) -> tuple[Tensor, Tensor]:
         """This layer's (Sd, Hkv, capacity, D) keys and values, current to this step's tokens
         (the paged cache already holds them: a rebuild reads it after this step's write). Heads
-        before positions, so each (sequence, kv head) is one contiguous (capacity, D) matrix and
-        the decode attention is a plain batched matmul."""
+        before positions, so each (sequence, kv head) is one contiguous (capacity, D) matrix, the
+        layout the attention kernel reads without a copy."""
         kv = self.view.kv
         Hkv, D = k_cache.size(2), k_cache.size(3)
         if self.rebuild:
