@@ -18,12 +18,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from astrai.model.config import ModelConfig
-from astrai.model.decode_view import (  # noqa: F401 - re-exported
-    DecodeKVView,
-    DecodeViewStep,
-    _decode_mask,
-    _pad_tables,
-)
+from astrai.model.decode_view import DecodeKVView, DecodeViewStep, _decode_mask, _pad_tables  # noqa: F401 - re-exported
 from astrai.model.kernels import (
     PackedSegments,
     PagedDecodeTables,
@@ -393,8 +388,9 @@ class Attention(nn.Module):
                 blocks = meta.decode_blocks.flatten()
                 kd = self._gather(k_cache, blocks).view(Sd, L, self.num_kv_heads, self.head_dim).transpose(1, 2)
                 vd = self._gather(v_cache, blocks).view(Sd, L, self.num_kv_heads, self.head_dim).transpose(1, 2)
-            o = F.scaled_dot_product_attention(qd, kd.to(q.dtype), vd.to(q.dtype), attn_mask=meta.decode_mask.to(q.dtype)
-                                               )  # (Sd, Hkv, G, D)
+            o = F.scaled_dot_product_attention(
+                qd, kd.to(q.dtype), vd.to(q.dtype), attn_mask=meta.decode_mask.to(q.dtype)
+            )  # (Sd, Hkv, G, D)
             if decode_only:
                 return o.reshape(Sd, self.num_heads, self.head_dim)
             # under autocast o is bf16 while out has q's dtype (float32 after rope): index_put needs one dtype
