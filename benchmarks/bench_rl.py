@@ -26,6 +26,9 @@ seconds per step (the robust figure on a shared machine), rollout tokens per ste
 of the steps (the kernel's high-water mark reset once model and optimizer are loaded) and what
 the steps add to the RSS after loading. Ratios are against TRL with gradient checkpointing off
 (the same work as astrai's default); TRL's default (checkpointing on) is a second row.
+Two rows show the CPU matrix-product library on each side: astrai with `cpu_matmul blas`
+(PyTorch's default MKL sgemm; astrai's default sends float32 products to oneDNN), and TRL with
+astrai's oneDNN routing switched on in its process (`astrai.model.matmul.set_cpu_matmul`).
 More rows show the C allocator's policy on each side: astrai with glibc's mmap threshold
 fixed at 1 MiB (`host_mmap_threshold_mb 1`; the default keeps glibc's), and TRL with the same
 fixed threshold from the environment (`MALLOC_MMAP_THRESHOLD_`); astrai with glibc's heap trim
@@ -75,12 +78,17 @@ SYSTEMS = {
     # default), glibc's default gives the heap's top back; TRL can only set it for the whole process
     "astrai_trim": ("astrai online_grpo, host_keep_heap false (glibc's trim)", "online_grpo", False),
     "trl_keep": ("TRL GRPOTrainer, checkpointing off, heap never trimmed (MALLOC_TRIM_THRESHOLD_)", "trl", False),
+    # the CPU matrix-product library: astrai sends float32 products to oneDNN by default (cpu_matmul
+    # auto); `blas` keeps PyTorch's MKL sgemm, which TRL uses; TRL's process can be given the same routing
+    "astrai_blas": ("astrai online_grpo, cpu_matmul blas (PyTorch's default sgemm)", "online_grpo", False),
+    "trl_onednn": ("TRL GRPOTrainer, checkpointing off, astrai's oneDNN products (set_cpu_matmul)", "trl", False),
 }
 CHILD_ENV = {  # glibc reads these when the process starts
     "trl_mmap": {"MALLOC_MMAP_THRESHOLD_": str(2**20)},
     "trl_keep": {"MALLOC_TRIM_THRESHOLD_": str(2**31 - 1), "MALLOC_MMAP_THRESHOLD_": str(32 * 2**20)},
 }
-CHILD_FLAGS = {"astrai_mmap": {"host_mmap_threshold_mb": 1}, "astrai_trim": {"host_keep_heap": False}}
+CHILD_FLAGS = {"astrai_mmap": {"host_mmap_threshold_mb": 1}, "astrai_trim": {"host_keep_heap": False},
+               "astrai_blas": {"cpu_matmul": "blas"}}
 TINY_DEFAULTS = {"steps": 8, "prompts": 8, "group_size": 8, "max_tokens": 16, "threads": 1, "lr": 1e-4}
 MODEL_DEFAULTS = {"steps": 3, "prompts": 8, "group_size": 4, "max_tokens": 64, "threads": 2, "lr": 1e-6}
 RESULT = "BENCH_RL_RESULT "  # the child's last stdout line: this prefix, then its JSON summary
@@ -198,6 +206,10 @@ def child(args: argparse.Namespace) -> int:
     torch.set_num_threads(args.threads)
     _, train_type, checkpointing = SYSTEMS[args.child]
     out = Path(args.out)
+    if args.child == "trl_onednn":
+        from astrai.model.matmul import set_cpu_matmul
+
+        set_cpu_matmul("onednn")  # process-wide: transformers' and TRL's products too
     if train_type == "trl":
         result = run_trl(Path(args.prompts_path), Path(args.model_dir), out, args, checkpointing)
     else:

@@ -1,5 +1,7 @@
-"""Shared test setup: offline hub, deterministic torch, small thread count, `cuda` tests skipped
-without a CUDA device."""
+"""Shared test setup: offline hub, deterministic torch, small thread count, the CPU matrix-product
+library fixed for the whole session (the default, `auto`, as the CLI and the engine set it: so a
+test sees the same kernels whichever tests ran before it), `cuda` tests skipped without a CUDA
+device."""
 
 from __future__ import annotations
 
@@ -11,6 +13,10 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
+
+from astrai.model.matmul import set_cpu_matmul  # noqa: E402
+
+set_cpu_matmul("auto")
 
 
 @pytest.fixture(autouse=True)

@@ -58,6 +58,7 @@ class TrainSection:
     bf16: bool = False  # bf16 autocast for forward/backward
     gradient_checkpointing: bool = False
     compile: bool = False  # torch.compile the model
+    cpu_matmul: str = "auto"  # auto | onednn | blas: float32 CPU matrix products (process-wide); auto: oneDNN when built in
     stop_timeout: float = 600.0  # seconds the launcher waits for ranks after a stop signal
     val_interval: int = 0  # optimizer steps between validations; 0 = only at the end when val data exists
     val_max_batches: int | None = None

@@ -65,6 +65,7 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "advantage_estimator": ("grpo", "rloo", "reinforce_pp"),
     "importance_sampling_level": ("token", "sequence"),
     "eval_match": ("exact", "final_number"),  # data/tasks.py SCORERS
+    "cpu_matmul": ("auto", "onednn", "blas"),  # model/matmul.py
 }
 
 

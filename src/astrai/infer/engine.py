@@ -8,13 +8,12 @@ stop tokens, stop strings and length limits, fork the n samples of a request aft
 prefill, free finished sequences, and report the requests that changed. `run_batch` drives the
 same loop synchronously for RL rollouts, and `generate_all` (text or token-id prompts) is what
 the offline `LLM` of llm.py calls. The engine runs the model it is given in place (a live
-training module is switched to eval mode and no_grad for each step, then restored; a model
-already in eval mode runs under inference_mode), and `set_policy_version` keys the prefix
-cache by weights version so KV computed with older weights is never reused. An idle engine can
-free its KV pool (`release_kv_cache`, e.g. while a trainer runs its backward pass) and make it
-again at the size the next batch needs (`reserve_kv_cache`; a request re-makes it otherwise). With
-`autocast_dtype` its forward passes run under `torch.autocast`, as a bf16 trainer's do, over a
-KV pool in that dtype (half the bytes per token); sampling stays float32.
+training module is switched to eval mode and no_grad for each step, then restored; a model in
+eval mode runs under inference_mode); `set_policy_version` keys the prefix cache by weights
+version, so KV of older weights is never reused. An idle engine can free its KV pool
+(`release_kv_cache`, e.g. during a trainer's backward) and make it again at the size the next
+batch needs (`reserve_kv_cache`; a request re-makes it otherwise). `autocast_dtype` runs the
+forward under `torch.autocast` (a bf16 trainer's precision) over a KV pool in that dtype.
 """
 
 from __future__ import annotations
@@ -50,6 +49,7 @@ from astrai.infer.sizing import (
     resolve_max_model_len,
     token_budgets,
 )
+from astrai.model.matmul import set_cpu_matmul
 
 DETOKENIZE_CONTEXT = 5  # tokens of left context when decoding a new token's text
 
@@ -74,6 +74,7 @@ class EngineConfig:
     num_threads: int | None = None  # from_pretrained on CPU: torch threads; None: probed (default vs 1)
     linear_layout: str | None = None  # from_pretrained: "out_in" | "in_out" weight storage; None: probed
     compile: bool = False  # decode steps' MLPs under torch.compile, per batch-size bucket (warm-up at start)
+    cpu_matmul: str = "auto"  # auto | onednn | blas: float32 CPU matrix products (model/matmul.py; process-wide)
     autocast_dtype: str | None = None  # "bfloat16": forward passes under torch.autocast (a bf16 trainer's precision)
     kv_cache_dtype: str | None = None  # KV pool dtype; None: the autocast dtype if set, else the weights'
     cuda_graphs: bool = False  # CUDA only: decode steps replay graphs per batch bucket (runner.py); an error on CPU
@@ -106,6 +107,7 @@ class LLMEngine:
     def __init__(self, model: nn.Module, tokenizer: Any | None = None, config: EngineConfig | None = None,
                  **config_fields: Any) -> None:
         self.config = config = _make_config(config, config_fields)
+        set_cpu_matmul(config.cpu_matmul)  # before the probes time a forward pass
         self.model = model
         self.tokenizer = tokenizer
         model_cfg = model.config
@@ -160,6 +162,7 @@ class LLMEngine:
         model_dir = resolve_model_path(model_dir)  # a Hub id -> its cached snapshot; a local path as it is
         config = _make_config(None, config_fields)
         check_tuning(config.num_threads, config.linear_layout)  # before the (slow) load
+        set_cpu_matmul(config.cpu_matmul)  # before the layout probe times the linears
         device = config.device or ("cuda" if torch.cuda.is_available() else "cpu")
         model = load_model(model_dir, dtype=config.dtype, device=device, lora=config.lora)
         model.eval()
@@ -494,6 +497,4 @@ def _make_config(config: EngineConfig | None, overrides: dict[str, Any]) -> Engi
     if unknown:
         raise ValueError(f"unknown engine config field {unknown[0]!r}; expected one of {sorted(names)}")
     config = config or EngineConfig()
-    if overrides:
-        config = EngineConfig(**{**config.__dict__, **overrides})
-    return config
+    return EngineConfig(**{**config.__dict__, **overrides}) if overrides else config

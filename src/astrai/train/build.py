@@ -28,6 +28,7 @@ from torch import nn
 
 from astrai.config import Config, OptimConfig
 from astrai.config_values import DEFAULT_MAX_PROMPT_LEN, TRAIN_TYPES, default_max_prompt_len, is_online
+from astrai.model.matmul import set_cpu_matmul
 from astrai.train import dist, resume
 from astrai.train.callbacks import CallbackList, arrange_callbacks, default_callbacks, requested_metrics
 from astrai.train.context import Loop
@@ -229,6 +230,7 @@ def build_run(cfg: Config, model: nn.Module | None = None, tokenizer: Any = None
     """Ranks, seed, tokenizer, model, objective and the wrapped model, in that order (the order
     fixes the RNG stream, so runs and resumed runs draw the same numbers)."""
     check_config(cfg)
+    set_cpu_matmul(cfg.train.cpu_matmul)  # before any product: the probes, the model, the engine
     info = dist.init_distributed(cfg.train.device)
     seed_everything(cfg.train.random_seed)
     online = is_online(cfg.data.train_type)

@@ -32,6 +32,7 @@ from astrai.config_values import default_max_prompt_len
 from astrai.infer.engine import LLMEngine
 from astrai.infer.sampling import SamplingParams
 from astrai.infer.sizing import batch_kv_tokens
+from astrai.model.matmul import current_cpu_matmul
 from astrai.train import dist
 from astrai.train.losses import IGNORE_INDEX
 from astrai.train.rl.environments import Episode, MultiTurn, episode_stats
@@ -336,7 +337,8 @@ def batch_engine(model: nn.Module, tokenizer: Any, num_seqs: int, max_len: int, 
     return LLMEngine(model, tokenizer, max_num_seqs=num_seqs, max_model_len=max_len,
                      kv_cache_tokens=num_seqs * (max_len + 16), max_num_batched_tokens=max(2048, max_len),
                      long_prefill_token_threshold=0, max_request_kv_share=1.0,
-                     autocast_dtype="bfloat16" if bf16 else None)
+                     autocast_dtype="bfloat16" if bf16 else None,
+                     cpu_matmul=current_cpu_matmul())  # the run's own choice (train.cpu_matmul), kept
 
 
 @contextlib.contextmanager

@@ -1,0 +1,128 @@
+"""Which library runs float32 matrix products on the CPU: oneDNN or PyTorch's default BLAS.
+
+PyTorch on x86 sends a float32 `mm` / `addmm` to MKL's sgemm. On the AMD Zen 5 machine the
+figures in docs/training.md come from, MKL takes its AVX2 code path and reaches about 100 GFLOPS
+per core, while oneDNN, which ships inside the same PyTorch build, runs the same products in
+float32 with AVX-512 at 170-240 GFLOPS (decode, training forward, input and weight gradients
+alike; `docs/training.md`, "Matrix products on the CPU"). Every matrix product of a step
+(`nn.Linear` forward and its autograd backward, the lean blocks' hand-written backward passes,
+the chunked lm head, LoRA, the critic) reaches ATen as `mm` or `addmm`, so this module replaces
+those CPU kernels, process-wide, with one that hands products of float32 matrices with at least
+`MIN_ROWS` rows and columns and `MIN_MACS` multiply-adds to oneDNN and everything else to the
+BLAS path (a gemv-like product is faster there). Results are float32 and deterministic; they
+round differently from MKL's (about 1e-6 relative), as MKL's own kernels do between shapes.
+
+`set_cpu_matmul("onednn" | "blas" | "auto")` switches (auto: oneDNN when this build has it). The
+run builder and the inference engine call it with their `cpu_matmul` field before they build a
+model; it is idempotent. GPUs are untouched (only the CPU dispatch key is replaced).
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import torch
+from torch import Tensor
+
+from astrai.config_values import CHOICES
+
+CPU_MATMUL_CHOICES = CHOICES["cpu_matmul"]
+MIN_ROWS = 8  # below this many output rows or columns MKL's gemv-like kernels are faster (measured)
+MIN_MACS = 1 << 20  # smaller products cost more in oneDNN's call overhead (~13 us) than they gain
+
+_library: torch.library.Library | None = None  # the registered CPU kernels while oneDNN is on
+
+
+def set_cpu_matmul(choice: str) -> str:
+    """Route float32 CPU matrix products to oneDNN or back to BLAS; returns the library now used."""
+    global _library
+    if choice not in CPU_MATMUL_CHOICES:
+        raise ValueError(f"cpu_matmul is {choice!r}; use one of {', '.join(CPU_MATMUL_CHOICES)}")
+    want_onednn = choice == "onednn" or (choice == "auto" and onednn_available())
+    if choice == "onednn" and not onednn_available():
+        raise ValueError("cpu_matmul is 'onednn' but this PyTorch build has no oneDNN (mkldnn); use 'auto' or 'blas'")
+    if want_onednn and _library is None:
+        library = torch.library.Library("aten", "IMPL")
+        with warnings.catch_warnings():  # replacing a registered kernel is the point
+            warnings.simplefilter("ignore")
+            library.impl("mm", _mm, "CPU")
+            library.impl("mm.out", _mm_out, "CPU")
+            library.impl("addmm", _addmm, "CPU")
+            library.impl("addmm.out", _addmm_out, "CPU")
+            library.impl("addmm_", _addmm_inplace, "CPU")
+        _library = library
+    elif not want_onednn and _library is not None:
+        _library._destroy()
+        _library = None
+    return current_cpu_matmul()
+
+
+def current_cpu_matmul() -> str:
+    return "onednn" if _library is not None else "blas"
+
+
+def onednn_available() -> bool:
+    return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+
+
+# -- the kernels ---------------------------------------------------------------------------------
+def _takes(a: Tensor, b: Tensor) -> bool:
+    """a (M, K) @ b (K, N) goes to oneDNN: float32 matrices, large enough, plainly laid out."""
+    if a.dtype != torch.float32 or b.dtype != torch.float32 or a.dim() != 2 or b.dim() != 2:
+        return False
+    m, k, n = a.size(0), a.size(1), b.size(1)
+    if m < MIN_ROWS or n < MIN_ROWS or m * k * n < MIN_MACS:
+        return False
+    return _matrix_layout(a) and _matrix_layout(b)
+
+
+def _matrix_layout(x: Tensor) -> bool:
+    """Row-major or column-major without gaps (a plain matrix or its transpose view)."""
+    return x.is_contiguous() or x.t().is_contiguous()
+
+
+def _product(a: Tensor, b: Tensor, bias: Tensor | None = None) -> Tensor:
+    """a @ b (+ bias over rows) in oneDNN: its linear computes x @ w.T, so w is b's transpose (a view)."""
+    return torch.ops.mkldnn._linear_pointwise(a, b.t(), bias, "none", [], "")
+
+
+def _blas(a: Tensor, b: Tensor) -> Tensor:
+    """The BLAS path for what oneDNN does not take. `mm` itself is replaced here, so its kernel
+    is reached through `bmm` with a batch of one (the same sgemm for all but tiny products)."""
+    return torch.bmm(a[None], b[None])[0]
+
+
+def _mm(a: Tensor, b: Tensor) -> Tensor:
+    return _product(a, b) if _takes(a, b) else _blas(a, b)
+
+
+def _mm_out(a: Tensor, b: Tensor, *, out: Tensor) -> Tensor:
+    out.copy_(_mm(a, b))
+    return out
+
+
+def _addmm(c: Tensor, a: Tensor, b: Tensor, *, beta: float = 1, alpha: float = 1) -> Tensor:
+    if not _takes(a, b):
+        return torch.baddbmm(c.expand(a.size(0), b.size(1))[None], a[None], b[None], beta=beta, alpha=alpha)[0]
+    if beta == 1 and alpha == 1 and c.dim() == 1 and c.dtype == torch.float32:
+        return _product(a, b, c)  # the bias added inside the kernel, as nn.Linear's addmm does
+    ab = _product(a, b)
+    if alpha != 1:
+        ab.mul_(alpha)
+    return ab.add_(c if beta == 1 else c * beta) if beta != 0 else ab
+
+
+def _addmm_out(c: Tensor, a: Tensor, b: Tensor, *, beta: float = 1, alpha: float = 1, out: Tensor) -> Tensor:
+    out.copy_(_addmm(c, a, b, beta=beta, alpha=alpha))
+    return out
+
+
+def _addmm_inplace(c: Tensor, a: Tensor, b: Tensor, *, beta: float = 1, alpha: float = 1) -> Tensor:
+    if not _takes(a, b):
+        return c.copy_(torch.baddbmm(c[None], a[None], b[None], beta=beta, alpha=alpha)[0])
+    ab = _product(a, b)
+    if beta == 0:  # as torch's addmm_: beta 0 ignores c, NaN included
+        c.zero_()
+    elif beta != 1:
+        c.mul_(beta)
+    return c.add_(ab, alpha=alpha)

@@ -1,0 +1,109 @@
+"""`astrai.model.matmul`: float32 CPU matrix products through oneDNN, everything else through BLAS.
+
+Which kernel ran is read from the profiler (`mkldnn::_linear_pointwise` against `aten::bmm`, the
+BLAS route while `mm` is replaced), so a test fails if the routing silently stops; values are
+checked against float64 products at float32 tolerance."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.profiler import profile
+
+from astrai.config import load_config
+from astrai.config_values import ConfigError
+from astrai.model import matmul
+
+pytestmark = pytest.mark.skipif(not matmul.onednn_available(), reason="this PyTorch build has no oneDNN")
+
+
+@pytest.fixture()
+def onednn():
+    before = matmul.current_cpu_matmul()
+    assert matmul.set_cpu_matmul("onednn") == "onednn"
+    yield
+    matmul.set_cpu_matmul("auto" if before == "onednn" else "blas")
+
+
+def kernels(fn) -> set[str]:
+    with profile() as prof:
+        fn()
+    return {e.key for e in prof.key_averages()}
+
+
+def close(got: torch.Tensor, want: torch.Tensor) -> None:
+    scale = want.abs().max().item()
+    assert got.dtype == torch.float32
+    assert (got.double() - want).abs().max().item() <= 2e-6 * scale
+
+
+def test_every_product_form_goes_to_onednn_with_float32_accuracy(onednn) -> None:
+    g = torch.Generator().manual_seed(0)
+    a, b = torch.randn(96, 256, generator=g), torch.randn(256, 80, generator=g)
+    bias, c = torch.randn(80, generator=g), torch.randn(96, 80, generator=g)
+    want = a.double() @ b.double()
+    assert "mkldnn::_linear_pointwise" in kernels(lambda: a @ b)
+    close(a @ b, want)
+    close(a.t().contiguous().t() @ b.t().contiguous().t(), want)  # column-major operands (transpose views)
+    out = torch.empty(96, 80)
+    close(torch.mm(a, b, out=out), want)
+    close(out, want)
+    close(torch.addmm(bias, a, b), want + bias.double())
+    close(torch.addmm(c, a, b, beta=0.5, alpha=2.0), 2 * want + 0.5 * c.double())
+    close(torch.addmm(bias, a, b, out=out), want + bias.double())
+    acc = c.clone()
+    close(acc.addmm_(a, b), want + c.double())
+    nan = torch.full((96, 80), float("nan"))
+    close(nan.addmm_(a, b, beta=0), want)  # beta 0 ignores the input, NaN included, as torch's own
+    assert "mkldnn::_linear_pointwise" in kernels(lambda: acc.addmm_(a, b))
+
+
+def test_small_and_non_float32_products_stay_on_blas(onednn) -> None:
+    g = torch.Generator().manual_seed(1)
+    row, w = torch.randn(1, 576, generator=g), torch.randn(576, 1536, generator=g)  # a gemv: BLAS is faster
+    assert "mkldnn::_linear_pointwise" not in kernels(lambda: row @ w)
+    close(row @ w, row.double() @ w.double())
+    a64, b64 = torch.randn(64, 256, dtype=torch.float64), torch.randn(256, 64, dtype=torch.float64)
+    assert torch.allclose(a64 @ b64, torch.bmm(a64[None], b64[None])[0])
+    ints = torch.arange(12).view(3, 4) @ torch.ones(4, 2, dtype=torch.long)
+    assert ints.tolist() == [[6, 6], [22, 22], [38, 38]]
+    strided = torch.randn(64, 512, generator=g)[:, ::2]  # a gap between columns: not a plain matrix
+    assert "mkldnn::_linear_pointwise" not in kernels(lambda: strided @ w[:256])
+    close(strided @ w[:256], strided.double() @ w[:256].double())
+
+
+def test_blas_restores_pytorchs_own_kernels(onednn) -> None:
+    a, b = torch.randn(128, 256), torch.randn(256, 128)
+    assert matmul.set_cpu_matmul("blas") == "blas"
+    names = kernels(lambda: a @ b)
+    assert "mkldnn::_linear_pointwise" not in names and "aten::bmm" not in names
+    assert matmul.set_cpu_matmul("auto") == "onednn"  # and back, idempotent
+    assert matmul.set_cpu_matmul("auto") == "onednn"
+    assert "mkldnn::_linear_pointwise" in kernels(lambda: a @ b)
+
+
+def test_linear_forward_and_backward_match_blas_and_repeat_bit_for_bit(onednn) -> None:
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(384, 192)
+    x = torch.randn(4, 40, 384, requires_grad=True)
+
+    def run() -> list[torch.Tensor]:
+        x.grad, lin.weight.grad, lin.bias.grad = None, None, None
+        y = lin(x)
+        y.square().sum().backward()
+        return [y.detach(), x.grad, lin.weight.grad, lin.bias.grad]
+
+    first, again = run(), run()
+    assert all(torch.equal(p, q) for p, q in zip(first, again))  # deterministic
+    matmul.set_cpu_matmul("blas")
+    reference = run()
+    for got, want in zip(first, reference):
+        assert (got - want).abs().max().item() <= 1e-5 * want.abs().max().item()
+
+
+def test_a_bad_choice_names_the_field_and_the_choices() -> None:
+    with pytest.raises(ValueError, match="cpu_matmul is 'mkl'; use one of auto, onednn, blas"):
+        matmul.set_cpu_matmul("mkl")
+    with pytest.raises(ConfigError, match="cpu_matmul"):
+        load_config(None, ["--cpu_matmul", "mkl"])
+    assert load_config(None, ["--cpu_matmul", "blas"]).train.cpu_matmul == "blas"
