@@ -1,8 +1,7 @@
 """`astrai.model.matmul`: float32 CPU matrix products through oneDNN, everything else through BLAS.
 
-Which kernel ran is read from the profiler (`mkldnn::_linear_pointwise` against `aten::bmm`, the
-BLAS route while `mm` is replaced), so a test fails if the routing silently stops; values are
-checked against float64 products at float32 tolerance."""
+Which kernel ran is read from the profiler (`mkldnn::_linear_pointwise` or not), so a test fails
+if the routing silently stops; values are checked against float64 products at float32 tolerance."""
 
 from __future__ import annotations
 
@@ -37,25 +36,33 @@ def close(got: torch.Tensor, want: torch.Tensor) -> None:
     assert (got.double() - want).abs().max().item() <= 2e-6 * scale
 
 
-def test_every_product_form_goes_to_onednn_with_float32_accuracy(onednn) -> None:
+def test_functional_products_go_to_onednn_with_float32_accuracy(onednn) -> None:
     g = torch.Generator().manual_seed(0)
     a, b = torch.randn(96, 256, generator=g), torch.randn(256, 80, generator=g)
     bias, c = torch.randn(80, generator=g), torch.randn(96, 80, generator=g)
     want = a.double() @ b.double()
     assert "mkldnn::_linear_pointwise" in kernels(lambda: a @ b)
+    assert "mkldnn::_linear_pointwise" in kernels(lambda: torch.addmm(bias, a, b))
     close(a @ b, want)
     close(a.t().contiguous().t() @ b.t().contiguous().t(), want)  # column-major operands (transpose views)
-    out = torch.empty(96, 80)
-    close(torch.mm(a, b, out=out), want)
-    close(out, want)
     close(torch.addmm(bias, a, b), want + bias.double())
     close(torch.addmm(c, a, b, beta=0.5, alpha=2.0), 2 * want + 0.5 * c.double())
-    close(torch.addmm(bias, a, b, out=out), want + bias.double())
+    close(torch.addmm(c, a, b, beta=0), want)
+
+
+def test_out_and_inplace_forms_keep_pytorchs_kernels(onednn) -> None:
+    g = torch.Generator().manual_seed(2)
+    a, b, c = torch.randn(96, 256, generator=g), torch.randn(256, 80, generator=g), torch.randn(96, 80, generator=g)
+    out = torch.empty(96, 80)
+    assert "mkldnn::_linear_pointwise" not in kernels(lambda: torch.mm(a, b, out=out))
+    close(out, a.double() @ b.double())
     acc = c.clone()
-    close(acc.addmm_(a, b), want + c.double())
-    nan = torch.full((96, 80), float("nan"))
-    close(nan.addmm_(a, b, beta=0), want)  # beta 0 ignores the input, NaN included, as torch's own
-    assert "mkldnn::_linear_pointwise" in kernels(lambda: acc.addmm_(a, b))
+    assert "mkldnn::_linear_pointwise" not in kernels(lambda: acc.addmm_(a, b))
+    close(acc, a.double() @ b.double() + c.double())
+    # bf16 products through bmm/baddbmm reach addmm_ inside PyTorch: no re-entry, no recursion
+    x = torch.randn(4, 64, 64, dtype=torch.bfloat16)
+    assert torch.baddbmm(x, x, x).shape == (4, 64, 64)
+    assert torch.addmm(x[0], x[1], x[2]).dtype == torch.bfloat16
 
 
 def test_small_and_non_float32_products_stay_on_blas(onednn) -> None:
@@ -64,7 +71,8 @@ def test_small_and_non_float32_products_stay_on_blas(onednn) -> None:
     assert "mkldnn::_linear_pointwise" not in kernels(lambda: row @ w)
     close(row @ w, row.double() @ w.double())
     a64, b64 = torch.randn(64, 256, dtype=torch.float64), torch.randn(256, 64, dtype=torch.float64)
-    assert torch.allclose(a64 @ b64, torch.bmm(a64[None], b64[None])[0])
+    assert "mkldnn::_linear_pointwise" not in kernels(lambda: a64 @ b64)
+    assert torch.allclose(a64 @ b64, torch.einsum("ik,kj->ij", a64, b64))
     ints = torch.arange(12).view(3, 4) @ torch.ones(4, 2, dtype=torch.long)
     assert ints.tolist() == [[6, 6], [22, 22], [38, 38]]
     strided = torch.randn(64, 512, generator=g)[:, ::2]  # a gap between columns: not a plain matrix
@@ -76,7 +84,7 @@ def test_blas_restores_pytorchs_own_kernels(onednn) -> None:
     a, b = torch.randn(128, 256), torch.randn(256, 128)
     assert matmul.set_cpu_matmul("blas") == "blas"
     names = kernels(lambda: a @ b)
-    assert "mkldnn::_linear_pointwise" not in names and "aten::bmm" not in names
+    assert "mkldnn::_linear_pointwise" not in names
     assert matmul.set_cpu_matmul("auto") == "onednn"  # and back, idempotent
     assert matmul.set_cpu_matmul("auto") == "onednn"
     assert "mkldnn::_linear_pointwise" in kernels(lambda: a @ b)

@@ -58,15 +58,18 @@ def test_the_environment_wins():
 
 # in a fresh interpreter: RSS given back when a burst of four touched 24 MiB blocks (96 MiB at the
 # heap's top, after a warm-up block that settles glibc's moving thresholds at 24 / 48 MiB) is
-# freed; malloc directly, so nothing small lands between the blocks and pins the top
+# freed; malloc directly and RSS read through a raw descriptor, so nothing small lands above the
+# blocks and pins the top (an 8 KiB file buffer did, depending on the interpreter's heap layout)
 KEEP_PROBE = """
-import ctypes, sys
+import ctypes, os, sys
 from astrai.train.host_memory import HeapTrim
 libc = ctypes.CDLL(None)
 libc.malloc.restype, libc.malloc.argtypes = ctypes.c_void_p, [ctypes.c_size_t]
 libc.free.argtypes = [ctypes.c_void_p]
+statm = os.open("/proc/self/statm", os.O_RDONLY)  # read without a file object: its malloc'd buffer could pin the top
 def rss_mb():
-    return int(open("/proc/self/statm").read().split()[1]) * 4096 / 2**20
+    return int(os.pread(statm, 128, 0).split()[1]) * 4096 / 2**20
+rss_mb()
 def block():
     p = libc.malloc(24 * 2**20)
     ctypes.memset(p, 1, 24 * 2**20)

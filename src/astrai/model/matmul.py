@@ -4,13 +4,16 @@ PyTorch on x86 sends a float32 `mm` / `addmm` to MKL's sgemm. On the AMD Zen 5 m
 figures in docs/training.md come from, MKL takes its AVX2 code path and reaches about 100 GFLOPS
 per core, while oneDNN, which ships inside the same PyTorch build, runs the same products in
 float32 with AVX-512 at 170-240 GFLOPS (decode, training forward, input and weight gradients
-alike; `docs/training.md`, "Matrix products on the CPU"). Every matrix product of a step
+alike; `docs/training.md`, "Matrix products on the CPU"). Nearly every matrix product of a step
 (`nn.Linear` forward and its autograd backward, the lean blocks' hand-written backward passes,
-the chunked lm head, LoRA, the critic) reaches ATen as `mm` or `addmm`, so this module replaces
-those CPU kernels, process-wide, with one that hands products of float32 matrices with at least
+LoRA, the critic) reaches ATen as the functional `mm` or `addmm`, so this module replaces those
+two CPU kernels, process-wide, with one that hands products of float32 matrices with at least
 `MIN_ROWS` rows and columns and `MIN_MACS` multiply-adds to oneDNN and everything else to the
 BLAS path (a gemv-like product is faster there). Results are float32 and deterministic; they
 round differently from MKL's (about 1e-6 relative), as MKL's own kernels do between shapes.
+The `out=` and in-place forms (`mm.out`, `addmm.out`, `addmm_`: the chunked lm head writes into
+reused blocks with them) keep PyTorch's kernels; they are also the BLAS path this module falls
+back on, so a fallback never re-enters it (PyTorch's `bmm` and `baddbmm` may call `addmm_`).
 
 `set_cpu_matmul("onednn" | "blas" | "auto")` switches (auto: oneDNN when this build has it). The
 run builder and the inference engine call it with their `cpu_matmul` field before they build a
@@ -46,10 +49,7 @@ def set_cpu_matmul(choice: str) -> str:
         with warnings.catch_warnings():  # replacing a registered kernel is the point
             warnings.simplefilter("ignore")
             library.impl("mm", _mm, "CPU")
-            library.impl("mm.out", _mm_out, "CPU")
             library.impl("addmm", _addmm, "CPU")
-            library.impl("addmm.out", _addmm_out, "CPU")
-            library.impl("addmm_", _addmm_inplace, "CPU")
         _library = library
     elif not want_onednn and _library is not None:
         _library._destroy()
@@ -86,43 +86,19 @@ def _product(a: Tensor, b: Tensor, bias: Tensor | None = None) -> Tensor:
     return torch.ops.mkldnn._linear_pointwise(a, b.t(), bias, "none", [], "")
 
 
-def _blas(a: Tensor, b: Tensor) -> Tensor:
-    """The BLAS path for what oneDNN does not take. `mm` itself is replaced here, so its kernel
-    is reached through `bmm` with a batch of one (the same sgemm for all but tiny products)."""
-    return torch.bmm(a[None], b[None])[0]
-
-
 def _mm(a: Tensor, b: Tensor) -> Tensor:
-    return _product(a, b) if _takes(a, b) else _blas(a, b)
-
-
-def _mm_out(a: Tensor, b: Tensor, *, out: Tensor) -> Tensor:
-    out.copy_(_mm(a, b))
-    return out
+    if _takes(a, b):
+        return _product(a, b)
+    # the BLAS path: `mm.out` is a kernel of its own, left in place (so is `addmm.out`)
+    return torch.mm(a, b, out=a.new_empty(a.size(0), b.size(1)))
 
 
 def _addmm(c: Tensor, a: Tensor, b: Tensor, *, beta: float = 1, alpha: float = 1) -> Tensor:
     if not _takes(a, b):
-        return torch.baddbmm(c.expand(a.size(0), b.size(1))[None], a[None], b[None], beta=beta, alpha=alpha)[0]
+        return torch.addmm(c, a, b, beta=beta, alpha=alpha, out=a.new_empty(a.size(0), b.size(1)))
     if beta == 1 and alpha == 1 and c.dim() == 1 and c.dtype == torch.float32:
         return _product(a, b, c)  # the bias added inside the kernel, as nn.Linear's addmm does
     ab = _product(a, b)
     if alpha != 1:
         ab.mul_(alpha)
     return ab.add_(c if beta == 1 else c * beta) if beta != 0 else ab
-
-
-def _addmm_out(c: Tensor, a: Tensor, b: Tensor, *, beta: float = 1, alpha: float = 1, out: Tensor) -> Tensor:
-    out.copy_(_addmm(c, a, b, beta=beta, alpha=alpha))
-    return out
-
-
-def _addmm_inplace(c: Tensor, a: Tensor, b: Tensor, *, beta: float = 1, alpha: float = 1) -> Tensor:
-    if not _takes(a, b):
-        return c.copy_(torch.baddbmm(c[None], a[None], b[None], beta=beta, alpha=alpha)[0])
-    ab = _product(a, b)
-    if beta == 0:  # as torch's addmm_: beta 0 ignores c, NaN included
-        c.zero_()
-    elif beta != 1:
-        c.mul_(beta)
-    return c.add_(ab, alpha=alpha)
