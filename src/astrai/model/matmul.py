@@ -41,9 +41,10 @@ def set_cpu_matmul(choice: str) -> str:
     global _library
     if choice not in CPU_MATMUL_CHOICES:
         raise ValueError(f"cpu_matmul is {choice!r}; use one of {', '.join(CPU_MATMUL_CHOICES)}")
-    want_onednn = choice == "onednn" or (choice == "auto" and onednn_available())
-    if choice == "onednn" and not onednn_available():
+    available = onednn_available()
+    if choice == "onednn" and not available:
         raise ValueError("cpu_matmul is 'onednn' but this PyTorch build has no oneDNN (mkldnn); use 'auto' or 'blas'")
+    want_onednn = choice == "onednn" or (choice == "auto" and available)
     if want_onednn and _library is None:
         library = torch.library.Library("aten", "IMPL")
         with warnings.catch_warnings():  # replacing a registered kernel is the point
