@@ -202,3 +202,25 @@ def test_top_p_past_the_candidate_tokens_sorts_the_whole_vocabulary():
             assert 1 < int(keep.sum()) < big
             assert torch.equal(~torch.isinf(got[j]), keep), (rows, i)
             assert torch.equal(got[j][keep], logits[i][keep])
+
+
+def test_a_seeded_row_draws_its_generator_stream_one_number_per_step():
+    """Seeded rows take their uniform numbers in blocks from their own generator: the draw of
+    step t is the t-th number of the seed's stream (on a CPU, one torch.rand per step), also
+    across a block boundary and with rows coming and going around it."""
+    from astrai.infer.sampling import UNIFORM_BLOCK, inverse_cdf
+
+    steps = UNIFORM_BLOCK + 9
+    logits = torch.randn(steps, V, generator=torch.Generator().manual_seed(6)) * 2
+    stream = torch.rand(steps, dtype=torch.float64, generator=make_generator(11))
+    want = [inverse_cdf((logits[t:t + 1] - logits[t].max()).exp(), stream[t:t + 1]).item()
+            for t in range(steps)]
+    sampler = Sampler(make_generator(0))
+    row = Row(SamplingParams(temperature=1.0, seed=11), generator=make_generator(11))
+    got = []
+    for t in range(steps):
+        others = [Row(SamplingParams(temperature=1.0), generator=make_generator(100 + t)) for _ in range(t % 3)]
+        batch = torch.cat([logits[t:t + 1], torch.randn(len(others), V)])
+        got.append(sampler.sample(batch, [row, *others]).token_ids[0])
+    assert got == want
+    assert len(set(got)) > 5  # it really samples

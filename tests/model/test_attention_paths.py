@@ -174,3 +174,36 @@ def test_varlen_paged_decode_kernel_matches_reference(block_size):
     t_cpu = PagedDecodeTables.build(ctx, tables, block_size, "cpu")
     ref = paged_decode(q.cpu().float(), k_cache.cpu().float(), v_cache.cpu().float(), t_cpu)
     torch.testing.assert_close(out.float().cpu(), ref, atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.parametrize("dtype, tol", [(torch.float32, 2e-6), (torch.float64, 1e-12)])
+def test_short_key_attention_equals_sdpa_forward_and_backward(dtype, tol):
+    """The CPU form for short key rows (batched products, its own backward) against SDPA with
+    GQA and a boolean mask; a padding query row that sees only key 0 included."""
+    from astrai.model.kernels import short_key_attention
+
+    gen = torch.Generator().manual_seed(0)
+    q = torch.randn(5, 6, 7, 16, generator=gen, dtype=dtype, requires_grad=True)
+    k, v = (torch.randn(5, 2, 9, 16, generator=gen, dtype=dtype, requires_grad=True) for _ in range(2))
+    mask = torch.rand(5, 1, 7, 9, generator=gen) > 0.4
+    mask[..., 0] = True
+    mask[0, 0, -1] = False
+    mask[0, 0, -1, 0] = True
+    d_out = torch.randn(5, 6, 7, 16, generator=gen, dtype=dtype)
+    ref = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+    out = short_key_attention(q, k, v, mask)
+    torch.testing.assert_close(out, ref, atol=tol, rtol=tol)
+    for got, want in zip(torch.autograd.grad(out, (q, k, v), d_out), torch.autograd.grad(ref, (q, k, v), d_out)):
+        torch.testing.assert_close(got, want, atol=tol * 4, rtol=tol * 4)
+    if dtype == torch.float64:
+        assert torch.autograd.gradcheck(lambda a, b, c: short_key_attention(a, b, c, mask), (q, k, v))
+
+
+def test_short_keys_are_taken_on_cpu_in_full_precision_up_to_the_head_size():
+    from astrai.model.kernels import takes_short_keys
+
+    q = torch.zeros(2, 4, 3, 32)
+    assert takes_short_keys(q, torch.zeros(2, 2, 32, 32))
+    assert not takes_short_keys(q, torch.zeros(2, 2, 33, 32))  # probabilities would outweigh the queries
+    assert not takes_short_keys(q.bfloat16(), torch.zeros(2, 2, 8, 32, dtype=torch.bfloat16))  # SDPA accumulates in fp32
+    assert takes_short_keys(q.double(), torch.zeros(2, 2, 8, 32, dtype=torch.float64))

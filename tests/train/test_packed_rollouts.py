@@ -215,17 +215,21 @@ def test_shared_rows_hold_each_prompt_once_with_positions_continuing():
     assert len(set(zip(*(t[in_prompt].tolist() for t in rows.dst)))) == 2
 
 
-def test_shared_prefix_attention_equals_its_dense_mask():
+@pytest.mark.parametrize("head_dim", [8, 64])  # keys longer than the head (SDPA), then shorter (short_key_attention)
+def test_shared_prefix_attention_equals_its_dense_mask(head_dim):
     from astrai.model.attention import shared_prefix_dense_mask
-    from astrai.model.kernels import shared_prefix_attention, shared_prefix_segments
+    from astrai.model.kernels import shared_prefix_attention, shared_prefix_segments, takes_short_keys
 
     rollout = shared_prompt_rollout()
     rows = RowLayout.build(rollout.attention_mask, rollout.labels != -100, "share", rollout.input_ids)
     inputs = rows.inputs(rollout.input_ids, rollout.attention_mask)
     R, W = inputs["input_ids"].shape
     gen = torch.Generator().manual_seed(0)
-    q, k, v = (torch.randn(R, W, h, 8, generator=gen, dtype=torch.float64) for h in (4, 2, 2))
+    q, k, v = (torch.randn(R, W, h, head_dim, generator=gen, dtype=torch.float64) for h in (4, 2, 2))
     segs = shared_prefix_segments(inputs["document_ids"], inputs["prefix_ids"])
+    key_len = segs.key_idx.size(1)
+    assert takes_short_keys(q.transpose(1, 2), k[:, :key_len].transpose(1, 2)) == (key_len <= head_dim)
+    assert 8 < key_len <= 64  # both paths are taken across the two head sizes
     out = shared_prefix_attention(q, k, v, segs, gqa=True)
     mask = shared_prefix_dense_mask(inputs["document_ids"], inputs["prefix_ids"], W, "cpu")
     ref = torch.nn.functional.scaled_dot_product_attention(

@@ -14,6 +14,7 @@ their samples do not depend on which other requests share the batch.
 from __future__ import annotations
 
 import math
+import weakref
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -263,6 +264,8 @@ class Sampler:
 
     def __init__(self, generator: torch.Generator | None = None) -> None:
         self.generator = generator
+        # each seeded row's stream, drawn UNIFORM_BLOCK numbers at a time (reversed: pop takes the next)
+        self._blocks: weakref.WeakKeyDictionary[torch.Generator, list[float]] = weakref.WeakKeyDictionary()
 
     def sample(self, logits: Tensor, rows: list[SamplingState]) -> SamplerOutput:
         """logits (B, V) raw model logits, one row per entry of `rows`."""
@@ -294,18 +297,19 @@ class Sampler:
         log-probs (lse = m + log sum exp(final - m), as `torch.logsumexp` computes it)."""
         # inverse-CDF sampling takes one uniform number per row, so a seeded row draws from its own
         # generator without a per-row pass over the vocabulary (a Gumbel or exponential race needs
-        # one random number per vocabulary entry: most of the step's time at real vocab sizes)
-        # the uniform numbers stay on the device (no read-back and re-upload per step)
+        # one random number per vocabulary entry: most of the step's time at real vocab sizes);
+        # seeded rows' numbers come from host-side blocks (one upload per step), the shared
+        # generator's stay on the device
         device = final.device
-        parts = [torch.zeros(len(rows), dtype=torch.float64, device=device)]
+        values = [0.0] * len(rows)  # greedy rows draw nothing
+        for i, r in enumerate(rows):
+            if r.generator is not None and not greedy[i]:
+                values[i] = self._next_uniform(r.generator)
+        u = to_device(torch.tensor(values, dtype=torch.float64), device)  # (B,) one transfer
         shared = [i for i, r in enumerate(rows) if r.generator is None and not greedy[i]]
         if shared:
-            parts.append(torch.rand(len(shared), dtype=torch.float64, generator=self.generator, device=device))
-        seeded = [i for i, r in enumerate(rows) if r.generator is not None and not greedy[i]]
-        parts += [torch.rand(1, dtype=torch.float64, generator=rows[i].generator, device=device) for i in seeded]
-        u = parts[0]
-        if shared or seeded:
-            u = u.index_copy(0, to_device(torch.tensor(shared + seeded, dtype=torch.long), device), torch.cat(parts[1:]))
+            u = u.index_copy(0, to_device(torch.tensor(shared, dtype=torch.long), device),
+                             torch.rand(len(shared), dtype=torch.float64, generator=self.generator, device=device))
         m = final.amax(dim=-1, keepdim=True)  # (B, 1)
         weights = torch.sub(final, m).exp_()  # (B, V) unnormalised probabilities: inverse_cdf takes any total
         lse = m[:, 0] + weights.sum(dim=-1).log()
@@ -315,7 +319,20 @@ class Sampler:
             drawn = torch.where(is_greedy, _argmax(processed), drawn)
         return drawn, lse
 
+    def _next_uniform(self, generator: torch.Generator) -> float:
+        """The next number of a seeded row's uniform stream. Drawn UNIFORM_BLOCK at a time: a
+        generator call per row per step was the sampler's largest cost in a batch of small rows,
+        and on a CPU a block of n numbers is the same stream as n draws of one, so the tokens
+        are as before (on CUDA the stream is another, as reproducible)."""
+        block = self._blocks.get(generator)
+        if not block:
+            block = torch.rand(UNIFORM_BLOCK, dtype=torch.float64, generator=generator,
+                               device=generator.device).tolist()[::-1]
+            self._blocks[generator] = block
+        return block.pop()
 
+
+UNIFORM_BLOCK = 64  # a seeded row's uniform numbers drawn per generator call
 CDF_CHUNK = 256  # vocabulary entries per chunk of the two-level CDF
 
 

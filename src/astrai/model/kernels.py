@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+from torch.autograd.function import once_differentiable
 
 
 def to_device(host: Tensor, device: torch.device | str) -> Tensor:
@@ -140,9 +141,76 @@ def shared_prefix_attention(q: Tensor, k: Tensor, v: Tensor, segs: SharedPrefixS
     fq, fk, fv = q.reshape(B * T, H, D), k.reshape(B * T, -1, D), v.reshape(B * T, -1, D)
     qs = fq[segs.query_idx].transpose(1, 2)  # (S, H, Lq, D)
     ks, vs = fk[segs.key_idx].transpose(1, 2), fv[segs.key_idx].transpose(1, 2)  # (S, Hkv, Lk, D)
-    o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=segs.mask, enable_gqa=gqa)  # (S, H, Lq, D)
+    if takes_short_keys(qs, ks):
+        o = short_key_attention(qs, ks, vs, segs.mask)  # (S, H, Lq, D)
+    else:
+        o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=segs.mask, enable_gqa=gqa)
     o = torch.cat([o.transpose(1, 2).reshape(-1, H, D), o.new_zeros(1, H, D)])  # (S * Lq + 1, H, D)
     return o[segs.out_idx].view(B, T, H, D)
+
+
+class _ShortKeyAttention(torch.autograd.Function):
+    """softmax(q k^T / sqrt(D) + bias) v as batched matrix products, with its own backward: the
+    CPU form of attention over short key rows (`short_key_attention`)."""
+
+    @staticmethod
+    def forward(ctx, q: Tensor, k: Tensor, v: Tensor, bias: Tensor) -> Tensor:
+        probs = _short_key_probs(q, k, bias)  # (B * Hkv, G * Lq, Lk)
+        B, H, Lq, D = q.shape
+        Hkv = k.size(1)
+        out = torch.bmm(probs, v.reshape(B * Hkv, -1, D)).view(B, H, Lq, D)
+        ctx.save_for_backward(q, k, v, probs)
+        return out
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, d_out: Tensor) -> tuple[Tensor, Tensor, Tensor, None]:
+        q, k, v, probs = ctx.saved_tensors
+        B, H, Lq, D = q.shape
+        Hkv = k.size(1)
+        kf, vf = k.reshape(B * Hkv, -1, D), v.reshape(B * Hkv, -1, D)
+        d_o = d_out.reshape(B * Hkv, -1, D)  # (B * Hkv, G * Lq, D): a kv head's G query heads stacked
+        dv = torch.bmm(probs.transpose(1, 2), d_o)
+        dp = torch.bmm(d_o, vf.transpose(1, 2))  # (B * Hkv, G * Lq, Lk)
+        # softmax backward: ds = p * (dp - sum(p * dp)), then the 1 / sqrt(D) of the scores
+        ds = dp.sub_((dp * probs).sum(-1, keepdim=True)).mul_(probs).mul_(D ** -0.5)
+        dq = torch.bmm(ds, kf).view(B, H, Lq, D)
+        dk = torch.bmm(ds.transpose(1, 2), q.reshape(B * Hkv, -1, D)).view(B, Hkv, -1, D)
+        return dq, dk, dv.view(B, Hkv, -1, D), None
+
+
+def _short_key_probs(q: Tensor, k: Tensor, bias: Tensor) -> Tensor:
+    """Attention probabilities (B * Hkv, G * Lq, Lk): the G query heads that share a kv head are
+    one (G * Lq, D) block against that head's keys, so keys are never repeated for GQA."""
+    B, H, Lq, D = q.shape
+    Hkv, Lk = k.size(1), k.size(2)
+    G = H // Hkv
+    scores = torch.bmm(q.reshape(B * Hkv, G * Lq, D), k.reshape(B * Hkv, Lk, D).transpose(1, 2))
+    scores = scores.view(B, Hkv, G, Lq, Lk).mul_(D ** -0.5).add_(bias[:, :, None])
+    return torch.softmax(scores, dim=-1).view(B * Hkv, G * Lq, Lk)
+
+
+def takes_short_keys(q: Tensor, k: Tensor) -> bool:
+    """`short_key_attention` serves q (B, H, Lq, D) against k (B, Hkv, Lk, D): on a CPU, in
+    float32 or float64, with key rows no longer than the head dimension (so the probabilities it
+    keeps for backward take no more memory than the queries)."""
+    return q.device.type == "cpu" and q.dtype in (torch.float32, torch.float64) and k.size(2) <= q.size(3)
+
+
+def short_key_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor) -> Tensor:
+    """q (B, H, Lq, D), k/v (B, Hkv, Lk, D), mask (B, 1, Lq, Lk) bool (True = may attend, every
+    query row with at least one key) -> (B, H, Lq, D), as SDPA with `enable_gqa` computes it.
+
+    On a CPU, PyTorch's flash kernel works in tiles sized for long sequences; over the short key
+    rows of packed RL samples (a prompt and one completion: tens of keys) its per-tile work costs
+    more than the arithmetic. Plain batched products there ran forward and backward together in
+    0.55x the time at one thread, 0.3x at two (72 segments x 4 heads x 16 queries x 30 keys, head
+    dimension 32: 1.8 against 3.2 ms, 0.7 against 2.5 ms). The probabilities are kept for
+    backward; with key rows longer than the head dimension they would outweigh the queries, and
+    recomputing them lost to the flash kernel (SmolLM2's 104 keys: 45 against 36 ms), so
+    `takes_short_keys` sends those rows to SDPA."""
+    bias = torch.zeros(mask.shape, dtype=q.dtype, device=q.device).masked_fill_(~mask, float("-inf"))
+    return _ShortKeyAttention.apply(q, k, v, bias)
 
 
 @dataclass
