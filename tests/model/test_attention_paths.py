@@ -207,3 +207,21 @@ def test_short_keys_are_taken_on_cpu_in_full_precision_up_to_the_head_size():
     assert not takes_short_keys(q, torch.zeros(2, 2, 33, 32))  # probabilities would outweigh the queries
     assert not takes_short_keys(q.bfloat16(), torch.zeros(2, 2, 8, 32, dtype=torch.bfloat16))  # SDPA accumulates in fp32
     assert takes_short_keys(q.double(), torch.zeros(2, 2, 8, 32, dtype=torch.float64))
+
+
+@pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-6), (torch.float64, 1e-13)])
+def test_decode_attention_equals_sdpa(dtype, tol):
+    """A decode step's attention as matrix products (CPU, full precision) against SDPA over the
+    same masked keys; under autocast it is SDPA itself."""
+    from astrai.model.kernels import decode_attention
+
+    gen = torch.Generator().manual_seed(1)
+    q = torch.randn(6, 2, 3, 16, generator=gen, dtype=dtype)
+    k, v = (torch.randn(6, 2, 40, 16, generator=gen, dtype=dtype)[:, :, :29] for _ in range(2))  # views, as decode reads
+    lens = torch.tensor([1, 5, 29, 12, 29, 7])
+    bias = torch.zeros(6, 1, 1, 29, dtype=dtype).masked_fill_(torch.arange(29) >= lens[:, None, None, None], float("-inf"))
+    ref = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=bias)
+    torch.testing.assert_close(decode_attention(q, k, v, bias), ref, atol=tol, rtol=tol)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert torch.equal(decode_attention(q, k, v, bias), torch.nn.functional.scaled_dot_product_attention(
+            q, k, v, attn_mask=bias))

@@ -301,11 +301,14 @@ class Sampler:
         # seeded rows' numbers come from host-side blocks (one upload per step), the shared
         # generator's stay on the device
         device = final.device
-        values = [0.0] * len(rows)  # greedy rows draw nothing
-        for i, r in enumerate(rows):
-            if r.generator is not None and not greedy[i]:
-                values[i] = self._next_uniform(r.generator)
-        u = to_device(torch.tensor(values, dtype=torch.float64), device)  # (B,) one transfer
+        seeded = [i for i, r in enumerate(rows) if r.generator is not None and not greedy[i]]
+        if seeded:
+            values = [0.0] * len(rows)  # greedy and unseeded rows: 0 here
+            for i in seeded:
+                values[i] = self._next_uniform(rows[i].generator)
+            u = to_device(torch.tensor(values, dtype=torch.float64), device)  # (B,) one transfer
+        else:
+            u = torch.zeros(len(rows), dtype=torch.float64, device=device)
         shared = [i for i, r in enumerate(rows) if r.generator is None and not greedy[i]]
         if shared:
             u = u.index_copy(0, to_device(torch.tensor(shared, dtype=torch.long), device),

@@ -23,6 +23,7 @@ from astrai.model.kernels import (
     PackedSegments,
     PagedDecodeTables,
     SharedPrefixSegments,
+    decode_attention,
     packed_attention,
     packed_segments,
     paged_decode,
@@ -388,9 +389,7 @@ class Attention(nn.Module):
                 blocks = meta.decode_blocks.flatten()
                 kd = self._gather(k_cache, blocks).view(Sd, L, self.num_kv_heads, self.head_dim).transpose(1, 2)
                 vd = self._gather(v_cache, blocks).view(Sd, L, self.num_kv_heads, self.head_dim).transpose(1, 2)
-            o = F.scaled_dot_product_attention(
-                qd, kd.to(q.dtype), vd.to(q.dtype), attn_mask=meta.decode_mask.to(q.dtype)
-            )  # (Sd, Hkv, G, D)
+            o = decode_attention(qd, kd.to(q.dtype), vd.to(q.dtype), meta.decode_mask.to(q.dtype))  # (Sd, Hkv, G, D)
             if decode_only:
                 return o.reshape(Sd, self.num_heads, self.head_dim)
             # under autocast o is bf16 while out has q's dtype (float32 after rope): index_put needs one dtype

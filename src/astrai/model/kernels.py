@@ -194,7 +194,28 @@ def takes_short_keys(q: Tensor, k: Tensor) -> bool:
     """`short_key_attention` serves q (B, H, Lq, D) against k (B, Hkv, Lk, D): on a CPU, in
     float32 or float64, with key rows no longer than the head dimension (so the probabilities it
     keeps for backward take no more memory than the queries)."""
-    return q.device.type == "cpu" and q.dtype in (torch.float32, torch.float64) and k.size(2) <= q.size(3)
+    return _plain_products(q) and k.size(2) <= q.size(3)
+
+
+def _plain_products(q: Tensor) -> bool:
+    """Attention as plain matrix products: on a CPU in float32 or float64 (under autocast SDPA
+    keeps its float32 accumulation)."""
+    return q.device.type == "cpu" and q.dtype in (torch.float32, torch.float64) and not torch.is_autocast_enabled("cpu")
+
+
+def decode_attention(q: Tensor, k: Tensor, v: Tensor, bias: Tensor) -> Tensor:
+    """One decode step's attention: q (Sd, Hkv, G, D), the G query heads of each kv head as G
+    query rows, k/v (Sd, Hkv, L, D), bias (Sd, 1, 1, L) additive -> (Sd, Hkv, G, D).
+
+    On a CPU in full precision, two matrix products and a softmax: a decode query row is one
+    vector against its keys, where the flash kernel's tiling only adds work. Measured per layer
+    at one / two threads: 64 rows x 2 kv heads x 30 keys (head 32) 71 / 68 against 98 / 229 us;
+    SmolLM2's 32 rows x 3 kv heads x 600 keys (head 64) 2.5 / 1.2 against 2.5 / 1.8 ms; never
+    slower up to 2,048 keys. Elsewhere SDPA."""
+    if not _plain_products(q):
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=bias)
+    scores = torch.matmul(q, k.transpose(-1, -2)).mul_(q.size(-1) ** -0.5).add_(bias)  # (Sd, Hkv, G, L)
+    return torch.matmul(torch.softmax(scores, dim=-1), v)
 
 
 def short_key_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor) -> Tensor:
