@@ -50,6 +50,21 @@ def test_functional_products_go_to_onednn_with_float32_accuracy(onednn) -> None:
     close(torch.addmm(c, a, b, beta=0), want)
 
 
+def test_gapped_or_small_operands_keep_blas(onednn) -> None:
+    """Only plain matrices (row- or column-major without gaps) of enough work reach oneDNN; a
+    slice with a gap between rows, a float64 or a thin product takes BLAS, with the same values."""
+    g = torch.Generator().manual_seed(3)
+    wide, b = torch.randn(96, 300, generator=g), torch.randn(256, 80, generator=g)
+    a = wide[:, :256]  # rows 300 apart: a gap after each
+    assert "mkldnn::_linear_pointwise" not in kernels(lambda: a @ b)
+    close(a @ b, a.double() @ b.double())
+    assert "mkldnn::_linear_pointwise" not in kernels(lambda: a.double() @ b.double())
+    thin = torch.randn(4, 256, generator=g)  # fewer than MIN_ROWS rows
+    assert "mkldnn::_linear_pointwise" not in kernels(lambda: thin @ b)
+    close(thin @ b, thin.double() @ b.double())
+    assert "mkldnn::_linear_pointwise" in kernels(lambda: wide[:, :256].contiguous() @ b)
+
+
 def test_out_and_inplace_forms_keep_pytorchs_kernels(onednn) -> None:
     g = torch.Generator().manual_seed(2)
     a, b, c = torch.randn(96, 256, generator=g), torch.randn(256, 80, generator=g), torch.randn(96, 80, generator=g)

@@ -32,6 +32,7 @@ from astrai.config_values import CHOICES
 CPU_MATMUL_CHOICES = CHOICES["cpu_matmul"]
 MIN_ROWS = 8  # below this many output rows or columns MKL's gemv-like kernels are faster (measured)
 MIN_MACS = 1 << 20  # smaller products cost more in oneDNN's call overhead (~13 us) than they gain
+_FLOAT32 = torch.float32
 
 _library: torch.library.Library | None = None  # the registered CPU kernels while oneDNN is on
 
@@ -68,18 +69,17 @@ def onednn_available() -> bool:
 
 # -- the kernels ---------------------------------------------------------------------------------
 def _takes(a: Tensor, b: Tensor) -> bool:
-    """a (M, K) @ b (K, N) goes to oneDNN: float32 matrices, large enough, plainly laid out."""
-    if a.dtype != torch.float32 or b.dtype != torch.float32 or a.dim() != 2 or b.dim() != 2:
+    """a (M, K) @ b (K, N) goes to oneDNN: float32 matrices, large enough, plainly laid out (row-
+    or column-major without gaps: a matrix or its transpose view). Called on every product, so
+    written with the fewest tensor calls (mm and addmm take only 2-D matrices)."""
+    if a.dtype is not _FLOAT32 or b.dtype is not _FLOAT32:
         return False
-    m, k, n = a.size(0), a.size(1), b.size(1)
+    m, k = a.shape
+    n = b.shape[1]
     if m < MIN_ROWS or n < MIN_ROWS or m * k * n < MIN_MACS:
         return False
-    return _matrix_layout(a) and _matrix_layout(b)
-
-
-def _matrix_layout(x: Tensor) -> bool:
-    """Row-major or column-major without gaps (a plain matrix or its transpose view)."""
-    return x.is_contiguous() or x.t().is_contiguous()
+    (a0, a1), (b0, b1) = a.stride(), b.stride()
+    return (a1 == 1 and a0 == k or a0 == 1 and a1 == m) and (b1 == 1 and b0 == n or b0 == 1 and b1 == k)
 
 
 def _product(a: Tensor, b: Tensor, bias: Tensor | None = None) -> Tensor:
