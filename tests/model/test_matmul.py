@@ -65,6 +65,24 @@ def test_gapped_or_small_operands_keep_blas(onednn) -> None:
     assert "mkldnn::_linear_pointwise" in kernels(lambda: wide[:, :256].contiguous() @ b)
 
 
+def test_mm_into_writes_a_onednn_product_into_the_callers_block(onednn) -> None:
+    """The chunked head's reused blocks: a row-major left operand goes through oneDNN into `out`;
+    a column-major one (the head's weight gradient) keeps BLAS; with blas routing, plain mm.out."""
+    g = torch.Generator().manual_seed(4)
+    a, b = torch.randn(96, 256, generator=g), torch.randn(256, 80, generator=g)
+    out = torch.full((96, 80), float("nan"))
+    assert "mkldnn::_linear_pointwise" in kernels(lambda: matmul.mm_into(a, b, out))
+    close(out, a.double() @ b.double())
+    at = a.t().contiguous().t()  # the same values, column-major
+    out.fill_(float("nan"))
+    assert "mkldnn::_linear_pointwise" not in kernels(lambda: matmul.mm_into(at, b, out))
+    close(out, a.double() @ b.double())
+    matmul.set_cpu_matmul("blas")
+    out.fill_(float("nan"))
+    assert "mkldnn::_linear_pointwise" not in kernels(lambda: matmul.mm_into(a, b, out))
+    close(out, a.double() @ b.double())
+
+
 def test_out_and_inplace_forms_keep_pytorchs_kernels(onednn) -> None:
     g = torch.Generator().manual_seed(2)
     a, b, c = torch.randn(96, 256, generator=g), torch.randn(256, 80, generator=g), torch.randn(96, 80, generator=g)

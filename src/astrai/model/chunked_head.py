@@ -23,6 +23,7 @@ import torch
 from torch import Tensor, nn
 
 from astrai.model.logprobs import apply_truncation
+from astrai.model.matmul import mm_into
 
 # rows per chunk = LOGITS_CHUNK_ELEMENTS // vocab: 341 rows of SmolLM2's 49,152 tokens, a 64 MiB
 # float32 block. Measured (benchmarks/bench_rl_scale.py, 135M shape, 8 layers, 1 thread, CPU s per
@@ -88,7 +89,7 @@ def _tempered(h: Tensor, weight: Tensor, bias: Tensor | None, temperature: float
     else:
         z = block[: h.size(0)]
         if bias is None:
-            torch.mm(h, weight.t(), out=z)
+            mm_into(h, weight.t(), z)
         else:
             torch.addmm(bias, h, weight.t(), out=z)
     return z.div_(temperature) if temperature > 0 and temperature != 1.0 else z  # x / 1 == x: skip the pass
@@ -183,14 +184,16 @@ class ChunkedHeadLogps(torch.autograd.Function):
             dz = dz.to(weight.dtype)
             if need_h:
                 if g_h.dtype == dz.dtype == weight.dtype:
-                    torch.mm(dz, weight, out=g_h[sl])
+                    mm_into(dz, weight, g_h[sl])
                 else:
                     g_h[sl] = dz @ weight
             if need_w:
-                if g_w is None:
+                if g_w is None and dz.dtype == torch.float32:
+                    g_w = torch.mm(dz.t(), h, out=dz.new_empty(V, h.size(1)))  # BLAS, as addmm_ below
+                elif g_w is None:
                     g_w = (dz.t() @ h).float()
                 elif g_w.dtype == dz.dtype:
-                    g_w.addmm_(dz.t(), h)  # no (V, C) temporary
+                    g_w.addmm_(dz.t(), h)  # no (V, C) temporary (BLAS: see mm_into)
                 else:
                     g_w += (dz.t() @ h).float()
             if need_b:
