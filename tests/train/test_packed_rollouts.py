@@ -239,6 +239,31 @@ def test_shared_prefix_attention_equals_its_dense_mask(head_dim):
     assert torch.equal(out[~real], torch.zeros_like(out[~real]))  # padding columns read zeros
 
 
+def test_shared_prefix_attention_gradients_repeat_bit_for_bit_on_two_threads():
+    """A shared prompt's keys feed every sample of its group: their gradients are sums over the
+    samples (an index_add over the gathered rows), which must come out the same on every run at
+    any thread count (a resumed run replays its steps)."""
+    from astrai.model.kernels import shared_prefix_attention, shared_prefix_segments
+
+    # two rows, each a 60-token prompt and 8 samples of 40 tokens that all see it
+    prompt, samples, length = 60, 8, 40
+    W = prompt + samples * length
+    docs = torch.tensor([[1] * prompt + [2 + s for s in range(samples) for _ in range(length)]]).repeat(2, 1)
+    docs[1] += 20
+    prefixes = torch.where(torch.arange(W) < prompt, 0, docs[:, :1])
+    gen = torch.Generator().manual_seed(1)
+    q, k, v = (torch.randn(2, W, h, 64, generator=gen, requires_grad=True) for h in (4, 2, 2))
+    d_out = torch.randn(2, W, 4, 64, generator=gen)
+    segs = shared_prefix_segments(docs, prefixes)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        runs = [torch.autograd.grad(shared_prefix_attention(q, k, v, segs, gqa=True), (q, k, v), d_out) for _ in range(8)]
+    finally:
+        torch.set_num_threads(threads)
+    assert all(torch.equal(a, b) for run in runs[1:] for a, b in zip(runs[0], run))
+
+
 def test_prefix_ids_naming_no_earlier_prefix_are_refused():
     from astrai.model.kernels import shared_prefix_segments
 

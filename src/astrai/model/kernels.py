@@ -139,14 +139,22 @@ def shared_prefix_attention(q: Tensor, k: Tensor, v: Tensor, segs: SharedPrefixS
     over the keys of the prefix it names and its own (causal)."""
     B, T, H, D = q.shape
     fq, fk, fv = q.reshape(B * T, H, D), k.reshape(B * T, -1, D), v.reshape(B * T, -1, D)
-    qs = fq[segs.query_idx].transpose(1, 2)  # (S, H, Lq, D)
-    ks, vs = fk[segs.key_idx].transpose(1, 2), fv[segs.key_idx].transpose(1, 2)  # (S, Hkv, Lk, D)
+    # gathered with index_select: its backward (index_add) is several times faster than advanced
+    # indexing's (index_put with accumulate; 0.4 s of a SmolLM2 step at two threads); the outputs
+    # go back the same way
+    qs = _rows(fq, segs.query_idx).transpose(1, 2)  # (S, H, Lq, D)
+    ks, vs = _rows(fk, segs.key_idx).transpose(1, 2), _rows(fv, segs.key_idx).transpose(1, 2)  # (S, Hkv, Lk, D)
     if takes_short_keys(qs, ks):
         o = short_key_attention(qs, ks, vs, segs.mask)  # (S, H, Lq, D)
     else:
         o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=segs.mask, enable_gqa=gqa)
     o = torch.cat([o.transpose(1, 2).reshape(-1, H, D), o.new_zeros(1, H, D)])  # (S * Lq + 1, H, D)
-    return o[segs.out_idx].view(B, T, H, D)
+    return o.index_select(0, segs.out_idx).view(B, T, H, D)
+
+
+def _rows(flat: Tensor, idx: Tensor) -> Tensor:
+    """flat (N, ...) at the rows idx (S, L) -> (S, L, ...)."""
+    return flat.index_select(0, idx.flatten()).view(*idx.shape, *flat.shape[1:])
 
 
 class _ShortKeyAttention(torch.autograd.Function):
