@@ -238,9 +238,9 @@ def process_logits(logits: Tensor, rows: list[SamplingState]) -> tuple[Tensor, T
     if any(_changes_logits(r) for r in rows):  # else skip the copy: plain rows are the common case
         processed = apply_bias_and_min_tokens(apply_penalties(processed.clone(), rows), rows)
         processed = apply_guides(processed, rows)
-    if all(r.params.greedy for r in rows):
-        return processed, processed
     B, V = processed.shape
+    if all(_untempered(r.params, V) for r in rows):  # greedy rows and plain sampling (RL rollouts)
+        return processed, processed
     device = processed.device
     params = [r.params for r in rows]
     knobs = torch.tensor([[1.0 if p.greedy else p.temperature for p in params],
@@ -251,6 +251,12 @@ def process_logits(logits: Tensor, rows: list[SamplingState]) -> tuple[Tensor, T
     # x / 1 == x exactly: at temperature 1 everywhere (RL rollouts) skip the pass over (B, V)
     final = processed if bool((knobs[0] == 1.0).all()) else processed / temps.float()[:, None]
     return processed, apply_truncation(final, top_k.long(), top_p.float(), min_p.float())
+
+
+def _untempered(p: SamplingParams, vocab_size: int) -> bool:
+    """The row samples from (or takes the argmax of) its processed logits as they are: greedy, or
+    temperature 1 without top_k, top_p or min_p (no knobs tensor, no truncation pass)."""
+    return p.greedy or (p.temperature == 1.0 and not 0 < p.top_k < vocab_size and p.top_p >= 1.0 and not p.min_p)
 
 
 def _changes_logits(row: SamplingState) -> bool:
