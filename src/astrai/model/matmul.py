@@ -114,4 +114,3 @@ def mm_into(a: Tensor, b: Tensor, out: Tensor) -> Tensor:
     if _library is not None and out.dtype is _FLOAT32 and a.is_contiguous() and _takes(a, b):
         return out.copy_(_product(a, b))
     return torch.mm(a, b, out=out)
-
