@@ -11,9 +11,10 @@ two CPU kernels, process-wide, with one that hands products of float32 matrices 
 `MIN_ROWS` rows and columns and `MIN_MACS` multiply-adds to oneDNN and everything else to the
 BLAS path (a gemv-like product is faster there). Results are float32 and deterministic; they
 round differently from MKL's (about 1e-6 relative), as MKL's own kernels do between shapes.
-The `out=` and in-place forms (`mm.out`, `addmm.out`, `addmm_`: the chunked lm head writes into
-reused blocks with them) keep PyTorch's kernels; they are also the BLAS path this module falls
-back on, so a fallback never re-enters it (PyTorch's `bmm` and `baddbmm` may call `addmm_`).
+The `out=` and in-place forms (`mm.out`, `addmm.out`, `addmm_`) keep PyTorch's kernels; they are
+also the BLAS path this module falls back on, so a fallback never re-enters it (PyTorch's `bmm`
+and `baddbmm` may call `addmm_`). A caller that reuses an output block (the chunked lm head)
+asks for oneDNN explicitly with `mm_into`.
 
 `set_cpu_matmul("onednn" | "blas" | "auto")` switches (auto: oneDNN when this build has it). The
 run builder and the inference engine call it with their `cpu_matmul` field before they build a
