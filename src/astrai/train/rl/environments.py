@@ -32,8 +32,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from astrai.data.tasks import multiply
-from astrai.train.rl.rewards import import_user_object
 from astrai.train.rl.tools import ToolBox
+from astrai.train.rl.user_code import import_user_object
 
 Message = dict[str, Any]
 

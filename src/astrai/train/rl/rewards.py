@@ -32,13 +32,10 @@ raise, ``sys.exit`` included, is one error line naming the function and the prom
 from __future__ import annotations
 
 import asyncio
-import importlib
 import inspect
 import json
 import math
-import os
 import re
-import sys
 from collections.abc import Callable
 from functools import partial
 from pathlib import Path
@@ -50,6 +47,7 @@ import torch
 from astrai.config import RLConfig
 from astrai.data.tasks import SCORERS
 from astrai.train.rl.guard import call_in_worker, outcome
+from astrai.train.rl.user_code import import_user_object
 
 RewardFn = Callable[[str, str, dict[str, Any]], float]
 
@@ -127,47 +125,13 @@ def is_batched(fn: Callable[..., Any]) -> bool:
     return bool(params) and all(p.kind is p.VAR_KEYWORD for p in params)
 
 
-def import_user_object(spec: str, kind: str = "reward", expected: str = SIGNATURE) -> Any:
-    """The object ``module:name`` names, imported with the working directory on sys.path: the
-    console script's sys.path[0] is its bin directory, not the working directory as for
-    ``python -m astrai``. `kind` (reward, environment, tool) and `expected` (what to define)
-    word the errors. Shared by rewards, environments and tools."""
-    module_name, _, attr = spec.partition(":")
-    if not module_name or not attr:
-        raise ValueError(f"{kind} {spec!r} is not module:name; write it as mymod:{attr or 'name'} (mymod.py in the "
-                         f"working directory or on PYTHONPATH, {attr or 'name'} defined in it)")
-    cwd = os.getcwd()
-    if cwd not in sys.path:
-        sys.path.insert(0, cwd)  # as `python -m` does, so every way of starting astrai resolves alike
-    importlib.invalidate_caches()  # a module written after the directory was first scanned
-    try:
-        module = importlib.import_module(module_name)
-    except ModuleNotFoundError as e:
-        if e.name is None or not (module_name == e.name or module_name.startswith(e.name + ".")):
-            raise ValueError(f"{kind} {spec!r}: importing module {module_name!r} failed ({e}); install what it "
-                             "imports") from e
-        raise ValueError(f"{kind} {spec!r}: no module {module_name!r} in the working directory {cwd} or on "
-                         f"PYTHONPATH; run astrai from the directory that holds {module_name.replace('.', '/')}.py "
-                         "or add that directory to PYTHONPATH") from e
-    except (Exception, SystemExit) as e:  # a SyntaxError, or the module's own code failing on import
-        where = f" ({e.filename}, line {e.lineno})" if isinstance(e, SyntaxError) else ""
-        what = f"called sys.exit({e.code!r})" if isinstance(e, SystemExit) else f"raised {type(e).__name__}: {e}"
-        raise ValueError(f"{kind} {spec!r}: importing module {module_name!r} {' '.join(what.split())}{where}; fix "
-                         "the module (python -c 'import " + module_name + "' shows the traceback)") from e
-    obj = getattr(module, attr, None)
-    if obj is None:
-        raise ValueError(f"{kind} {spec!r}: module {module_name!r} ({getattr(module, '__file__', '?')}) has no "
-                         f"attribute {attr!r}; define {expected} named {attr} there")
-    return obj
-
-
 def _user_function(spec: str) -> RewardFn:
     """A user reward ``module:function``, its signature checked (per sample or TRL-style batched)."""
     module_name, _, attr = spec.partition(":")
     if not module_name or not attr:
         raise ValueError(f"reward {spec!r} is not module:function; write it as mymod:fn (mymod.py in the "
                          "working directory or on PYTHONPATH, fn a function in it)")
-    fn = import_user_object(spec)
+    fn = import_user_object(spec, "reward", SIGNATURE)
     if not callable(fn):
         raise ValueError(f"reward {spec!r} is not a function (found {type(fn).__name__}); define {SIGNATURE} "
                          f"named {attr}")
