@@ -120,7 +120,7 @@ def kv_pool_engine(model, rollout, kv_pool: str):
     """The rollout's engine for --kv_pool (None without): room for every row at the rollout's length."""
     if kv_pool == "none":
         return None
-    from astrai.train.rl.rollout import batch_engine
+    from astrai.train.rl.engine_sampler import batch_engine
 
     N, T = rollout.input_ids.shape
     engine = batch_engine(model, None, N, T, bf16=False)

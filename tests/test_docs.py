@@ -299,17 +299,17 @@ def test_import_direction_matches_architecture() -> None:
     assert not violations, f"imports against docs/architecture.md: {violations}"
 
 
-# the modules of the train layer that may import the engine: online RL's rollouts and the
-# held-out generation of evaluation during training
-BRIDGE_MODULES = ("src/astrai/train/rl/rollout.py", "src/astrai/train/rl/evaluation.py")
+# the one module of the train layer that may import the engine: the in-process sampler, through
+# which rollouts and evaluation during training draw their turns
+BRIDGE_MODULES = ("src/astrai/train/rl/engine_sampler.py",)
 
 
-def test_only_the_bridge_modules_of_train_import_infer() -> None:
-    """docs/architecture.md: inside src/astrai/train, only the two bridges import astrai.infer."""
+def test_only_the_bridge_module_of_train_imports_infer() -> None:
+    """docs/architecture.md: inside src/astrai/train, only the in-process sampler imports astrai.infer."""
     text = (DOCS / "architecture.md").read_text()
-    rollout, evaluation = BRIDGE_MODULES
-    assert f"two modules may import `astrai.infer`: `{rollout}`" in text and f"`{evaluation}`" in text, (
-        f"docs/architecture.md no longer states that only {BRIDGE_MODULES} of the train layer import "
+    (bridge,) = BRIDGE_MODULES
+    assert f"one module may import `astrai.infer`: `{bridge}`" in text, (
+        f"docs/architecture.md no longer states that only {bridge} of the train layer imports "
         "astrai.infer; update the rule here and there together")
     modules = sorted((ROOT / "src" / "astrai" / "train").rglob("*.py"))
     assert modules, "no modules found under src/astrai/train/"

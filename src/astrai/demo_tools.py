@@ -64,37 +64,35 @@ def tokenizer_stage(data_dir: Path, tok_dir: Path) -> dict[str, Any]:
 
 
 def episode_eval(model_dir: Path, eval_path: Path, temperature: float, samples: int, seed: int = 0) -> dict[str, Any]:
-    """Held-out multi-turn episodes with the calculator (the rollout machinery, no training):
-    exact-match accuracy of the final answer, the share of episodes that called the tool, and
-    tool calls, errors and turns per episode. `samples` episodes per prompt (seeded)."""
-    import torch
-
+    """Held-out multi-turn episodes with the calculator, through evaluation's path
+    (``astrai.train.evaluation.answer``: the rollouts' episode runner, no training): exact-match
+    accuracy of the final answer, the share of episodes that called the tool, and tool calls,
+    errors and turns per episode. `samples` episodes per prompt, seeded as step 0's rollouts."""
     from astrai.config import RLConfig
     from astrai.data.tokenizer import load_tokenizer
     from astrai.model.hf import load_model
+    from astrai.train.evaluation import answer
+    from astrai.train.rl.engine_sampler import engine_runner
     from astrai.train.rl.rewards import RewardSet
-    from astrai.train.rl.rollout import RolloutRunner
+    from astrai.train.rl.runner import Draw, rollout_seed
 
     records = [json.loads(line) for line in eval_path.read_text().splitlines() if line.strip()]
     tok, model = load_tokenizer(model_dir), load_model(model_dir)
     cfg = RLConfig(group_size=samples, rollout_max_tokens=EVAL["max_tokens"], max_prompt_len=EVAL["max_prompt_len"],
                    rollout_temperature=temperature, environment=ENVIRONMENT, max_turns=RL["max_turns"],
                    rewards=["exact_match"])
-    runner = RolloutRunner(model, tok, cfg, num_prompts=len(records), rewards=RewardSet(cfg, tokenizer=tok),
-                           random_seed=seed)
-    batch = {"prompt_ids": [tok.apply_chat_template(r["messages"], add_generation_prompt=True) for r in records],
-             "messages": [r["messages"] for r in records], "answer": [r["answer"] for r in records],
-             "metadata": [r.get("metadata") for r in records]}
-    with torch.no_grad():
-        rollout = runner.generate(batch, step=0, policy_version=0)
-    correct = rollout.reward_terms["exact_match"].flatten()
-    n = correct.numel()
-    return {"accuracy": round(float(correct.mean()), 4), "num_correct": int(correct.sum()), "num_total": n,
-            "tool_use": round(rollout.stats["tool_use_rate"], 4),
-            "tool_calls_per_episode": round(rollout.stats["tool_calls_per_episode"], 3),
-            "tool_errors": int(rollout.stats["tool_errors"]), "turns_per_episode": round(rollout.stats["turns_per_episode"], 3),
-            "samples": [{"prompt": r["messages"][-1]["content"], "answer": r["answer"], "completion": text}
-                        for r, text in zip(records[:5], rollout.texts[::samples][:5])]}
+    runner = engine_runner(model, tok, cfg, len(records) * samples, RewardSet(cfg, tokenizer=tok))
+    draw = Draw(runner.sampling, samples, lambda i, *more: rollout_seed(seed, 0, i, *more))
+    prompt_ids = [tok.apply_chat_template(r["messages"], add_generation_prompt=True) for r in records]
+    [result] = answer(runner, records, prompt_ids, [draw], policy_version=0)
+    n = len(result.correct)
+    stats = result.stats()
+    return {"accuracy": round(sum(result.correct) / n, 4), "num_correct": int(sum(result.correct)), "num_total": n,
+            "tool_use": round(stats["tool_use_rate"], 4),
+            "tool_calls_per_episode": round(stats["tool_calls_per_episode"], 3),
+            "tool_errors": int(stats["tool_errors"]), "turns_per_episode": round(stats["turns_per_episode"], 3),
+            "samples": [{"prompt": r["messages"][-1]["content"], "answer": r["answer"], "completion": e.final_text}
+                        for r, e in zip(records[:5], result.episodes[::samples][:5])]}
 
 
 def evaluate_both(model_dir: Path, eval_path: Path, seed: int) -> dict[str, Any]:

@@ -159,7 +159,7 @@ def test_the_online_loop_decodes_every_rollout_inside_the_kept_heap(tmp_path, mo
     write_tokenizer(tok_dir)
     config = write_rl_run(tmp_path / "run", tok_dir)
     loop = OnlineLoop(load_config(config, ["--max_steps", "2"]))
-    generate = loop.runner.generate
-    monkeypatch.setattr(loop.runner, "generate", lambda *a, **k: events.append("generate") or generate(*a, **k))
+    draw = loop.runner.rollout
+    monkeypatch.setattr(loop.runner, "rollout", lambda *a, **k: events.append("generate") or draw(*a, **k))
     loop.train()
     assert events == ["enter", "generate", "exit"] * 2  # one rollout per step, each inside the policy

@@ -16,8 +16,9 @@ from astrai.infer.sizing import batch_kv_tokens
 from astrai.model.config import ModelConfig
 from astrai.model.transformer import CausalLM
 from astrai.train.cli import main
+from astrai.train.rl.engine_sampler import engine_runner
 from astrai.train.rl.rewards import RewardSet
-from astrai.train.rl.rollout import RolloutRunner
+from astrai.train.rl.runner import EpisodeRunner
 from tests.train.resume_data import MODEL, write_tokenizer
 from tests.train.test_eval_during_training import eval_file, with_eval
 from tests.train.test_rl import write_rl_run
@@ -31,22 +32,23 @@ def tok_dir(tmp_path_factory):
     return write_tokenizer(tmp_path_factory.mktemp("tok"))
 
 
-def _runner(tok_dir, keep: bool, **rl) -> RolloutRunner:
+def _runner(tok_dir, keep: bool, **rl) -> EpisodeRunner:
     tokenizer = load_tokenizer(tok_dir)
     model = CausalLM(ModelConfig(**MODEL), seed=0)
     cfg = RLConfig(group_size=2, rollout_max_tokens=4, max_prompt_len=32, keep_kv_pool=keep, **rl)
-    return RolloutRunner(model, tokenizer, cfg, num_prompts=2, rewards=RewardSet(cfg, tokenizer=tokenizer))
+    return engine_runner(model, tokenizer, cfg, 2 * cfg.group_size, RewardSet(cfg, tokenizer=tokenizer))
 
 
-def _pool_sizes(runner: RolloutRunner) -> list[int]:
+def _pool_sizes(runner: EpisodeRunner) -> list[int]:
     """Blocks of the engine's pool at each run_batch call, recorded as the runner generates."""
-    sizes, run_batch = [], runner.engine.run_batch
+    engine = runner.sampler.engine
+    sizes, run_batch = [], engine.run_batch
 
     def recording(*args, **kwargs):
-        sizes.append(runner.engine.runner.kv_caches[0][0].size(0))
+        sizes.append(engine.runner.kv_caches[0][0].size(0))
         return run_batch(*args, **kwargs)
 
-    runner.engine.run_batch = recording
+    engine.run_batch = recording
     return sizes
 
 
@@ -58,22 +60,22 @@ def _same_rollouts(a, b) -> None:
 @pytest.mark.parametrize("environment", [None, f"{HERE}:ScriptedEnv"], ids=["single_turn", "multi_turn"])
 def test_a_released_pool_gives_the_kept_pools_rollouts(tok_dir, environment):
     kept, released = _runner(tok_dir, True, environment=environment), _runner(tok_dir, False, environment=environment)
-    assert kept.engine.has_kv_cache and not released.engine.has_kv_cache  # freed from the start
+    assert kept.sampler.engine.has_kv_cache and not released.sampler.engine.has_kv_cache  # freed from the start
     kept_sizes, sizes = _pool_sizes(kept), _pool_sizes(released)
     batch = prompt_batch(kept.tokenizer, ["3+4", "10+2"])
     for step in range(2):
         for runner in (kept, released):
-            runner.set_policy_version(step)
-        _same_rollouts(kept.generate(batch, step=step, policy_version=step),
-                       released.generate(batch, step=step, policy_version=step))
-        assert kept.engine.has_kv_cache and not released.engine.has_kv_cache
-    engine = released.engine
+            runner.sampler.set_policy_version(step)
+        _same_rollouts(kept.rollout(batch, step=step, policy_version=step),
+                       released.rollout(batch, step=step, policy_version=step))
+        assert kept.sampler.engine.has_kv_cache and not released.sampler.engine.has_kv_cache
+    engine = released.sampler.engine
     if environment is None:  # 4 sequences at the longest prompt + rollout_max_tokens, in whole blocks
         longest = max(len(p) for p in batch["prompt_ids"]) + 4
     else:  # a conversation can grow to the engine's max_model_len
         longest = engine.max_model_len
     assert set(sizes) == {batch_kv_tokens(4, longest, engine.config.block_size) // engine.config.block_size}
-    assert max(sizes) < min(kept_sizes) == kept.engine.initial_num_blocks
+    assert max(sizes) < min(kept_sizes) == kept.sampler.engine.initial_num_blocks
 
 
 def _logged(run_dir) -> list[dict]:

@@ -23,7 +23,7 @@ from astrai.train.losses import dpo_loss, sequence_logps, token_cross_entropy, t
 from astrai.train.objectives import OBJECTIVES
 from astrai.train.objectives.base import PolicyLogps, labelled_positions
 from astrai.train.objectives.packing import MIN_SHARED_PREFIX, RowLayout, first_fit_decreasing, prefix_trees
-from astrai.train.rl.rollout import Rollout
+from astrai.train.rl.data import Rollout
 from tests.train.resume_data import MODEL
 
 V = MODEL["vocab_size"]

@@ -7,8 +7,7 @@ from astrai.config import RLConfig
 from astrai.data.tokenizer import load_tokenizer
 from astrai.model import CausalLM, ModelConfig
 from astrai.train.cli import main
-from astrai.train.rl import rollout
-from astrai.train.rl.rewards import RewardSet
+from astrai.train.rl import engine_sampler
 from tests.train.resume_data import MODEL, read_metrics
 from tests.train.test_rl import tok_dir, write_rl_run  # noqa: F401 - the module-scoped tokenizer fixture
 
@@ -18,10 +17,10 @@ from tests.train.test_rl import tok_dir, write_rl_run  # noqa: F401 - the module
 BF16_SAMPLER_LOGP_DIFF = 1.2e-4
 
 
-def test_rollout_runner_engine_precision_follows_bf16(tok_dir):  # noqa: F811
+def test_engine_sampler_precision_follows_bf16(tok_dir):  # noqa: F811
     model = CausalLM(ModelConfig(**MODEL))
     tokenizer, cfg = load_tokenizer(tok_dir), RLConfig(group_size=2, rollout_max_tokens=4)
-    runs = {bf16: rollout.RolloutRunner(model, tokenizer, cfg, 2, RewardSet(cfg), bf16=bf16).engine.describe()
+    runs = {bf16: engine_sampler.EngineSampler(model, tokenizer, 2 * cfg.group_size, 64, bf16=bf16).engine.describe()
             for bf16 in (False, True)}
     assert (runs[False]["autocast_dtype"], runs[False]["kv_cache_dtype"]) == (None, "float32")
     assert (runs[True]["autocast_dtype"], runs[True]["kv_cache_dtype"]) == ("bfloat16", "bfloat16")
@@ -31,13 +30,13 @@ def test_rollout_runner_engine_precision_follows_bf16(tok_dir):  # noqa: F811
 
 def test_online_grpo_bf16_samples_in_the_training_precision(tmp_path, tok_dir, monkeypatch):  # noqa: F811
     engines = []
-    init = rollout.RolloutRunner.__init__
+    init = engine_sampler.EngineSampler.__init__
 
     def recording_init(self, *args, **kwargs):  # observes the loop's runner, changes nothing
         init(self, *args, **kwargs)
         engines.append(self.engine.describe())
 
-    monkeypatch.setattr(rollout.RolloutRunner, "__init__", recording_init)
+    monkeypatch.setattr(engine_sampler.EngineSampler, "__init__", recording_init)
     config = write_rl_run(tmp_path, tok_dir)
     assert main(["--config", str(config), "--bf16", "true", "--max_steps", "2"]) == 0
     assert [(e["autocast_dtype"], e["kv_cache_dtype"]) for e in engines] == [("bfloat16", "bfloat16")]

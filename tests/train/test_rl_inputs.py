@@ -19,7 +19,7 @@ from astrai.train.build import fit_rollouts_to_model, warn_if_no_signal
 from astrai.train.checkpoint import latest_checkpoint
 from astrai.train.cli import main
 from astrai.train.rl import loop as loop_module
-from astrai.train.rl.rollout import RolloutRunner
+from astrai.train.rl.runner import EpisodeRunner
 from tests.train.resume_data import read_metrics, write_tokenizer
 from tests.train.test_rl import write_rl_run
 
@@ -93,13 +93,13 @@ def test_a_stop_request_ends_endless_redraws(tmp_path, tok_dir, capsys, monkeypa
     check and the bound lifted, a SIGTERM sent when the first batch is skipped stops the draws."""
     monkeypatch.setattr(loop_module, "MAX_EMPTY_DRAWS", 10**9)
     monkeypatch.setattr(loop_module, "check_prompts_fit", lambda *a: None)
-    count = RolloutRunner._count_skipped
+    count = EpisodeRunner._count_skipped
 
     def count_and_signal(self, step, lengths):
         count(self, step, lengths)
         os.kill(os.getpid(), signal.SIGTERM)  # the handler asks the loop to stop
 
-    monkeypatch.setattr(RolloutRunner, "_count_skipped", count_and_signal)
+    monkeypatch.setattr(EpisodeRunner, "_count_skipped", count_and_signal)
     config = write_rl_run(tmp_path, tok_dir, records=records(8, 0), max_prompt_len=48,
                           dynamic_sampling=dynamic)
     assert main(["--config", str(config)]) == 0

@@ -5,6 +5,7 @@ KV reuse across turns, the objectives end to end, exact resume."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import random
 import signal
@@ -17,14 +18,18 @@ import torch
 
 from astrai.config import RLConfig
 from astrai.data.tokenizer import load_tokenizer
+from astrai.data.tool_calls import function_schema
 from astrai.model.config import ModelConfig
 from astrai.model.transformer import CausalLM
 from astrai.train.cli import main
 from astrai.train.losses import IGNORE_INDEX
-from astrai.train.rl.environments import EnvStep, MultiTurn
+from astrai.train.rl.engine_sampler import engine_runner
+from astrai.train.rl.environments import EnvStep
+from astrai.train.rl.episode import Conversation
 from astrai.train.rl.rewards import RewardSet
-from astrai.train.rl.rollout import RolloutRunner
-from astrai.train.rl.tools import ToolBox, function_schema
+from astrai.train.rl.runner import Draw, EpisodeRunner
+from astrai.train.rl.sampler import SampledTurn, TurnResult
+from astrai.train.rl.tools import ToolBox
 from tests.train.resume_data import MODEL, read_metrics, write_tokenizer
 from tests.train.test_rl import REPO, sigterm_after_step, write_rl_run
 
@@ -158,11 +163,11 @@ def test_tool_errors_reach_the_model_as_messages():
 # ------------------------------------------------------------------------------ a runner on a tiny random model
 
 
-def runner_for(tok_dir, group_size: int = 2, **rl) -> RolloutRunner:
+def runner_for(tok_dir, group_size: int = 2, **rl) -> EpisodeRunner:
     tokenizer = load_tokenizer(tok_dir)
     model = CausalLM(ModelConfig(**MODEL), seed=0)
     cfg = RLConfig(group_size=group_size, rollout_max_tokens=4, max_prompt_len=32, **rl)
-    return RolloutRunner(model, tokenizer, cfg, num_prompts=2, rewards=RewardSet(cfg, tokenizer=tokenizer))
+    return engine_runner(model, tokenizer, cfg, 2 * group_size, RewardSet(cfg, tokenizer=tokenizer))
 
 
 def prompt_batch(tokenizer, questions: list[str]) -> dict[str, list]:
@@ -190,7 +195,7 @@ def test_three_turn_episode_labels_only_the_models_tokens(tok_dir):
     the row equal the sampler's (the exact-RL contract across turns)."""
     runner = runner_for(tok_dir, environment=f"{HERE}:ScriptedEnv", rewards=["exact_match"])
     tok = runner.tokenizer
-    rollout = runner.generate(prompt_batch(tok, ["3+4", "10+2"]), step=0, policy_version=0)
+    rollout = runner.rollout(prompt_batch(tok, ["3+4", "10+2"]), step=0, policy_version=0)
     assert rollout.stats["turns_per_episode"] == 3 and rollout.stats["truncated_episodes"] == 0
     assert rollout.reward_terms["environment"].eq(2.0).all()  # 0.5 + 0.5 + 1.0
     im_start = tok.convert_tokens_to_ids(["<|im_start|>"])[0]
@@ -217,7 +222,7 @@ def test_three_turn_episode_labels_only_the_models_tokens(tok_dir):
         assert (rollout.old_logps[i][rollout.labels[i] == IGNORE_INDEX] == 0).all()
         assert (rollout.old_logps[i][rollout.labels[i] != IGNORE_INDEX] < 0).all()
     # the trainer's log-probs of the labels, on the same weights, equal the sampler's (fp32)
-    model = runner.policy.eval()
+    model = runner.sampler.policy.eval()
     with torch.no_grad():
         logits = model(rollout.input_ids, attention_mask=rollout.attention_mask).logits.float()
     mask = rollout.labels != IGNORE_INDEX
@@ -229,10 +234,10 @@ def test_turns_reuse_the_prefix_cache(tok_dir):
     """Each turn's prompt is the row so far: the engine serves the earlier turns' KV from the
     prefix cache, so an episode's prefill is about one final length, not the sum of its prompts."""
     runner = runner_for(tok_dir, environment=f"{HERE}:ScriptedEnv", rewards=["exact_match"])
-    rollout = runner.generate(prompt_batch(runner.tokenizer, ["3+4", "10+2"]), step=0, policy_version=0)
+    rollout = runner.rollout(prompt_batch(runner.tokenizer, ["3+4", "10+2"]), step=0, policy_version=0)
     stats = rollout.stats
     final_len = rollout.attention_mask.sum(1).float().mean().item()
-    block = runner.engine.config.block_size
+    block = runner.sampler.engine.config.block_size
     assert stats["prompt_tokens_per_episode"] > 1.5 * final_len  # three prompts of growing length
     assert stats["prefill_tokens_per_episode"] <= final_len + 3 * block  # each turn: new tokens + < 1 block
     assert stats["prefill_tokens_per_episode"] < 0.6 * stats["prompt_tokens_per_episode"]
@@ -242,7 +247,7 @@ def test_an_environment_alone_may_reward(tok_dir):
     from astrai.config import ConfigError, load_config
 
     runner = runner_for(tok_dir, environment=f"{HERE}:ScriptedEnv", rewards=[])
-    rollout = runner.generate(prompt_batch(runner.tokenizer, ["3+4", "10+2"]), step=0, policy_version=0)
+    rollout = runner.rollout(prompt_batch(runner.tokenizer, ["3+4", "10+2"]), step=0, policy_version=0)
     assert rollout.rewards.eq(2.0).all() and set(rollout.reward_terms) == {"environment"}
     with pytest.raises(ConfigError, match="rewards is empty"):
         load_config(None, ["--train_type", "online_grpo", "--rewards", ""])
@@ -251,8 +256,8 @@ def test_an_environment_alone_may_reward(tok_dir):
 def test_endless_episodes_end_truncated_at_max_turns(tok_dir):
     runner = runner_for(tok_dir, environment=f"{HERE}:EndlessEnv", max_turns=2, rewards=["exact_match"])
     # an episode's room (and the KV pool's): the prompt, and per turn its tokens and a prompt's worth of messages
-    assert runner.engine.config.max_model_len == 32 + 2 * (4 + 32) < MODEL["max_position_embeddings"]
-    rollout = runner.generate(prompt_batch(runner.tokenizer, ["3+4", "10+2"]), step=0, policy_version=0)
+    assert runner.sampler.max_model_len == 32 + 2 * (4 + 32) < MODEL["max_position_embeddings"]
+    rollout = runner.rollout(prompt_batch(runner.tokenizer, ["3+4", "10+2"]), step=0, policy_version=0)
     assert rollout.stats["turns_per_episode"] == 2 and rollout.stats["truncated_episodes"] == 4
     assert rollout.truncated.all() and rollout.stats["truncated_fraction"] == 1.0
     assert all(len(labelled_spans(row)) == 2 for row in rollout.labels)
@@ -262,20 +267,21 @@ def test_an_episode_that_would_outgrow_the_positions_ends_truncated_within_them(
     """A tool result too long for another turn: the row stops after the sampled turn (its
     length stays within max_model_len, the result never enters it) and the episode is truncated."""
     tok = load_tokenizer(tok_dir)
-    mt = MultiTurn(tok, None, [f"{HERE}:multiply"], max_turns=4, max_tokens=8, max_model_len=10_000)
-    episodes = mt.open([{"messages": [{"role": "user", "content": "12*34"}]}], group_size=1)
+    records = [{"messages": [{"role": "user", "content": "12*34"}]}]
+    opening = Conversation(tok, None, [f"{HERE}:multiply"], 8, 10_000).open(records, [], 1)[0].ids
     call = '<tool_call>{"name": "multiply", "arguments": {"a": 12, "b": 34}}</tool_call>'
-    mt.max_model_len = len(episodes[0].ids) + len(FakeCompletion(tok, call).token_ids) + 8 + 3  # room: 3 more ids
-    mt.run(episodes, lambda active, turn: [(FakeCompletion(tok, call), 0)])
+    room = len(opening) + len(fake_turn(tok, call).token_ids) + 8 + 3  # room: 3 more ids
+    episodes, _ = scripted_episodes(tok, lambda turn: fake_turn(tok, call), records, room, 8,
+                                    tools=[f"{HERE}:multiply"])
     e = episodes[0]
     assert e.truncated and not e.done and e.num_turns == 1 and e.num_tool_calls == 1
-    assert len(e.ids) == len(e.logps) <= mt.max_model_len and e.logps[-1] is not None  # ends on the sampled turn
+    assert len(e.ids) == len(e.logps) <= room and e.logps[-1] is not None  # ends on the sampled turn
 
 
 def test_async_environment_steps_are_awaited_together(tok_dir):
     BarrierEnv.expected, BarrierEnv.arrived, BarrierEnv.event = 4, [], None
     runner = runner_for(tok_dir, environment=f"{HERE}:BarrierEnv", rewards=["exact_match"])
-    rollout = runner.generate(prompt_batch(runner.tokenizer, ["3+4", "10+2"]), step=0, policy_version=0)
+    rollout = runner.rollout(prompt_batch(runner.tokenizer, ["3+4", "10+2"]), step=0, policy_version=0)
     assert sorted(rollout.reward_terms["environment"].flatten().tolist()) == [4.0] * 4
 
 
@@ -283,17 +289,45 @@ def test_an_environment_that_raises_is_one_line_naming_it(tok_dir):
     runner = runner_for(tok_dir, environment=f"{HERE}:FailingEnv", rewards=["exact_match"])
     with pytest.raises(ValueError, match=r"environment FailingEnv.step raised KeyError: 'score' \(prompt 0, sample 0, "
                                          r"after 1 turn\(s\)\)"):
-        runner.generate(prompt_batch(runner.tokenizer, ["3+4", "10+2"]), step=0, policy_version=0)
+        runner.rollout(prompt_batch(runner.tokenizer, ["3+4", "10+2"]), step=0, policy_version=0)
     with pytest.raises(ValueError, match="environment 'tests.nowhere:Env': no module 'tests.nowhere'"):
         runner_for(tok_dir, environment="tests.nowhere:Env")
 
 
-class FakeCompletion:
-    def __init__(self, tokenizer, text: str, stop: bool = True):
-        self.text = text
-        self.token_ids = tokenizer.encode(text) + (tokenizer.stop_token_ids[-1:] if stop else [])
-        self.logprobs = [-0.5] * len(self.token_ids)
-        self.finish_reason = "stop" if stop else "length"
+def fake_turn(tokenizer, text: str, stop: bool = True) -> SampledTurn:
+    token_ids = tokenizer.encode(text) + (tokenizer.stop_token_ids[-1:] if stop else [])
+    return SampledTurn(token_ids, [-0.5] * len(token_ids), "stop" if stop else "length", text)
+
+
+class ScriptedSampler:
+    """A sampler without a model (the runner's Sampler interface): turn t of every request is
+    `script(t)`; a request's prefill is its whole prompt."""
+
+    def __init__(self, script, max_model_len: int):
+        self.script, self.max_model_len, self.turn = script, max_model_len, 0
+        self.sampled: list[list[int]] = []
+
+    def set_policy_version(self, version: int) -> None: ...
+    def sync_weights(self, version: int) -> None: ...
+
+    def batch(self, num_seqs: int, longest: int):
+        return contextlib.nullcontext()
+
+    def sample(self, requests, return_logprobs: bool = True) -> list[TurnResult]:
+        turn = self.script(self.turn)
+        self.turn += 1
+        self.sampled.append(turn.token_ids)
+        return [TurnResult([turn] * r.n, 0, len(r.prompt_ids)) for r in requests]
+
+
+def scripted_episodes(tok, script, records, max_model_len: int, max_tokens: int, environment=None, tools=()):
+    """One episode per record, its turns from `script`, through the episode runner's turn loop."""
+    cfg = RLConfig(group_size=1, rollout_max_tokens=max_tokens, max_turns=4, environment=environment,
+                   tools=list(tools), rewards=["exact_match"])
+    sampler = ScriptedSampler(script, max_model_len)
+    runner = EpisodeRunner(sampler, tok, cfg, RewardSet(cfg, tokenizer=tok), max_prompt_len=max_model_len)
+    [episodes] = runner.run(records, [], [Draw(runner.sampling, 1, lambda *a: 0)], policy_version=0)
+    return episodes, sampler
 
 
 def test_tool_calls_become_tool_messages_and_errors_are_counted(tok_dir):
@@ -301,20 +335,14 @@ def test_tool_calls_become_tool_messages_and_errors_are_counted(tok_dir):
     turn 3 answers. Tool results go back as `tool` messages, errors as error text, the row holds
     the sampled ids unchanged, and the tools are offered in the opening prompt."""
     tok = load_tokenizer(tok_dir)
-    mt = MultiTurn(tok, None, [f"{HERE}:multiply", f"{HERE}:broken"], max_turns=4, max_tokens=64, max_model_len=4096)
-    episodes = mt.open([{"messages": [{"role": "user", "content": "12*34"}]}], group_size=1)
-    assert '"name": "multiply"' in tok.decode(episodes[0].ids, skip_special_tokens=False)  # offered via the template
     script = ['<tool_call>{"name": "multiply", "arguments": {"a": 12, "b": 34}}</tool_call>',
               '<tool_call>{"name": "broken", "arguments": {"x": "q"}}</tool_call>', "408"]
-    sampled: list[list[int]] = []
-
-    def generate(active, turn):
-        c = FakeCompletion(tok, script[turn])
-        sampled.append(c.token_ids)
-        return [(c, len(active[0].ids))]
-
-    mt.run(episodes, generate)
-    e = episodes[0]
+    episodes, sampler = scripted_episodes(tok, lambda turn: fake_turn(tok, script[turn]),
+                                          [{"messages": [{"role": "user", "content": "12*34"}]}], 4096, 64,
+                                          tools=[f"{HERE}:multiply", f"{HERE}:broken"])
+    e, sampled = episodes[0], sampler.sampled
+    opening = e.ids[:e.num_prompt_ids]
+    assert '"name": "multiply"' in tok.decode(opening, skip_special_tokens=False)  # offered via the template
     assert e.done and not e.truncated and e.num_turns == 3 and e.final_text == "408"
     assert (e.num_tool_calls, e.num_tool_errors) == (2, 1)
     tool_messages = [m for m in e.messages if m["role"] == "tool"]
@@ -406,11 +434,10 @@ def test_tool_traces_are_what_a_calculator_episode_samples(tok_dir):
     learned = tok.decode([t for t, m in zip(ids, mask) if m], skip_special_tokens=False)
     assert learned == trace["messages"][1]["content"] + "<|im_end|>" + item.answer + "<|im_end|>"
 
-    mt = MultiTurn(tok, "astrai.train.rl.environments:CalculatorEnv", [], max_turns=4, max_tokens=64,
-                   max_model_len=4096)
-    episodes = mt.open([{"messages": item.prompt_messages, "answer": item.answer}], group_size=1)
     turns = [trace["messages"][1]["content"], item.answer]
-    mt.run(episodes, lambda active, turn: [(FakeCompletion(tok, turns[turn]), 0)])
+    episodes, _ = scripted_episodes(tok, lambda turn: fake_turn(tok, turns[turn]),
+                                    [{"messages": item.prompt_messages, "answer": item.answer}], 4096, 64,
+                                    environment="astrai.train.rl.environments:CalculatorEnv")
     e = episodes[0]
     assert e.done and e.num_tool_calls == 1 and e.num_tool_errors == 0 and e.final_text == item.answer
     assert e.messages == trace["messages"]

@@ -162,7 +162,7 @@ def test_the_fsdp_replica_carries_the_policys_adapters_and_computes_its_logits()
     from astrai.model.lora import adapters_disabled, apply_lora
     from astrai.model.transformer import CausalLM
     from astrai.train import dist
-    from astrai.train.rl.rollout import unsharded_replica
+    from astrai.train.rl.engine_sampler import unsharded_replica
 
     policy = CausalLM(ModelConfig.from_dict(MODEL), seed=0)
     apply_lora(policy, 4, 8.0, 0.0, ["q", "v", "down"])

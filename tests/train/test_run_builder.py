@@ -110,7 +110,7 @@ def test_compile_trains_online_rl_and_leaves_the_engine_eager(tmp_path, tok_dir,
     assert main(["--config", str(config), "--max_steps", "2", "--compile", "true"]) == 0
     loop = built["loop"]
     assert isinstance(loop.model, torch._dynamo.eval_frame.OptimizedModule)  # the trainer's forward
-    assert loop.runner.engine.model is loop.raw_model  # the engine's: eager
+    assert loop.rollout_sampler.engine.model is loop.raw_model  # the engine's: eager
     assert getattr(loop.raw_model, "_compiled_call_impl", None) is None
     first = _metrics(tmp_path)[0]
     assert first["sampler_logp_diff"] < 1e-4

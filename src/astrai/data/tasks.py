@@ -114,6 +114,13 @@ def score_final_number(completion: str, answer: str) -> float:
 SCORERS = {"exact": score, "final_number": score_final_number}
 
 
+def score_completions(completions: list[str], answers: list[Any], match: str = "exact") -> list[float]:
+    """Each completion against its answer by ``SCORERS[match]``: the one scoring of exact-match
+    evaluation (``astrai eval --data``) and of evaluation during training."""
+    scorer = SCORERS[match]
+    return [scorer(c, a) for c, a in zip(completions, answers)]
+
+
 def corrupt(item: TaskItem, rng: random.Random) -> str:
     """A plausible wrong answer (for DPO rejected replies): off by a little, or letters swapped."""
     if item.task in _OPERATORS:

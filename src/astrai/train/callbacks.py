@@ -295,7 +295,7 @@ def default_callbacks(trainer: Loop) -> list[Any]:
     cfg = trainer.config
     cbs: list[Any] = [MetricsLogger(cfg.log.log_dir, cfg.log.log_metrics)]
     if cfg.train.eval_interval > 0:  # after the logger: its rows follow the step's train row
-        from astrai.train.rl.evaluation import GenerationEval
+        from astrai.train.evaluation import GenerationEval
 
         cbs.append(GenerationEval(cfg))
     if cfg.train.early_stopping_metric:

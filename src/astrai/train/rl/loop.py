@@ -1,17 +1,18 @@
 """The online RL loop: rollout -> micro-batches -> gradient step -> publish the new policy version.
 
 Reads top to bottom in ``train``: every ``rollout_interval`` steps a batch of prompt records is
-drawn (the same seeded, resumable sampler as offline training) and the live policy generates and
-scores a rollout (``rl/rollout.py``); the objective pins its targets once; each optimizer step
+drawn (the same seeded, resumable sampler as offline training) and the episode runner draws and
+scores a rollout (``rl/runner.py``) through the rollout sampler (``rl/engine_sampler.py``: the
+engine over the live policy); the objective pins its targets once; each optimizer step
 backpropagates the rollout's micro-batches and ends the window in the shared gradient step
-(``train/step.py``); then the policy version goes up by one and is published to the engine, so
+(``train/step.py``); then the policy version goes up by one and is published to the sampler, so
 no KV of older weights is reused; the objective's companions (PPO's critic, with its own
 optimizer) step last. The run itself is built by ``train/build.py``, as for the offline loop. A
 rollout more than ``max_policy_lag`` versions old, or from a future version, is an error.
 Checkpoints carry the policy version and, one file per rank, the rollout each rank is reusing
 (ranks draw their own prompts) and that rank's RNG, so a stopped run resumes bit for bit on any
 number of ranks. Under FSDP the engine generates on an unsharded replica of the policy, refreshed
-once per policy version before a fresh rollout (``rl/rollout.py``): no engine step is a collective.
+once per policy version before a fresh rollout (``sync_weights``): no engine step is a collective.
 """
 
 from __future__ import annotations
@@ -40,9 +41,10 @@ from astrai.train.build import (
 from astrai.train.context import TrainContext
 from astrai.train.host_memory import HeapTrim, set_mmap_threshold
 from astrai.train.objectives import LossOutput, num_tokens
+from astrai.train.rl.data import Rollout, concat_rollouts, groups_with_signal, select_groups
+from astrai.train.rl.engine_sampler import engine_runner
 from astrai.train.rl.guard import RewardsInterrupted
 from astrai.train.rl.rewards import RewardSet
-from astrai.train.rl.rollout import Rollout, RolloutRunner, concat_rollouts, groups_with_signal, select_groups
 from astrai.train.signals import pause_point
 
 MAX_EMPTY_DRAWS = 10  # prompt batches passed over in a row (no prompt within max_prompt_len), then an error
@@ -103,10 +105,13 @@ class OnlineLoop:
         self.companions = companions(self.objective)
         # a reward model with its own tokenizer re-encodes; a stop request interrupts a slow user reward
         rewards = RewardSet(cfg.rl, self.device, tokenizer=self.tokenizer, should_stop=lambda: self.ctx.stop_requested)
-        self.runner = RolloutRunner(self.raw_model, self.tokenizer, cfg.rl, self.num_prompts, rewards,
-                                    cfg.train.random_seed, bf16=cfg.train.bf16)  # bf16: rollouts in the training precision
-        if self.runner.replica is not None and self.is_main:  # FSDP: the memory the replica costs, said once
-            replica = self.runner.replica
+        # the in-process engine over the live policy draws every turn (rl/engine_sampler.py);
+        # bf16: rollouts in the training precision
+        self.runner = engine_runner(self.raw_model, self.tokenizer, cfg.rl, max(1, self.num_prompts * cfg.rl.group_size),
+                                    rewards, cfg.train.random_seed, bf16=cfg.train.bf16)
+        self.rollout_sampler = self.runner.sampler
+        if self.rollout_sampler.replica is not None and self.is_main:  # FSDP: the memory the replica costs, said once
+            replica = self.rollout_sampler.replica
             size = sum(t.numel() * t.element_size() for t in [*replica.parameters(), *replica.buffers()])
             print(f"note: parallel_mode fsdp: each rank generates rollouts on an unsharded replica of the policy "
                   f"({size / 2**20:.1f} MiB per rank), refreshed once per policy version", file=sys.stderr)
@@ -120,14 +125,14 @@ class OnlineLoop:
 
     def train(self) -> TrainContext:
         ctx, cbs, cfg = self.ctx, self.callbacks, self.config
-        self.runner.set_policy_version(ctx.policy_version)
+        self.rollout_sampler.set_policy_version(ctx.policy_version)
         with callback_frame(self):
             while ctx.step < self.total_steps and not self._should_stop():
                 t0 = time.perf_counter()
                 fresh = self.rollout is None or self.rollout.num_uses >= cfg.rl.rollout_interval
                 if fresh:
                     # FSDP: the engine's replica gathers the new weights; every rank, same point
-                    self.runner.refresh_replica(ctx.policy_version)
+                    self.rollout_sampler.sync_weights(ctx.policy_version)
                     position, rng = (ctx.epoch, ctx.consumed_samples), resume.rng_state()
                     if (drawn := self._next_rollout()) is None:  # a stop request came while drawing
                         # as after the last step: a checkpoint now resumes into the same draws
@@ -160,7 +165,7 @@ class OnlineLoop:
                 rollout.num_uses += 1
                 ctx.step += 1
                 ctx.policy_version += 1
-                self.runner.set_policy_version(ctx.policy_version)  # new weights: older KV is never served
+                self.rollout_sampler.set_policy_version(ctx.policy_version)  # new weights: older KV is never served
                 for companion in self.companions:  # after the policy step, outside the version publication
                     result.update(companion.step(ctx.step))
                 tokens = result.pop("num_tokens")
@@ -192,7 +197,7 @@ class OnlineLoop:
         first = (self.dist.rank + draw * self.dist.world_size) * self.num_prompts  # seeds differ per draw
         try:
             with self.heap.rollout():
-                return self.runner.generate(batch, self.ctx.step, self.ctx.policy_version, first_index=first)
+                return self.runner.rollout(batch, self.ctx.step, self.ctx.policy_version, first_index=first)
         except RewardsInterrupted as e:
             print(f"note: {e}; the rollout is dropped and the run stops after step {self.ctx.step}", file=sys.stderr)
             return None

@@ -20,8 +20,6 @@ from typing import Any
 
 from astrai.data.tool_calls import ToolCall, function_schema, parse_tool_calls
 
-__all__ = ["ToolBox", "function_schema"]
-
 
 class ToolBox:
     """The tools of one episode: their schemas (for the chat template) and a runner of calls."""
