@@ -4,6 +4,7 @@ scored on the inference engine (scoring.py); `astrai eval` is cli.py."""
 
 from __future__ import annotations
 
-from astrai.eval.exact import SCORERS, EvalResult, evaluate_model, read_prompt_records
+from astrai.data.tasks import SCORERS
+from astrai.eval.exact import EvalResult, evaluate_model, read_prompt_records
 
 __all__ = ["SCORERS", "EvalResult", "evaluate_model", "read_prompt_records"]

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from astrai.data.tasks import SCORERS
+from astrai.data.tasks import score_completions
 
 
 @dataclass
@@ -71,24 +71,19 @@ def evaluate_model(llm: Any, records: list[dict[str, Any]], max_tokens: int = 16
                    num_samples_kept: int = 5, match: str = "exact") -> EvalResult:
     """Greedy, batched generation over `records` with an `astrai.LLM`, scored by `SCORERS[match]`.
     A prompt the model cannot hold (max_model_len) is skipped and counted wrong, not an error."""
-    score = SCORERS[match]
     from astrai.infer.sampling import SamplingParams
 
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
     fits = prompts_fit(llm, records)
     start = time.perf_counter()
-    outputs = iter(llm.chat([r["messages"] for r, fit in zip(records, fits) if fit], params) if any(fits) else [])
+    kept = [r for r, fit in zip(records, fits) if fit]
+    outputs = llm.chat([r["messages"] for r in kept], params) if kept else []
     elapsed = max(time.perf_counter() - start, 1e-9)
-    correct, generated, samples = 0, 0, []
-    for record, fit in zip(records, fits):
-        if not fit:
-            continue
-        completion = next(outputs).outputs[0]
-        ok = score(completion.text, record["answer"])
-        correct += int(ok)
-        generated += len(completion.token_ids)
-        if len(samples) < num_samples_kept:
-            samples.append({"prompt": record["messages"][-1]["content"], "completion": completion.text,
-                            "answer": record["answer"], "correct": bool(ok)})
+    completions = [out.outputs[0] for out in outputs]
+    scores = score_completions([c.text for c in completions], [r["answer"] for r in kept], match)
+    correct = int(sum(scores))
+    generated = sum(len(c.token_ids) for c in completions)
+    samples = [{"prompt": r["messages"][-1]["content"], "completion": c.text, "answer": r["answer"], "correct": bool(ok)}
+               for r, c, ok in zip(kept[:num_samples_kept], completions, scores)]
     return EvalResult(correct / len(records), correct, len(records), generated / elapsed, samples,
                       num_skipped=fits.count(False))

@@ -8,7 +8,7 @@ MASTER_PORT environment that `train/launch.py` or `torchrun` sets), wraps the mo
 `full_model_state_dict` / `full_optimizer_state_dict`, so a checkpoint written by N ranks loads
 with any other number of ranks; `gather_objects` brings each rank's small state (its rollout) to
 rank 0 for the same checkpoint. `copy_full_weights` fills a plain replica with a sharded model's
-full weights (FSDP online RL generates on it, see `train/rl/rollout.py`).
+full weights (FSDP online RL generates on it, see `train/rl/engine_sampler.py`).
 """
 
 from __future__ import annotations
