@@ -75,16 +75,16 @@ def test_a_sampler_mismatch_is_corrected_by_truncated_importance_weights(tmp_pat
     bf16 engine might, exaggerated): the ratio still starts at 1 (its old log-probs are the
     trainer's own), and the weights min(pi_trainer / pi_sampler, cap) = min(e, 2) = 2 cap half the
     tokens (token level), every sample (sequence level), or nothing (none)."""
-    from astrai.train.rl import rollout as rollout_mod
+    from astrai.train.rl import runner as runner_mod
 
-    real = rollout_mod._pack
+    real = runner_mod.pack_episodes
 
-    def skewed(samples, group_size, policy_version):
-        out = real(samples, group_size, policy_version)
+    def skewed(rows, group_size, policy_version):
+        out = real(rows, group_size, policy_version)
         out.old_logps[:, ::2] -= 1.0
         return out
 
-    monkeypatch.setattr(rollout_mod, "_pack", skewed)
+    monkeypatch.setattr(runner_mod, "pack_episodes", skewed)
     config = write_rl_run(tmp_path, tok_dir, rollout_is_level=level, rollout_interval=2)
     assert main(["--config", str(config), "--max_steps", "2"]) == 0
     first, second = read_metrics(tmp_path)[:2]
