@@ -412,6 +412,10 @@ def flag_kwargs(name: str, tp: Any) -> dict[str, Any]:
         return {"action": "append", "type": value_type(name, bases[0])}
     if len(bases) == 1 and typing.get_origin(bases[0]) is list:
         return {"action": ListFlag, "type": value_type(name, bases[0])}
+    for base in bases:
+        if base not in (Any, str, bool, int, float) and typing.get_origin(base) not in (typing.Literal, list, dict):
+            raise TypeError(f"field {name!r} has type {type_name(tp)}, which no flag spells; give it metadata "
+                            "flag=False or teach astrai.flags.parse_value the type")
     kwargs: dict[str, Any] = {"type": value_type(name, tp)}
     if any(typing.get_origin(b) is dict for b in bases):
         kwargs["metavar"] = "JSON"
