@@ -75,3 +75,66 @@ def test_a_type_no_flag_spells_fails_when_the_parser_is_built():
 
     with pytest.raises(TypeError, match="'thing' has type .* which no flag spells"):
         add_dataclass_arguments(ArgumentParser(), Odd)
+
+
+def _request_bounds(model: type, name: str) -> dict[str, float]:
+    """The numeric bounds pydantic enforces on a request field (annotated_types' Ge, Gt, Le, Lt)."""
+    out = {}
+    for m in model.model_fields[name].metadata:
+        for key in ("ge", "gt", "le", "lt"):
+            if type(m).__name__.lower() == key:
+                out[key] = getattr(m, key)
+    return out
+
+
+def test_a_knob_range_is_enforced_alike_by_sampling_params_the_server_and_the_config():
+    """SamplingParams.repetition_penalty's range (0, 10] is its field's metadata: SamplingParams
+    raises ValueError outside it and the server answers 400 naming the parameter at the same bound
+    (it once let 20 through to SamplingParams); the config's rollout sampling fields carry the
+    ranges of the SamplingParams fields they feed, so a run is refused where its rollouts would be."""
+    import json
+
+    from astrai.config import ConfigError, RLConfig, load_config
+    from astrai.flags import field_range
+    from astrai.infer.sampling import SamplingParams
+    from astrai.serve.protocol import ChatCompletionRequest, CompletionRequest
+    from astrai.serve.requests import APIError, parse_request
+
+    assert field_range(SamplingParams, "repetition_penalty") == Range(gt=0, le=10)
+    chat = {"model": "m", "messages": [{"role": "user", "content": "x"}]}
+
+    def request(**fields) -> ChatCompletionRequest:
+        return parse_request(json.dumps({**chat, **fields}).encode(), ChatCompletionRequest)
+
+    for value in (1e-3, 1, 10):
+        assert SamplingParams(repetition_penalty=value).repetition_penalty == value
+        assert request(repetition_penalty=value).repetition_penalty == value
+    for value in (0, -1, 10.5, 20):
+        with pytest.raises(ValueError, match=r"SamplingParams.repetition_penalty must be a finite number within "
+                                             r"\(0, 10\], got"):
+            SamplingParams(repetition_penalty=value)
+        with pytest.raises(APIError) as e:
+            request(repetition_penalty=value)
+        assert (e.value.status, e.value.param) == (400, "repetition_penalty")
+        assert ("less than or equal to 10" if value > 10 else "greater than 0") in e.value.message
+    # every bounded sampling field of a request has SamplingParams' bounds, tighter only where the API is
+    narrower = {"temperature": {"le": 2.0}, "n": {"le": 128}}  # OpenAI's caps
+    chat_names = {"max_completion_tokens": "max_tokens", "top_logprobs": "logprobs", "logprobs": None}  # a bool
+    for model, renamed in ((ChatCompletionRequest, chat_names), (CompletionRequest, {})):
+        checked = 0
+        for name in model.model_fields:
+            field_name = renamed.get(name, name)
+            within = field_range(SamplingParams, field_name) if field_name in SamplingParams.__dataclass_fields__ else None
+            if within is not None:
+                assert _request_bounds(model, name) == {**within.bounds(), **narrower.get(name, {})}, name
+                checked += 1
+        assert checked >= 11, f"{model.__name__}: {checked} bounded sampling fields"
+    for option, name in {"rollout_temperature": "temperature", "rollout_top_p": "top_p",
+                         "rollout_top_k": "top_k"}.items():
+        assert field_range(RLConfig, option) == field_range(SamplingParams, name)
+    with pytest.raises(ConfigError, match=r"^rollout_top_p=1.5 must be within \(0, 1\]$"):
+        load_config(None, ["--rollout_top_p", "1.5"])
+    with pytest.raises(ValueError, match=r"SamplingParams.top_p must be a finite number within \(0, 1\], got 1.5"):
+        SamplingParams(top_p=1.5)
+    with pytest.raises(APIError, match="less than or equal to 1"):
+        request(top_p=1.5)
