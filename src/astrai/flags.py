@@ -31,6 +31,7 @@ import types
 import typing
 from collections.abc import Callable
 from dataclasses import MISSING, Field, dataclass, field, fields
+from functools import reduce
 from typing import Any, NoReturn
 
 TRUE_WORDS = ("true", "1", "yes", "on")
@@ -425,12 +426,13 @@ def flag_kwargs(name: str, tp: Any) -> dict[str, Any]:
 def add_dataclass_arguments(parser: Any, cls: type, names: list[str] | tuple[str, ...] | None = None, *,
                             defaults: dict[str, Any] | None = None, suppress: bool = False,
                             help: Callable[[Field, Any], str] | None = None,
-                            aliases: dict[str, list[str]] | None = None) -> None:
+                            aliases: dict[str, list[str]] | None = None, none_is_unset: bool = False) -> None:
     """One flag per field of dataclass `cls` (`names`, default all public fields) on `parser` (or an
     argument group), its parser from the field's declared type (`flag_kwargs`). A flag's default is
     `defaults[name]` when given, else the field's; with `suppress` an unset flag leaves no attribute
     (the caller passes on only what the command line gave). `help(field, default)` writes the help
-    line; `aliases` adds option strings (`{"num_threads": ["--threads"]}`)."""
+    line; `aliases` adds option strings (`{"num_threads": ["--threads"]}`). With `none_is_unset` the
+    caller reads None as "not given" (and fills its own defaults), so no flag takes `none`."""
     hints = typing.get_type_hints(cls)
     by_name = {f.name: f for f in fields(cls)}
     defaults = defaults or {}
@@ -440,7 +442,8 @@ def add_dataclass_arguments(parser: Any, cls: type, names: list[str] | tuple[str
             default = defaults[name]
         else:
             default = f.default_factory() if f.default_factory is not MISSING else f.default  # type: ignore[misc]
-        kwargs = flag_kwargs(name, hints[name])
+        tp = reduce(lambda a, b: a | b, base_types(hints[name])) if none_is_unset else hints[name]
+        kwargs = flag_kwargs(name, tp)
         shown = help(f, default) if help is not None else f.metadata.get("help") or None
         parser.add_argument(f"--{name}", *(aliases or {}).get(name, []),
                             default=argparse.SUPPRESS if suppress else default,

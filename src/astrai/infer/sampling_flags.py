@@ -49,7 +49,8 @@ def add_sampling_arguments(parser: argparse.ArgumentParser, defaults: dict[str, 
 
     unset = {name: None for name in DEFAULT_FIELDS.values() if name not in defaults}
     group = parser.add_argument_group("sampling")
-    add_dataclass_arguments(group, SamplingParams, FLAG_FIELDS, defaults={**unset, **defaults}, help=help_)
+    add_dataclass_arguments(group, SamplingParams, FLAG_FIELDS, defaults={**unset, **defaults}, help=help_,
+                            none_is_unset=True)  # None = unset: the model's default, then SamplingParams'
     group.add_argument("--generation_config", default="auto", help=GENERATION_CONFIG_HELP)
 
 
