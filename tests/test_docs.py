@@ -1,8 +1,9 @@
 """The docs describe the code that exists: config tables, modules and commands are checked both ways.
 
 Reference tables in docs/ have the header ``| field | section | type | default | meaning |``. Every
-field of the documented dataclasses must have exactly one row with its section, type and default,
-and every row must name a field that exists. Every ``astrai <command>`` shown in code in README.md
+field of the documented dataclasses must have exactly one row with its section, type, default and
+range (the field's ``knob`` metadata, stated as "Range: `>= 1`."), and every row must name a field
+that exists. Every ``astrai <command>`` shown in code in README.md
 or docs/ must be a command of ``src/astrai/cli.py`` (and its sub-command and ``--flags`` must exist).
 The module table of docs/architecture.md must list exactly the modules under ``src/astrai/``, and its
 import table's "must not import" rules must hold in the source.
@@ -46,6 +47,7 @@ class Row:
     type: str
     default: str
     line: int
+    meaning: str = ""
 
 
 def _cells(line: str) -> list[str]:
@@ -76,7 +78,7 @@ def reference_rows(path: Path) -> list[Row]:
             continue
         assert len(cells) == 5, (f"{path.name}:{n}: a reference row needs 5 cells (escape a '|' inside a "
                                  f"cell as '\\|'), got {len(cells)}: {line!r}")
-        rows.append(Row(*(_unquote(c) for c in cells[:4]), n))
+        rows.append(Row(*(_unquote(c) for c in cells[:4]), n, cells[4]))
     return rows
 
 
@@ -130,12 +132,28 @@ def test_documented_types_and_defaults_match_the_code(doc: str) -> None:
         )
 
 
+@pytest.mark.parametrize("doc", sorted(DOCUMENTED))
+def test_documented_ranges_are_the_fields_ranges(doc: str) -> None:
+    """A field made with `astrai.flags.knob` and a range (the range config_checks, SamplingParams and
+    the server enforce) says it in its row as "Range: `>= 1`."; a row without one says none."""
+    for row in reference_rows(DOCS / doc):
+        cls = DOCUMENTED[doc].get(row.section)
+        found = {f.name: f for f in dataclasses.fields(cls)}.get(row.field) if cls else None
+        if found is None:
+            continue  # reported by the tests above
+        within = found.metadata.get("range")
+        stated = re.findall(r"Range: `([^`]*)`", row.meaning)
+        where = f"docs/{doc}:{row.line} ({row.section}.{row.field})"
+        assert stated == ([within.text()] if within else []), (
+            f"{where}: the code's range is {within.text() if within else 'none'!r}, the docs state {stated}")
+
+
 def test_reference_parser_reads_escaped_pipes(tmp_path: Path) -> None:
     """A row whose cells hold escaped '|' gives the right cells (the parser is not vacuous)."""
     probe = tmp_path / "probe.md"
     probe.write_text("| field | section | type | default | meaning |\n|---|---|---|---|---|\n"
                      "| `max_steps` | train | `int \\| None` | `null` | steps; `a \\| b` |\n\nprose\n| x | y |\n")
-    assert reference_rows(probe) == [Row("max_steps", "train", "int | None", "null", 3)]
+    assert reference_rows(probe) == [Row("max_steps", "train", "int | None", "null", 3, "steps; `a | b`")]
 
 
 # ---------------------------------------------------------------------------- commands

@@ -6,7 +6,9 @@ tunable number has one name, one default and one place (a dataclass field). Name
 namespace of unique snake_case keys; the YAML sections (model, data, train, optim, objective,
 lora, ckpt, log, dist) only group them for reading, so on the command line the section is optional.
 Precedence is flag > YAML > default. Unknown keys and flags are errors with a did-you-mean,
-and a value of the wrong type names the field, the value and the expected type.
+and a value of the wrong type names the field, the value and the expected type. A field whose
+numbers have a range is a ``knob`` (astrai.flags): the range is its metadata, which
+``config_checks.validate`` checks and the docs test compares with the docs' rows.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from astrai.config_values import (
     parse_flag_value,
     type_name,
 )
+from astrai.flags import knob
 
 
 @dataclass
@@ -35,12 +38,12 @@ class DataConfig:
     data_path: str | None = None  # JSONL file, preprocessed shard dir, or a dataset: hf:NAME[@SPLIT] or a save_to_disk dir
     data_columns: dict[str, str] | None = None  # record field -> column of the rows (datasets and JSONL)
     tokenizer_path: str | None = None  # defaults to param_path
-    max_seq_len: int = 128
+    max_seq_len: int = knob(128, ge=1)
     pack: bool = False  # pack several documents per row (seq and sft), positions reset per document
     group_by_length: bool = False  # batch samples of similar length (less padding); still seeded and resumable
-    seq_stride: int | None = None  # sliding-window stride for long seq documents
+    seq_stride: int | None = knob(None, ge=1)  # sliding-window stride for long seq documents
     val_data_path: str | None = None
-    val_split: float = 0.0  # fraction of data_path held out for validation when no val_data_path
+    val_split: float = knob(0.0, ge=0, lt=1)  # fraction of data_path held out for validation when no val_data_path
     eval_data_path: str | None = None  # held-out prompt records with answers, scored by generation (eval_interval)
 
 
@@ -48,11 +51,11 @@ class DataConfig:
 class TrainSection:
     param_path: str | None = None  # weights-only init (model dir or checkpoint dir)
     resume: bool = False  # restore the full training state
-    n_epoch: int = 1
-    max_steps: int | None = None  # optimizer steps (overrides n_epoch); None = n_epoch over the data
-    batch_per_device: int = 4
-    grad_accum_steps: int = 1
-    max_grad_norm: float = 1.0  # 0 disables clipping (the norm is still measured)
+    n_epoch: int = knob(1, ge=1)
+    max_steps: int | None = knob(None, ge=1)  # optimizer steps (overrides n_epoch); None = n_epoch over the data
+    batch_per_device: int = knob(4, ge=1)
+    grad_accum_steps: int = knob(1, ge=1)
+    max_grad_norm: float = knob(1.0, ge=0)  # 0 disables clipping (the norm is still measured)
     random_seed: int = 0
     device: str | None = None  # default: cuda when available, else cpu
     bf16: bool = False  # bf16 autocast for forward/backward
@@ -60,40 +63,40 @@ class TrainSection:
     compile: bool = False  # torch.compile the model
     cpu_matmul: str = "auto"  # auto | onednn | blas: float32 CPU matrix products (process-wide); auto: oneDNN when built in
     stop_timeout: float = 600.0  # seconds the launcher waits for ranks after a stop signal
-    val_interval: int = 0  # optimizer steps between validations; 0 = only at the end when val data exists
-    val_max_batches: int | None = None
-    eval_interval: int = 0  # optimizer steps between generation evals on eval_data_path (and at 0 and the end); 0 = off
-    eval_num_samples: int = 4  # sampled completions per eval prompt (rollout temperature) for eval/reward_mean; 0 = greedy only
+    val_interval: int = knob(0, ge=0)  # optimizer steps between validations; 0 = only at the end when val data exists
+    val_max_batches: int | None = knob(None, ge=1)
+    eval_interval: int = knob(0, ge=0)  # optimizer steps between generation evals on eval_data_path (and at 0 and the end); 0 = off
+    eval_num_samples: int = knob(4, ge=0)  # sampled completions per eval prompt (rollout temperature) for eval/reward_mean; 0 = greedy only
     eval_match: str = "exact"  # exact | final_number: how eval/accuracy scores a greedy completion against the answer
     early_stopping_metric: str | None = None  # e.g. val/loss; None disables early stopping
     early_stopping_patience: int = 3  # evaluations without improvement before stopping
     early_stopping_min_delta: float = 0.0
     early_stopping_mode: str = "min"  # min | max
-    max_nonfinite_steps: int = 10  # consecutive skipped (non-finite loss or grad norm) steps before the run stops
+    max_nonfinite_steps: int = knob(10, ge=1)  # consecutive skipped (non-finite loss or grad norm) steps before the run stops
 
 
 @dataclass
 class OptimConfig:
     optimizer: str = "adamw"  # adamw | muon (Muon for 2-D hidden matrices, AdamW for the rest)
-    max_lr: float | None = None  # null: 1e-3 from scratch; fine-tuning (param_path): 2e-5 seq/sft, 1e-6 dpo/RL
-    weight_decay: float = 0.0
+    max_lr: float | None = knob(None, ge=0)  # null: 1e-3 from scratch; fine-tuning (param_path): 2e-5 seq/sft, 1e-6 dpo/RL
+    weight_decay: float = knob(0.0, ge=0)
     decay_all_params: bool = False  # default: decay only 2-D weight matrices
     adam_beta1: float = 0.9
     adam_beta2: float = 0.95
     adam_eps: float = 1.0e-8
     muon_momentum: float = 0.95
     schedule: str = "cosine"  # constant | cosine | wsd
-    warmup_ratio: float | None = None  # fraction of total optimizer steps; null: 0 from scratch, 0.03 fine-tuning
-    warmup_steps: int | None = None  # overrides warmup_ratio when set
-    min_lr_ratio: float = 0.0  # final lr = max_lr * min_lr_ratio (cosine, wsd)
-    decay_ratio: float = 0.2  # wsd: fraction of steps in the final decay
+    warmup_ratio: float | None = knob(None, ge=0, le=1)  # fraction of total optimizer steps; null: 0 from scratch, 0.03 fine-tuning
+    warmup_steps: int | None = knob(None, ge=0)  # overrides warmup_ratio when set
+    min_lr_ratio: float = knob(0.0, ge=0, le=1)  # final lr = max_lr * min_lr_ratio (cosine, wsd)
+    decay_ratio: float = knob(0.2, ge=0, le=1)  # wsd: fraction of steps in the final decay
 
 
 @dataclass
 class ObjectiveConfig:
-    label_smoothing: float = 0.0  # cross-entropy label smoothing (seq, sft)
-    beta: float = 0.1  # DPO temperature
-    dpo_label_noise: float = 0.0  # DPO sigmoid loss: assumed share of flipped preference labels (cDPO), < 0.5
+    label_smoothing: float = knob(0.0, ge=0, le=1)  # cross-entropy label smoothing (seq, sft)
+    beta: float = knob(0.1, ge=0)  # DPO temperature
+    dpo_label_noise: float = knob(0.0, ge=0, lt=0.5)  # DPO sigmoid loss: assumed share of flipped preference labels (cDPO), < 0.5
     loss_type: str = "sigmoid"  # sigmoid | ipo | hinge
     ref_model_path: str | None = None  # DPO reference; default: a frozen copy of the initial policy
     reference_free: bool = False
@@ -101,53 +104,53 @@ class ObjectiveConfig:
 
 @dataclass
 class RLConfig:
-    group_size: int = 4  # samples per prompt (GRPO group; online DPO picks best and worst of them)
-    rollout_interval: int = 1  # optimizer steps that reuse one rollout before it is regenerated
-    rollout_max_tokens: int = 64  # new tokens per sample
-    rollout_temperature: float = 1.0  # the trainer's log-probs use the same temperature
-    rollout_top_p: float = 1.0
-    rollout_top_k: int = 0  # 0 = off
-    max_prompt_len: int | None = None  # None = 256 or what fits the model's positions; longer prompts are skipped
-    max_policy_lag: int = 8  # a rollout more policy versions old than this is an error
+    group_size: int = knob(4, ge=1)  # samples per prompt (GRPO group; online DPO picks best and worst of them)
+    rollout_interval: int = knob(1, ge=1)  # optimizer steps that reuse one rollout before it is regenerated
+    rollout_max_tokens: int = knob(64, ge=1)  # new tokens per sample
+    rollout_temperature: float = knob(1.0, ge=0)  # the trainer's log-probs use the same temperature
+    rollout_top_p: float = knob(1.0, gt=0, le=1)
+    rollout_top_k: int = knob(0, ge=-1)  # 0 = off
+    max_prompt_len: int | None = knob(None, ge=1)  # None = 256 or what fits the model's positions; longer prompts are skipped
+    max_policy_lag: int = knob(8, ge=0)  # a rollout more policy versions old than this is an error
     keep_kv_pool: bool = False  # the engine's KV pool stays allocated through training; false: made per rollout, freed after
-    host_mmap_threshold_mb: int = 0  # glibc: host tensors this large (MiB) get their own mapping (no heap fragmentation); 0 = glibc's default
+    host_mmap_threshold_mb: int = knob(0, ge=0, le=32, note="(MiB; glibc accepts at most 32); use 1, or 0 to keep the C allocator's default")  # glibc: host tensors this large (MiB) get their own mapping (no heap fragmentation); 0 = glibc's default
     host_keep_heap: bool = True  # glibc: while the engine decodes, freed heap memory stays mapped (no trim, no page faults back)
     rollout_is_level: str = "token"  # none | token | sequence: truncated importance weights for sampler-trainer mismatch
-    rollout_is_cap: float = 2.0  # the weight min(pi_trainer_old / pi_sampler, cap) is capped here
-    clip_eps: float = 0.2  # PPO clip of the token ratio, below 1
+    rollout_is_cap: float = knob(2.0, ge=1, note="(a weight of 1 is no correction)")  # the weight min(pi_trainer_old / pi_sampler, cap) is capped here
+    clip_eps: float = knob(0.2, ge=0)  # PPO clip of the token ratio, below 1
     clip_eps_high: float | None = None  # above 1 (DAPO); None = clip_eps
-    kl_coef: float = 0.0  # KL to the reference (kl_estimator); 0 loads no reference model
+    kl_coef: float = knob(0.0, ge=0)  # KL to the reference (kl_estimator); 0 loads no reference model
     kl_estimator: str = "k3"  # k1: log(p/q) | k2: (log(p/q))^2 / 2 | k3: q/p - 1 - log(q/p)
     advantage_estimator: str = "grpo"  # grpo | rloo (leave-one-out) | reinforce_pp (REINFORCE++)
     importance_sampling_level: str = "token"  # token | sequence (GSPO: one ratio per sample)
     mask_truncated_completions: bool = False  # completions cut at rollout_max_tokens carry no loss
     dynamic_sampling: bool = False  # DAPO: drop groups with equal rewards, draw more prompts to refill
-    max_resample_batches: int = 4  # dynamic_sampling: extra prompt batches drawn per rollout at most
+    max_resample_batches: int = knob(4, ge=0)  # dynamic_sampling: extra prompt batches drawn per rollout at most
     scale_rewards: str = "group"  # group: (r - mean) / std per group | none: r - mean (Dr. GRPO)
     rl_loss_agg: str = "token_mean"  # token_mean | seq_mean | seq_mean_token_sum_norm
     rewards: list[str] = field(default_factory=lambda: ["exact_match"])  # exact_match | final_number | format | length | overlong | module:function | a reward model dir
     reward_weights: list[float] | None = None  # one per reward; None = all 1.0
-    reward_timeout: float = 60.0  # seconds one user reward call may take; 0 = no limit
+    reward_timeout: float = knob(60.0, ge=0)  # seconds one user reward call may take; 0 = no limit
     environment: str | None = None  # multi-turn: module:Class, one instance per sample (reset / step)
     tools: list[str] = field(default_factory=list)  # multi-turn: module:function tools offered to the model
-    max_turns: int = 4  # multi-turn: assistant turns per episode; an episode that would go on is truncated
+    max_turns: int = knob(4, ge=1, note="(assistant turns per multi-turn episode)")  # multi-turn: assistant turns per episode; an episode that would go on is truncated
     format_pattern: str = r"^\s*-?\d+\s*$"  # the `format` reward: 1 when the completion matches
     length_target: int = 64  # the `length` reward: 0 up to this many characters, then down to -1 at twice
     overlong_buffer: int = 16  # the `overlong` reward (DAPO): 0 to -1 over the last this many of rollout_max_tokens
-    ppo_gamma: float = 1.0  # online_ppo: GAE discount
-    ppo_gae_lambda: float = 0.95  # online_ppo: GAE lambda
-    ppo_vf_coef: float = 0.5  # online_ppo: weight of the critic's (V - R)^2
-    critic_lr: float | None = None  # online_ppo: the critic's peak lr; None = max_lr
+    ppo_gamma: float = knob(1.0, ge=0, le=1)  # online_ppo: GAE discount
+    ppo_gae_lambda: float = knob(0.95, ge=0, le=1)  # online_ppo: GAE lambda
+    ppo_vf_coef: float = knob(0.5, ge=0)  # online_ppo: weight of the critic's (V - R)^2
+    critic_lr: float | None = knob(None, gt=0)  # online_ppo: the critic's peak lr; None = max_lr
     critic_model_path: str | None = None  # online_ppo: the critic's start; None = the policy's trunk, zero head
-    value_clip: float | None = None  # online_ppo: clip V - V_old to +-value_clip; None = unclipped
+    value_clip: float | None = knob(None, gt=0)  # online_ppo: clip V - V_old to +-value_clip; None = unclipped
     whiten_advantages: bool = False  # online_ppo: whiten advantages over each rollout
 
 
 @dataclass
 class LoraConfig:
-    lora_r: int = 0  # adapter rank; 0 = off (full fine-tuning)
-    lora_alpha: float = 16.0  # the update is scaled by lora_alpha / lora_r
-    lora_dropout: float = 0.0  # dropout on the adapter's input
+    lora_r: int = knob(0, ge=0)  # adapter rank; 0 = off (full fine-tuning)
+    lora_alpha: float = knob(16.0, gt=0)  # the update is scaled by lora_alpha / lora_r
+    lora_dropout: float = knob(0.0, ge=0, lt=1)  # dropout on the adapter's input
     lora_targets: list[str] = field(default_factory=lambda: ["q", "k", "v", "o", "gate", "up", "down"])
 
 
@@ -155,8 +158,8 @@ class LoraConfig:
 class CkptConfig:
     ckpt_dir: str = "out/ckpt"
     overwrite_ckpt_dir: bool = False  # a fresh run (no resume) may delete the checkpoints already in ckpt_dir
-    ckpt_interval: int = 100  # optimizer steps; 0 = only at stop/end
-    keep_last: int | None = 3
+    ckpt_interval: int = knob(100, ge=0)  # optimizer steps; 0 = only at stop/end
+    keep_last: int | None = knob(3, ge=1)
     ckpt_background: bool = True  # hash, fsync and rename on a thread; the loop only waits for the writes
 
 
@@ -173,7 +176,7 @@ class LogConfig:
 
 @dataclass
 class DistConfig:
-    nprocs: int = 1
+    nprocs: int = knob(1, ge=1)
     parallel_mode: str = "none"  # none | ddp | fsdp
 
 

@@ -12,13 +12,10 @@ from __future__ import annotations
 
 import difflib
 import importlib.util
-import types
 import typing
 from typing import Any
 
-import yaml
-
-from astrai.flags import FALSE_WORDS, TRUE_WORDS
+from astrai.flags import FlagValueError, base_types, expected, is_optional, parse_value, type_name
 
 
 class ConfigError(ValueError):
@@ -92,23 +89,6 @@ def missing_package(name: str) -> str | None:
     return None
 
 
-def type_name(tp: Any) -> str:
-    if isinstance(tp, type):
-        return tp.__name__
-    return str(tp).replace("typing.", "")
-
-
-def _is_optional(tp: Any) -> bool:
-    return type(None) in typing.get_args(tp)
-
-
-def base_types(tp: Any) -> tuple[Any, ...]:
-    origin = typing.get_origin(tp)
-    if origin in (typing.Union, types.UnionType):
-        return tuple(a for a in typing.get_args(tp) if a is not type(None))
-    return (tp,)
-
-
 def _check_one(value: Any, tp: Any) -> tuple[bool, Any]:
     """(ok, coerced value) for one non-None base type."""
     origin = typing.get_origin(tp) or tp
@@ -139,7 +119,7 @@ def _check_one(value: Any, tp: Any) -> tuple[bool, Any]:
 def check_value(name: str, section: str, value: Any, tp: Any) -> Any:
     """Return ``value`` coerced to ``tp`` or raise a ConfigError naming field, value and type."""
     if value is None:
-        if _is_optional(tp):
+        if is_optional(tp):
             return None
         raise ConfigError(f"config key {name!r} in section {section!r} may not be null; expected {type_name(tp)}")
     for base in base_types(tp):
@@ -153,75 +133,10 @@ def check_value(name: str, section: str, value: Any, tp: Any) -> Any:
 
 
 def parse_flag_value(name: str, section: str, text: str, tp: Any) -> Any:
-    """Parse a command-line string for a field of type ``tp``. A list field takes comma-separated
-    items (``a,b``; one item without a comma is a one-item list) or the YAML flow form ``[a, b]``."""
-    if text.lower() in ("null", "none") and _is_optional(tp):
-        return None
-    problem = ""
-    for base in base_types(tp):
-        if base is bool:
-            if text.lower() in TRUE_WORDS:
-                return True
-            if text.lower() in FALSE_WORDS:
-                return False
-        elif base is int:
-            try:
-                return int(text)
-            except ValueError:
-                pass
-        elif base is float:
-            try:
-                return float(text)
-            except ValueError:
-                pass
-        elif base is str:
-            return text
-        elif typing.get_origin(base) is list:
-            items, problem = _parse_list_flag(name, section, text, base)
-            if items is not None:
-                return items
-        else:  # dicts: YAML syntax on the command line
-            try:
-                return check_value(name, section, yaml.safe_load(text), base)
-            except (yaml.YAMLError, ConfigError):
-                pass
-    lists = [b for b in base_types(tp) if typing.get_origin(b) is list]
-    forms = _list_forms(name, lists[0], _is_optional(tp)) if lists else ""
-    raise ConfigError(f"flag --{name} has value {text!r}{problem}; expected {type_name(tp)}{forms}")
-
-
-def _list_forms(name: str, tp: Any, optional: bool) -> str:
-    """The accepted forms of a list flag, with items of its item type, for error messages."""
-    a, b = {int: ("0", "1"), float: ("0.5", "1.0")}.get((typing.get_args(tp) or (Any,))[0], ("a", "b"))
-    null = ", or null" if optional else ""
-    return (f" as comma-separated items (--{name} {a},{b}), one item (--{name} {a}) or YAML flow "
-            f"(--{name} '[{a}, {b}]'){null}")
-
-
-def _parse_list_flag(name: str, section: str, text: str, tp: Any) -> tuple[list[Any] | None, str]:
-    """(the items of a list flag, each parsed as the list's item type, or None; what is wrong).
-    Plain comma-separated text is split as it stands, so ``mymod:fn`` or ``./rm`` stays one string
-    (YAML would read ``mymod:fn`` as a scalar and ``a: b`` as a mapping)."""
-    item_tp = (typing.get_args(tp) or (Any,))[0]
-    if text.strip().startswith("["):  # YAML flow form
-        try:
-            values = yaml.safe_load(text)
-        except yaml.YAMLError:
-            return None, " (not valid YAML)"
-        if not isinstance(values, list):
-            return None, ""
-        texts = [v if isinstance(v, str) else None for v in values]
-    else:
-        values = texts = [t.strip() for t in text.split(",")] if text.strip() else []
-        if "" in texts:
-            return None, " (an empty item)"  # "a,,b" or a trailing comma: most likely a typo
-    items = []
-    for value, item_text in zip(values, texts):
-        try:
-            if item_text is not None and item_tp is not Any:
-                items.append(parse_flag_value(name, section, item_text, item_tp))
-            else:
-                items.append(check_value(name, section, value, item_tp))
-        except ConfigError:
-            return None, f" (item {value!r} is not {type_name(item_tp)})"
-    return items, ""
+    """Parse a command-line string for config field ``name`` of type ``tp`` by the one rule every
+    command's flags follow (``astrai.flags.parse_value``): a list field takes comma-separated items
+    (``a,b``; one item without a comma is a one-item list) or the YAML flow form ``[a, b]``."""
+    try:
+        return parse_value(text, tp)
+    except FlagValueError as e:
+        raise ConfigError(f"flag --{name} has value {text!r}{e.problem}; {expected(name, tp)}") from None

@@ -93,6 +93,13 @@ def test_a_bad_flag_value_is_a_usage_error_or_names_the_field(capsys):
     assert "expected a JSON object" in capsys.readouterr().err
     with pytest.raises(ValueError, match="SamplingParams.n"):
         sampling_params_from_args(build().parse_args(base + ["--n", "0"]), {})
+    # None in the namespace means "unset" (the model's default, then SamplingParams'), so no sampling
+    # flag takes none, and an int field refuses "1.0" (the type decides, not the text)
+    for argv, message in [(["--max_tokens", "none"], "value 'none' is not int; expected int (e.g. --max_tokens 1)"),
+                          (["--seed", "1.0"], "value '1.0' is not int; expected int (e.g. --seed 1)")]:
+        with pytest.raises(SystemExit):
+            build().parse_args(base + argv)
+        assert message in capsys.readouterr().err
 
 
 def test_defaults_must_name_sampling_flags():

@@ -30,3 +30,19 @@ def test_model_name_is_the_directory_basename_unless_given(tmp_path):
 def test_missing_model_directory_is_a_clear_error(tmp_path, capsys):
     assert main(["--model", str(tmp_path / "nowhere")]) == 2
     assert "no config.json" in capsys.readouterr().err
+
+
+def test_engine_flags_parse_by_the_fields_type_never_by_the_text(capsys):
+    """--engine_seed is an int field: "1.0" is refused naming the flag, the value and the fix (it
+    once passed as the float 1.0); an optional field takes none, a str field keeps "1" a string."""
+    import pytest
+
+    with pytest.raises(SystemExit) as e:
+        build_parser().parse_args(["--model", "m", "--engine_seed", "1.0"])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert "argument --engine_seed/--engine-seed: value '1.0' is not int; expected int (e.g. --engine_seed 1)" in err
+    args = build_parser().parse_args(["--model", "m", "--engine_seed", "7", "--max_model_len", "none",
+                                      "--dtype", "1", "--max_request_kv_share", "1"])
+    assert (args.engine_seed, args.max_model_len, args.dtype, args.max_request_kv_share) == (7, None, "1", 1.0)
+    assert type(args.max_request_kv_share) is float

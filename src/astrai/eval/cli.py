@@ -4,7 +4,8 @@ Three modes, one per run: `--data F` (exact.py: greedy replies to prompt records
 verifier), `--tasks T1,T2` (lm-evaluation-harness tasks on the engine through harness.py's
 adapter; lm-eval's table on stdout, its results dict in `--output`), `--perplexity F`
 (perplexity.py: rolling-window log-likelihood of a text or JSONL file, as JSON). lm-eval is an
-optional extra and is imported only by `--tasks`. Errors are one line on stderr, exit 2.
+optional extra and is imported only by `--tasks`. Errors are one line on stderr, exit 2. Flag values
+are typed by `astrai.flags`' one rule (`--limit` is `int | float`: a count, or a fraction).
 """
 
 from __future__ import annotations
@@ -14,15 +15,10 @@ import sys
 from typing import Any
 
 from astrai.data.tasks import SCORERS
-from astrai.flags import ArgumentParser
+from astrai.flags import ArgumentParser, value_type
 from astrai.model.manifest import VERIFY_HELP
 
 INSTALL_HINT = 'lm-eval is not installed; install the eval extra: pip install -e ".[eval]"'
-
-
-def _number(value: str) -> int | float:
-    """--limit: a count (int) or, for lm-eval tasks, a fraction of each task (float < 1)."""
-    return int(value) if value.isdigit() else float(value)
 
 
 def build_parser() -> ArgumentParser:
@@ -34,19 +30,19 @@ def build_parser() -> ArgumentParser:
     mode.add_argument("--data", help="JSONL prompt records with 'messages' and 'answer' (exact match)")
     mode.add_argument("--tasks", help="comma-separated lm-eval task names (or groups, tags, patterns)")
     mode.add_argument("--perplexity", help="text file, or JSONL with 'text' records: rolling-window perplexity")
-    parser.add_argument("--limit", type=_number, default=None,
+    parser.add_argument("--limit", type=value_type("limit", int | float), default=None,
                         help="evaluate only the first N records (lm-eval: per task; a float < 1 is a fraction)")
-    parser.add_argument("--max_tokens", type=int, default=16, help="--data: reply tokens at most")
+    parser.add_argument("--max_tokens", type=value_type("max_tokens", int), default=16, help="--data: reply tokens at most")
     parser.add_argument("--match", choices=list(SCORERS), default="exact",
                         help="--data: exact: the reply is the answer (default); final_number: its last number is")
     lm = parser.add_argument_group("lm-eval tasks (--tasks)")
     lm.add_argument("--include_path", default=None, help="folder of local task YAMLs (lm-eval's include_path)")
-    lm.add_argument("--num_fewshot", type=int, default=None, help="few-shot examples per prompt")
-    lm.add_argument("--batch_size", type=int, default=64, help="requests per engine batch (also --perplexity)")
+    lm.add_argument("--num_fewshot", type=value_type("num_fewshot", int), default=None, help="few-shot examples per prompt")
+    lm.add_argument("--batch_size", type=value_type("batch_size", int), default=64, help="requests per engine batch (also --perplexity)")
     lm.add_argument("--apply_chat_template", action="store_true", help="render prompts with the model's chat template")
     lm.add_argument("--output", default=None, help="write lm-eval's results dict to this JSON file")
     lm.add_argument("--log_samples", action="store_true", help="keep every request and response in --output")
-    lm.add_argument("--seed", type=int, default=None,
+    lm.add_argument("--seed", type=value_type("seed", int), default=None,
                     help="one seed for lm-eval's python, numpy, torch and few-shot draws (default: lm-eval's)")
     return parser
 

@@ -17,7 +17,7 @@ import sys
 from dataclasses import fields
 from pathlib import Path
 
-from astrai.flags import ArgumentParser
+from astrai.flags import ArgumentParser, add_dataclass_arguments
 from astrai.infer.defaults import describe, generation_defaults
 from astrai.infer.engine import EngineConfig
 from astrai.infer.llm import LLM
@@ -45,13 +45,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     """Every EngineConfig field as a flag (shared by `astrai generate` and `astrai chat`)."""
-    engine = parser.add_argument_group("engine")
-    for f in fields(EngineConfig):
-        kind = str(f.type).split(" |")[0]
-        if kind == "bool":  # --enable_prefix_caching [true|false], --no-enable-prefix-caching
-            engine.add_argument(f"--{f.name}", action="bool", default=f.default)
-        else:
-            engine.add_argument(f"--{f.name}", type={"int": int, "float": float, "str": str}[kind], default=f.default)
+    add_dataclass_arguments(parser.add_argument_group("engine"), EngineConfig)
 
 
 def check_model_dirs(args: argparse.Namespace) -> None:

@@ -14,50 +14,55 @@ their samples do not depend on which other requests share the batch.
 from __future__ import annotations
 
 import math
+import typing
 import weakref
-from dataclasses import dataclass, field
-from typing import Any, Protocol
+from dataclasses import dataclass, fields
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from astrai.flags import base_types, is_optional, knob
 from astrai.infer.guided import Guide, GuideState, advance_guides, apply_guides
 from astrai.model.kernels import to_device
 from astrai.model.logprobs import TOP_P_CANDIDATES, apply_truncation, selective_log_softmax  # noqa: F401 - re-exported
 
 SAMPLING_EPS = 1e-5  # temperatures below this are greedy
 MAX_LOGPROBS = 20  # top alternatives per token, as OpenAI caps it
-
-
-def _knob(default: Any, help: str, flag: bool = True) -> Any:
-    """A SamplingParams field with its help text; `astrai generate`/`chat` make each one a flag
-    (sampling_flags.py) unless `flag` is false, and the server maps requests onto them."""
-    return field(default=default, metadata={"help": help, "flag": flag})
+MIN_SEED, MAX_SEED = -(2**63), 2**64 - 1  # the seeds a torch generator accepts (make_generator)
 
 
 @dataclass
 class SamplingParams:
-    """How to sample one request (OpenAI/vLLM semantics; temperature 0 means greedy)."""
+    """How to sample one request (OpenAI/vLLM semantics; temperature 0 means greedy).
 
-    temperature: float = _knob(1.0, "divides the logits; 0 = greedy")
-    top_p: float = _knob(1.0, "keep the most likely tokens whose probability reaches top_p, in (0, 1]")
-    top_k: int = _knob(0, "keep the k most likely tokens; 0 (or -1) = off")
-    min_p: float = _knob(0.0, "drop tokens below min_p times the most likely one's probability")
-    frequency_penalty: float = _knob(0.0, "subtracted once per earlier occurrence in the output, in [-2, 2]")
-    presence_penalty: float = _knob(0.0, "subtracted from every token already in the output, in [-2, 2]")
-    repetition_penalty: float = _knob(1.0, "divides the logits of prompt and output tokens; 1 = off")
-    max_tokens: int | None = _knob(16, "output tokens at most (None = until max_model_len)")
-    min_tokens: int = _knob(0, "no stop before this many output tokens")
-    stop: str | list[str] | None = _knob(None, "stop string; the output ends before it")
-    stop_token_ids: list[int] | None = _knob(None, "token ids that end the output")
-    ignore_eos: bool = _knob(False, "do not stop at EOS / end-of-turn tokens")
-    seed: int | None = _knob(None, "per-request generator: the same tokens whatever else runs")
-    n: int = _knob(1, "samples per prompt")
-    logprobs: int | None = _knob(None, "top alternatives per token (0 = only the chosen token, as a dict)")
-    prompt_logprobs: int | None = _knob(None, "log-probs of the prompt's tokens (raw model) with k alternatives")
-    logit_bias: dict[int, float] | None = _knob(None, "token id -> bias added to its logit, in [-100, 100]")
-    guide: Guide | None = _knob(None, "constrained decoding: a compiled grammar (infer/guided.py)", flag=False)
+    Each field is a `knob`: its help text and the range of its numbers are metadata, read by the
+    checks below, by `astrai generate`/`chat` (one flag per field, sampling_flags.py, unless
+    `flag` is false) and by the server's request models (serve/protocol.py), so all three accept
+    the same numbers."""
+
+    temperature: float = knob(1.0, help="divides the logits; 0 = greedy", ge=0)
+    top_p: float = knob(1.0, help="keep the most likely tokens whose probability reaches top_p", gt=0, le=1)
+    top_k: int = knob(0, help="keep the k most likely tokens; 0 (or -1) = off", ge=-1)
+    min_p: float = knob(0.0, help="drop tokens below min_p times the most likely one's probability", ge=0, le=1)
+    frequency_penalty: float = knob(0.0, help="subtracted once per earlier occurrence in the output", ge=-2, le=2)
+    presence_penalty: float = knob(0.0, help="subtracted from every token already in the output", ge=-2, le=2)
+    repetition_penalty: float = knob(1.0, help="divides the logits of prompt and output tokens; 1 = off", gt=0, le=10)
+    max_tokens: int | None = knob(16, help="output tokens at most (None = until max_model_len)", ge=1)
+    min_tokens: int = knob(0, help="no stop before this many output tokens", ge=0)
+    stop: str | list[str] | None = knob(None, help="stop string; the output ends before it")
+    stop_token_ids: list[int] | None = knob(None, help="token ids that end the output")
+    ignore_eos: bool = knob(False, help="do not stop at EOS / end-of-turn tokens")
+    seed: int | None = knob(None, help="per-request generator: the same tokens whatever else runs",
+                            ge=MIN_SEED, le=MAX_SEED)
+    n: int = knob(1, help="samples per prompt", ge=1)
+    logprobs: int | None = knob(None, help="top alternatives per token (0 = only the chosen token, as a dict)",
+                                ge=0, le=MAX_LOGPROBS)
+    prompt_logprobs: int | None = knob(None, help="log-probs of the prompt's tokens (raw model) with k alternatives",
+                                       ge=0, le=MAX_LOGPROBS)
+    logit_bias: dict[int, float] | None = knob(None, help="token id -> bias added to its logit, in [-100, 100]")
+    guide: Guide | None = knob(None, help="constrained decoding: a compiled grammar (infer/guided.py)", flag=False)
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -82,38 +87,19 @@ class SamplingParams:
         def is_int(x: object) -> bool:
             return isinstance(x, int) and not isinstance(x, bool)
 
-        if not (isinstance(self.temperature, int | float) and 0 <= self.temperature < math.inf):
-            fail("temperature", self.temperature, "a finite number >= 0 (0 = greedy)")
-        if not (isinstance(self.top_p, int | float) and 0 < self.top_p <= 1):
-            fail("top_p", self.top_p, "in (0, 1]")
-        if not (is_int(self.top_k) and self.top_k >= 0):
-            fail("top_k", self.top_k, "an integer >= 0 (0 or -1 disables it)")
-        if not (isinstance(self.min_p, int | float) and 0 <= self.min_p <= 1):
-            fail("min_p", self.min_p, "in [0, 1]")
-        for name in ("frequency_penalty", "presence_penalty"):
+        for name, within, integer, optional in _RANGED:  # the fields' knob ranges
             value = getattr(self, name)
-            if not (isinstance(value, int | float) and -2 <= value <= 2):
-                fail(name, value, "in [-2, 2]")
-        if not (isinstance(self.repetition_penalty, int | float) and 0 < self.repetition_penalty <= 10):
-            fail("repetition_penalty", self.repetition_penalty, "in (0, 10] (1 = off)")
-        if self.max_tokens is not None and not (is_int(self.max_tokens) and self.max_tokens >= 1):
-            fail("max_tokens", self.max_tokens, "an integer >= 1 (or None for up to max_model_len)")
-        if not (is_int(self.min_tokens) and self.min_tokens >= 0):
-            fail("min_tokens", self.min_tokens, "an integer >= 0")
+            if value is None and optional:
+                continue
+            if not ((is_int(value) if integer else isinstance(value, int | float)) and within.contains(value)):
+                fail(name, value, f"{'an integer' if integer else 'a finite number'} {within.text()}"
+                     f"{' (or None)' if optional else ''}")
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             fail("min_tokens", self.min_tokens, f"<= max_tokens ({self.max_tokens})")
         if not all(isinstance(s, str) and s for s in self.stop):
             fail("stop", self.stop, "a non-empty string or a list of non-empty strings")
         if not all(is_int(t) and t >= 0 for t in self.stop_token_ids):
             fail("stop_token_ids", self.stop_token_ids, "a list of token ids >= 0")
-        if self.seed is not None and not is_int(self.seed):
-            fail("seed", self.seed, "an integer or None")
-        if not (is_int(self.n) and self.n >= 1):
-            fail("n", self.n, "an integer >= 1")
-        for name in ("logprobs", "prompt_logprobs"):
-            value = getattr(self, name)
-            if value is not None and not (is_int(value) and 0 <= value <= MAX_LOGPROBS):
-                fail(name, value, f"None or an integer in [0, {MAX_LOGPROBS}]")
         for token, bias in (self.logit_bias or {}).items():
             if token < 0 or not -100 <= bias <= 100:
                 fail("logit_bias", {token: bias}, "token ids >= 0 mapped to biases in [-100, 100]")
@@ -131,6 +117,12 @@ class SamplingParams:
                     f"SamplingParams.{name} has token id {bad[0]} but the vocabulary has {vocab_size} "
                     f"tokens (ids 0..{vocab_size - 1})"
                 )
+
+
+# (field, range, integer field, None allowed) of every SamplingParams field with a knob range
+_RANGED = [(f.name, f.metadata["range"], int in base_types(hint), is_optional(hint))
+           for f in fields(SamplingParams) if "range" in f.metadata
+           for hint in [typing.get_type_hints(SamplingParams)[f.name]]]
 
 
 @dataclass

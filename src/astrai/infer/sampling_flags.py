@@ -6,58 +6,24 @@ SamplingParams field (name, type, help and default from the dataclass; a field w
 SamplingParams of a parsed command line. A field that the model's generation_config.json may set
 (defaults.py) is None in the namespace when the command line leaves it unset, and takes the
 model's value, else SamplingParams' own default. Adding a field to SamplingParams adds the flag to both commands.
-The flag conventions (kebab-case spellings, `--no-ignore-eos`) come from `astrai.flags`.
+Each flag's parser comes from the field's declared type and its help shows the field's range, both
+by `astrai.flags`' one rule (as `astrai serve`'s and `astrai train`'s flags), with its conventions
+(kebab-case spellings, `--no-ignore-eos`).
 """
 
 from __future__ import annotations
 
 import argparse
-import json
-import types
 import typing
 from dataclasses import Field, fields
 from typing import Any
 
+from astrai.flags import add_dataclass_arguments, flag_kwargs
 from astrai.infer.defaults import DEFAULT_FIELDS, GENERATION_CONFIG_HELP, with_defaults
 from astrai.infer.sampling import SamplingParams
 
 _HINTS = typing.get_type_hints(SamplingParams)
 FLAG_FIELDS: tuple[str, ...] = tuple(f.name for f in fields(SamplingParams) if f.metadata.get("flag", True))
-
-
-def _json_object(text: str) -> dict[str, Any]:
-    """`--logit_bias '{"50256": -100}'`: a JSON object (keys are token ids as strings)."""
-    try:
-        value = json.loads(text)
-    except ValueError:
-        value = None
-    if not isinstance(value, dict):
-        raise argparse.ArgumentTypeError(f"expected a JSON object such as '{{\"50256\": -100}}', got {text!r}")
-    return value
-
-
-def _base_types(tp: Any) -> tuple[Any, ...]:
-    """`int | None` -> (int,); `str | list[str] | None` -> (str, list[str])."""
-    if typing.get_origin(tp) in (typing.Union, types.UnionType):
-        return tuple(a for a in typing.get_args(tp) if a is not type(None))
-    return (tp,)
-
-
-def _flag_kind(f: Field) -> dict[str, Any]:
-    """argparse keywords for a field's type: a switch, a number, a repeatable string, a list, JSON."""
-    kinds = _base_types(_HINTS[f.name])
-    if kinds == (bool,):
-        return {"action": "store_true"}
-    if kinds in ((int,), (float,)):
-        return {"type": kinds[0]}
-    if kinds == (str, list[str]):
-        return {"action": "append", "help_suffix": " (repeatable)"}
-    if kinds == (list[int],):
-        return {"type": int, "nargs": "+"}
-    if typing.get_origin(kinds[0]) is dict:
-        return {"type": _json_object, "metavar": "JSON"}
-    raise TypeError(f"SamplingParams.{f.name} has type {_HINTS[f.name]}, which no flag spells; "
-                    "give it metadata flag=False or teach sampling_flags._flag_kind the type")
 
 
 def add_sampling_arguments(parser: argparse.ArgumentParser, defaults: dict[str, Any] | None = None) -> None:
@@ -69,20 +35,22 @@ def add_sampling_arguments(parser: argparse.ArgumentParser, defaults: dict[str, 
     unknown = sorted(set(defaults) - set(FLAG_FIELDS))
     if unknown:
         raise ValueError(f"defaults for {unknown}, which are not SamplingParams flags; expected some of {FLAG_FIELDS}")
-    group = parser.add_argument_group("sampling")
-    for f in fields(SamplingParams):
-        if f.name not in FLAG_FIELDS:
-            continue
-        kind = _flag_kind(f)
-        suffix = kind.pop("help_suffix", "")
+
+    def help_(f: Field, default: Any) -> str:
         if f.name in defaults:
-            default, shown = defaults[f.name], f"default: {defaults[f.name]}"
+            shown = f"default: {defaults[f.name]}"
         elif f.name in DEFAULT_FIELDS.values():  # unset: the model's generation_config.json, then ours
-            default, shown = None, f"default: the model's, else {f.default}"
+            shown = f"default: the model's, else {f.default}"
         else:
-            default, shown = f.default, f"default: {f.default}"
-        help_ = f"{f.metadata['help']}{suffix} ({shown})".replace("%", "%%")
-        group.add_argument(f"--{f.name}", default=default, help=help_, **kind)
+            shown = f"default: {f.default}"
+        within = f"{f.metadata['range'].text()}; " if "range" in f.metadata else ""
+        repeatable = " (repeatable)" if flag_kwargs(f.name, _HINTS[f.name]).get("action") == "append" else ""
+        return f"{f.metadata['help']}{repeatable} ({within}{shown})"
+
+    unset = {name: None for name in DEFAULT_FIELDS.values() if name not in defaults}
+    group = parser.add_argument_group("sampling")
+    add_dataclass_arguments(group, SamplingParams, FLAG_FIELDS, defaults={**unset, **defaults}, help=help_,
+                            none_is_unset=True)  # None = unset: the model's default, then SamplingParams'
     group.add_argument("--generation_config", default="auto", help=GENERATION_CONFIG_HELP)
 
 

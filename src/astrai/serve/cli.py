@@ -22,7 +22,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from astrai.flags import ArgumentParser
+from astrai.flags import ArgumentParser, add_dataclass_arguments
 from astrai.infer.defaults import GENERATION_CONFIG_HELP, generation_defaults
 from astrai.model.manifest import VERIFY_HELP
 from astrai.serve.app import create_app
@@ -60,11 +60,11 @@ def build_parser() -> argparse.ArgumentParser:
                         f"carry; larger ones get 400 (default: {ServeConfig.max_guide_bytes})")
     p.add_argument("--log_level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     p.add_argument("--generation_config", default="auto", help=GENERATION_CONFIG_HELP)
-    for name, default, help_ in _engine_fields():
-        kind = {"action": "bool"} if isinstance(default, bool) else {"type": _parse_value}
-        aliases = ["--threads"] if name == "num_threads" else []  # the alias `astrai train` and `demo` take too
-        p.add_argument(f"--{name}", *aliases, **kind, default=argparse.SUPPRESS,
-                       help=f"engine setting (default: {default!r}){': ' + help_ if help_ else ''}")
+    from astrai.infer.engine import EngineConfig
+
+    # unset engine flags leave no attribute (suppress): the engine's own defaults apply
+    add_dataclass_arguments(p, EngineConfig, _engine_fields(), suppress=True, help=_engine_help,
+                            aliases={"num_threads": ["--threads"]})  # the alias `astrai train` and `demo` take too
     return p
 
 
@@ -73,33 +73,18 @@ _SERVER_FLAGS = ("model", "host", "port", "api_key", "served_model_name", "max_r
                  "limit_concurrency", "max_guide_bytes")
 
 
-def _engine_fields() -> list[tuple[str, Any, str]]:
+def _engine_fields() -> list[str]:
     """EngineConfig's fields become flags, so the server never lags behind the engine's knobs."""
     import dataclasses
 
     from astrai.infer.engine import EngineConfig
 
-    taken = set(_SERVER_FLAGS)
-    out = []
-    for f in dataclasses.fields(EngineConfig):
-        default = f.default if f.default is not dataclasses.MISSING else None
-        if f.name not in taken and (default is None or isinstance(default, bool | int | float | str)):
-            out.append((f.name, default, str(f.metadata.get("help", ""))))
-    return out
+    return [f.name for f in dataclasses.fields(EngineConfig) if f.name not in _SERVER_FLAGS]
 
 
-def _parse_value(text: str) -> Any:
-    lowered = text.lower()
-    if lowered in ("true", "false"):
-        return lowered == "true"
-    if lowered in ("none", "null"):
-        return None
-    for cast in (int, float):
-        try:
-            return cast(text)
-        except ValueError:
-            pass
-    return text
+def _engine_help(f: Any, default: Any) -> str:
+    help_ = f.metadata.get("help", "")
+    return f"engine setting (default: {default!r}){': ' + help_ if help_ else ''}"
 
 
 def _graceful_server_class(state: ServerState) -> type:

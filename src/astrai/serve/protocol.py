@@ -6,7 +6,9 @@ SamplingParams' is read as that field), and the renderers write engine outputs b
 OpenAI's response shapes with the builders at the bottom. Unknown fields are accepted, as
 OpenAI does, but named by `ignored_fields` so the app counts and logs them; a field of the wrong type or out of range is a `ValidationError` that the app
 turns into a 400 naming the parameter. Types are strict (no "0.5" -> 0.5 coercion), except that
-an integer is accepted where a float is expected, as JSON has one number type.
+an integer is accepted where a float is expected, as JSON has one number type. The bounds of the
+sampling fields are SamplingParams' own (`sampling_field` reads its knob ranges), narrowed only
+where the API itself says less (OpenAI's temperature cap of 2, `n` at most 128).
 """
 
 from __future__ import annotations
@@ -16,21 +18,28 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
+from astrai.flags import field_range
+from astrai.infer.sampling import SamplingParams
+
 # vLLM's bound: a -inf logprob (token removed by top-p/top-k) is not valid JSON.
 MIN_LOGPROB = -9999.0
-MAX_TOP_LOGPROBS = 20
 # A stop list is scanned on every step of its request, on the engine thread every request shares:
 # these caps keep that work small (OpenAI itself allows 4 stops).
 MAX_STOP_STRINGS = 16
 MAX_STOP_CHARS = 256
-# The range a torch generator accepts as a seed; beyond it seeding would fail inside the engine.
-MIN_SEED, MAX_SEED = -(2**63), 2**64 - 1
 MAX_FIELD_NAME_CHARS = 100  # an ignored field's name as logged (see ignored_fields)
 
 
 class _Strict(BaseModel):
     # unknown fields are kept (not used) so the app can count and log them: see ignored_fields
     model_config = ConfigDict(extra="allow", strict=True)
+
+
+def sampling_field(name: str, default: Any = None, **narrower: float) -> Any:
+    """A request field bounded as SamplingParams' field `name` (its knob range), so a request is
+    refused (400, naming the parameter) exactly where SamplingParams would refuse the value;
+    `narrower` adds the API's own tighter bounds (OpenAI caps temperature at 2)."""
+    return Field(default, **{**field_range(SamplingParams, name).bounds(), **narrower})
 
 
 def ignored_fields(model: BaseModel, prefix: str = "") -> list[str]:
@@ -95,22 +104,22 @@ class _SamplingFields(_Strict):
     """Fields shared by both completion endpoints (OpenAI names plus vLLM's extras)."""
 
     model: str
-    n: int = Field(1, ge=1, le=128)
-    temperature: float | None = Field(None, ge=0.0, le=2.0)
-    top_p: float | None = Field(None, gt=0.0, le=1.0)
-    top_k: int | None = Field(None, ge=-1)
-    min_p: float | None = Field(None, ge=0.0, le=1.0)
-    frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
-    presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
-    repetition_penalty: float | None = Field(None, gt=0.0)
+    n: int = sampling_field("n", 1, le=128)
+    temperature: float | None = sampling_field("temperature", le=2.0)  # OpenAI's cap
+    top_p: float | None = sampling_field("top_p")
+    top_k: int | None = sampling_field("top_k")
+    min_p: float | None = sampling_field("min_p")
+    frequency_penalty: float | None = sampling_field("frequency_penalty")
+    presence_penalty: float | None = sampling_field("presence_penalty")
+    repetition_penalty: float | None = sampling_field("repetition_penalty")
     logit_bias: dict[str, Annotated[float, Field(ge=-100.0, le=100.0)]] | None = None
     stop: str | list[str] | None = None
     stop_token_ids: list[Annotated[int, Field(ge=0)]] | None = None
-    seed: int | None = Field(None, ge=MIN_SEED, le=MAX_SEED)
+    seed: int | None = sampling_field("seed")
     stream: bool = False
     stream_options: StreamOptions | None = None
     ignore_eos: bool = False
-    min_tokens: int = Field(0, ge=0)
+    min_tokens: int = sampling_field("min_tokens", 0)
     user: str | None = None
 
     @field_validator("logit_bias")
@@ -181,10 +190,10 @@ class ResponseFormat(_Strict):
 
 class ChatCompletionRequest(_SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_tokens: int | None = Field(None, ge=1)
-    max_completion_tokens: int | None = Field(None, ge=1)
+    max_tokens: int | None = sampling_field("max_tokens")
+    max_completion_tokens: int | None = sampling_field("max_tokens")
     logprobs: bool = False
-    top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+    top_logprobs: int | None = sampling_field("logprobs")
     tools: list[ToolDef] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool = True
@@ -253,8 +262,8 @@ class ChatCompletionRequest(_SamplingFields):
 
 class CompletionRequest(_SamplingFields):
     prompt: str | list[str] | list[int] | list[list[int]]
-    max_tokens: int = Field(16, ge=1)
-    logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+    max_tokens: int = sampling_field("max_tokens", 16)
+    logprobs: int | None = sampling_field("logprobs")
     echo: bool = False
     suffix: str | None = None
 

@@ -177,7 +177,7 @@ def _yaml_scalar(value: Any) -> str:
 
 
 def fields_help() -> str:
-    """Every config field by YAML section, with its type, default and meaning; generated from the
+    """Every config field by YAML section, with its type, default, meaning and range; generated from the
     dataclasses (what ``astrai train --help`` prints after its usage)."""
     from astrai.model.config import ModelConfig
 
@@ -190,7 +190,9 @@ def fields_help() -> str:
         for f in dataclasses.fields(cls):
             if not f.name.startswith("_"):
                 default = f.default if f.default is not dataclasses.MISSING else f.default_factory()  # type: ignore[misc]
-                rows.append((f.name, type_name(hints[f.name]), _yaml_scalar(default), comments.get(f.name, "")))
+                within = f.metadata.get("range")  # a knob's range (astrai.flags), as config_checks enforces it
+                meaning = " ".join(filter(None, [comments.get(f.name, ""), f"(range: {within.text()})" if within else ""]))
+                rows.append((f.name, type_name(hints[f.name]), _yaml_scalar(default), meaning))
     widths = [min(max(len(r[i]) for r in rows if len(r) > 1), cap) for i, cap in enumerate((32, 22, 14))]
     for row in rows:
         if len(row) == 1:
