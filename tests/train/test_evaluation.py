@@ -4,8 +4,6 @@ the exact-match scoring of ``astrai eval --data`` on any sampler."""
 
 from __future__ import annotations
 
-import contextlib
-
 from astrai.config import RLConfig
 from astrai.data.tasks import score_completions
 from astrai.data.tokenizer import load_tokenizer
@@ -13,8 +11,8 @@ from astrai.train.cli import main
 from astrai.train.evaluation import answer
 from astrai.train.rl.rewards import RewardSet
 from astrai.train.rl.runner import Draw, EpisodeRunner
-from astrai.train.rl.sampler import SampledTurn, TurnResult
 from tests.train.resume_data import write_tokenizer
+from tests.train.samplers import ScriptedSampler, fake_turn
 from tests.train.test_eval_during_training import eval_file, eval_rows, with_eval
 from tests.train.test_rl import write_rl_run
 
@@ -38,44 +36,21 @@ def test_an_environment_run_evaluates_with_its_environment(tmp_path):
         assert row["eval/tool_use_rate"] == 0.0  # ScriptedEnv offers no tool
 
 
-class EchoSampler:
-    """A sampler without a model: every request's samples answer the text `reply(prompt_ids)`."""
-
-    max_model_len = 64
-
-    def __init__(self, tokenizer, reply):
-        self.tokenizer, self.reply = tokenizer, reply
-        self.requests = []
-
-    def set_policy_version(self, version: int) -> None: ...
-    def sync_weights(self, version: int) -> None: ...
-
-    def batch(self, num_seqs: int, longest: int):
-        return contextlib.nullcontext()
-
-    def sample(self, requests, return_logprobs: bool = True):
-        self.requests += requests
-        out = []
-        for r in requests:
-            text = self.reply(r.prompt_ids)
-            ids = self.tokenizer.encode(text)
-            out.append(TurnResult([SampledTurn(ids, [-1.0] * len(ids), "stop", text)] * r.n, 7, len(r.prompt_ids)))
-        return out
-
-
 def test_answer_scores_every_draw_with_the_exact_match_scoring(tmp_path):
     tok = load_tokenizer(write_tokenizer(tmp_path / "tok"))
     records = [{"messages": [{"role": "user", "content": q}], "answer": a} for q, a in (("1+1", "2"), ("2+2", "5"))]
     prompt_ids = [tok.apply_chat_template(r["messages"], add_generation_prompt=True) for r in records]
     cfg = RLConfig(rewards=["exact_match"], rollout_max_tokens=4)
-    sampler = EchoSampler(tok, lambda ids: "2" if ids == prompt_ids[0] else "4")
+    sampler = ScriptedSampler(lambda turn, ids: fake_turn(tok, "2" if ids == prompt_ids[0] else "4", stop=False),
+                              policy_version=7)
     runner = EpisodeRunner(sampler, tok, cfg, RewardSet(cfg, tokenizer=tok), max_prompt_len=32)
     greedy, sampled = answer(runner, records, prompt_ids, [Draw(runner.sampling.greedy(), 1, lambda *a: None),
                                                            Draw(runner.sampling, 3, lambda i, *more: 100 + i)],
                              policy_version=7)
     assert greedy.correct == [1.0, 0.0] == score_completions(["2", "4"], ["2", "5"])
     assert sampled.correct == [1.0] * 3 + [0.0] * 3 and sampled.rewards.tolist() == sampled.correct
-    assert greedy.num_tokens == 2 and sampled.num_tokens == 6 and greedy.num_truncated == 0
+    assert greedy.num_tokens == 2 and sampled.num_tokens == 6
+    assert greedy.num_truncated == 2  # cut off (finish reason "length"), as a reply without its stop token is
     # one request per prompt and draw, the draw's sampling, n and seeds
     assert [(r.sampling.temperature, r.n, r.seed) for r in sampler.requests] == [
         (0.0, 1, None), (0.0, 1, None), (1.0, 3, 100), (1.0, 3, 101)]

@@ -5,7 +5,6 @@ KV reuse across turns, the objectives end to end, exact resume."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import os
 import random
 import signal
@@ -28,9 +27,9 @@ from astrai.train.rl.environments import EnvStep
 from astrai.train.rl.episode import Conversation
 from astrai.train.rl.rewards import RewardSet
 from astrai.train.rl.runner import Draw, EpisodeRunner
-from astrai.train.rl.sampler import SampledTurn, TurnResult
 from astrai.train.rl.tools import ToolBox
 from tests.train.resume_data import MODEL, read_metrics, write_tokenizer
+from tests.train.samplers import ScriptedSampler, fake_turn
 from tests.train.test_rl import REPO, sigterm_after_step, write_rl_run
 
 HERE = "tests.train.test_rl_multiturn"
@@ -294,37 +293,11 @@ def test_an_environment_that_raises_is_one_line_naming_it(tok_dir):
         runner_for(tok_dir, environment="tests.nowhere:Env")
 
 
-def fake_turn(tokenizer, text: str, stop: bool = True) -> SampledTurn:
-    token_ids = tokenizer.encode(text) + (tokenizer.stop_token_ids[-1:] if stop else [])
-    return SampledTurn(token_ids, [-0.5] * len(token_ids), "stop" if stop else "length", text)
-
-
-class ScriptedSampler:
-    """A sampler without a model (the runner's Sampler interface): turn t of every request is
-    `script(t)`; a request's prefill is its whole prompt."""
-
-    def __init__(self, script, max_model_len: int):
-        self.script, self.max_model_len, self.turn = script, max_model_len, 0
-        self.sampled: list[list[int]] = []
-
-    def set_policy_version(self, version: int) -> None: ...
-    def sync_weights(self, version: int) -> None: ...
-
-    def batch(self, num_seqs: int, longest: int):
-        return contextlib.nullcontext()
-
-    def sample(self, requests, return_logprobs: bool = True) -> list[TurnResult]:
-        turn = self.script(self.turn)
-        self.turn += 1
-        self.sampled.append(turn.token_ids)
-        return [TurnResult([turn] * r.n, 0, len(r.prompt_ids)) for r in requests]
-
-
 def scripted_episodes(tok, script, records, max_model_len: int, max_tokens: int, environment=None, tools=()):
     """One episode per record, its turns from `script`, through the episode runner's turn loop."""
     cfg = RLConfig(group_size=1, rollout_max_tokens=max_tokens, max_turns=4, environment=environment,
                    tools=list(tools), rewards=["exact_match"])
-    sampler = ScriptedSampler(script, max_model_len)
+    sampler = ScriptedSampler(lambda turn, ids: script(turn), max_model_len)
     runner = EpisodeRunner(sampler, tok, cfg, RewardSet(cfg, tokenizer=tok), max_prompt_len=max_model_len)
     [episodes] = runner.run(records, [], [Draw(runner.sampling, 1, lambda *a: 0)], policy_version=0)
     return episodes, sampler

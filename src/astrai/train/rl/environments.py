@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from astrai.data.tasks import multiply
+from astrai.train.rl.tools import tool_schema
 from astrai.train.rl.user_code import import_user_object
 
 Message = dict[str, Any]
@@ -55,13 +56,25 @@ def environment_class(spec: str) -> type:
 
 
 def tool_functions(specs: list[str]) -> list[Callable[..., Any]]:
+    """The functions ``rl.tools`` names, each checked: a function (not a class), with a schema."""
     functions = []
     for spec in specs:
         fn = import_user_object(spec, "tool", "a function with type hints and a docstring")
-        if not callable(fn):
-            raise ValueError(f"tool {spec!r} is not a function (found {type(fn).__name__}); name a function")
+        if inspect.isclass(fn) or not callable(fn):
+            found = f"the class {fn.__name__}" if inspect.isclass(fn) else f"a {type(fn).__name__}"
+            raise ValueError(f"tool {spec!r} is {found}, not a function; name a function (a tool is called with the "
+                             "model's arguments; to offer a class's methods, list them as an environment's tools)")
+        tool_schema(fn, spec)
         functions.append(fn)
     return functions
+
+
+def check_hooks(environment: str | None, tools: list[str]) -> None:
+    """Import and check the environment and tools a config names (a mistyped name is the first error
+    a run reports, before the model is built)."""
+    if environment:
+        environment_class(environment)
+    tool_functions(tools)
 
 
 async def env_call(env: Any, method: str, arg: Any, where: str) -> Any:

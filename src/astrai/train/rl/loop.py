@@ -43,6 +43,7 @@ from astrai.train.host_memory import HeapTrim, set_mmap_threshold
 from astrai.train.objectives import LossOutput, num_tokens
 from astrai.train.rl.data import Rollout, concat_rollouts, groups_with_signal, select_groups
 from astrai.train.rl.engine_sampler import engine_runner
+from astrai.train.rl.environments import check_hooks
 from astrai.train.rl.guard import RewardsInterrupted
 from astrai.train.rl.rewards import RewardSet
 from astrai.train.signals import pause_point
@@ -91,6 +92,7 @@ class OnlineLoop:
         set_mmap_threshold(cfg.rl.host_mmap_threshold_mb)  # before the model: nothing fragments the heap first
         self.heap = HeapTrim()
         self.heap.start(cfg.rl.host_keep_heap, cfg.rl.host_mmap_threshold_mb)
+        check_hooks(cfg.rl.environment, list(cfg.rl.tools))  # a mistyped name is the first error, before the model's
         run = build_run(cfg, model, tokenizer)  # ranks, seed, tokenizer, model, objective, wrapping
         self.dist, self.device, self.is_main = run.dist, run.device, run.is_main
         self.tokenizer, self.raw_model, self.model, self.objective = run.tokenizer, run.raw_model, run.model, run.objective

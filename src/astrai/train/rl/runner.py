@@ -90,14 +90,8 @@ class EpisodeRunner:
         per_draw = [conv.open(records, prompt_ids, d.group_size, draw=k) for k, d in enumerate(draws)]
         episodes = [e for eps in per_draw for e in eps]
         if self.multi_turn:
-            room = self.sampler.max_model_len - self.rl.rollout_max_tokens
-            if (longest := max(len(e.ids) for e in episodes)) > room:
-                raise ValueError(
-                    f"an episode's opening prompt has {longest} tokens (tools and environment included), more than "
-                    f"the {room} an episode's length ({self.sampler.max_model_len}: max_position_embeddings, or "
-                    "max_prompt_len + max_turns * (rollout_max_tokens + max_prompt_len)) leaves beside "
-                    f"rollout_max_tokens={self.rl.rollout_max_tokens}; shorten the prompts or tool descriptions, or "
-                    "raise --max_prompt_len")
+            if (longest := max(len(e.ids) for e in episodes)) > self.sampler.max_model_len - self.rl.rollout_max_tokens:
+                raise self._opening_too_long(longest)
             # a turn continues its conversation's cached KV, so one pool serves every turn; an
             # episode's row can reach the sampler's max_model_len (tool messages have no other bound)
             longest = self.sampler.max_model_len
@@ -119,6 +113,20 @@ class EpisodeRunner:
                     elif not e.done:
                         conv.extend_to_next_prompt(e)
         return per_draw
+
+    def _opening_too_long(self, longest: int) -> ValueError:
+        """An opening prompt (tool schemas and the environment's reset included) with no room for a
+        turn: the fix names what bounds the episode, the model's positions or max_prompt_len."""
+        rl, max_len = self.rl, self.sampler.max_model_len
+        budget = self.max_prompt_len + rl.max_turns * (rl.rollout_max_tokens + self.max_prompt_len)
+        if max_len < budget:  # the model's positions bound it: a larger max_prompt_len cannot help
+            fix = (f"the model's max_position_embeddings ({max_len}) bound an episode; shorten the prompts or the "
+                   f"tools' docstrings, or lower --rollout_max_tokens (now {rl.rollout_max_tokens})")
+        else:
+            fix = f"raise --max_prompt_len to at least {longest}, or shorten the prompts or the tools' docstrings"
+        return ValueError(f"an episode's opening prompt has {longest} tokens (tool schemas and environment included), "
+                          f"more than the {max_len - rl.rollout_max_tokens} an episode of {max_len} tokens leaves "
+                          f"beside rollout_max_tokens={rl.rollout_max_tokens}; {fix}")
 
     def _sample_turn(self, active: list[Episode], turn: int, draws: list[Draw], policy_version: int,
                      logprobs: bool) -> list[tuple[Any, int]]:

@@ -21,13 +21,22 @@ from typing import Any
 from astrai.data.tool_calls import ToolCall, function_schema, parse_tool_calls
 
 
+def tool_schema(fn: Callable[..., Any], where: str) -> dict[str, Any]:
+    """`fn`'s JSON schema; what keeps it from having one (a parameter without a type hint, a type
+    JSON cannot carry) is one line naming `where` the tool came from."""
+    try:
+        return function_schema(fn)
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"tool {where!r}: {e}") from None
+
+
 class ToolBox:
     """The tools of one episode: their schemas (for the chat template) and a runner of calls."""
 
     def __init__(self, functions: list[Callable[..., Any]]):
         self.functions: dict[str, Callable[..., Any]] = {}
         for fn in functions:
-            name = function_schema(fn)["function"]["name"]
+            name = tool_schema(fn, getattr(fn, "__qualname__", repr(fn)))["function"]["name"]
             if name in self.functions:
                 raise ValueError(f"two tools are named {name!r}; tool names must be unique (rename one)")
             self.functions[name] = fn
