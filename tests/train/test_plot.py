@@ -17,10 +17,22 @@ def test_plot_writes_pngs(tmp_path, capsys):
     (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     train, val = read_metrics(tmp_path / "metrics.jsonl")
     assert val == {"loss": [(5, 0.9)]} and len(train["loss"]) == 5
-    assert main([str(tmp_path), "--out", str(tmp_path / "plots")]) == 0
+    assert main([str(tmp_path)]) == 0  # into LOG_DIR/plots by default
     names = {p.name for p in (tmp_path / "plots").iterdir()}
-    assert {"loss.png", "lr.png", "grad_norm.png", "rewards_accuracies.png", "curves.png"} <= names
+    assert {"loss.png", "curves.png"} <= names
     assert (tmp_path / "plots" / "loss.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    # the metrics that never changed get no panel: one line each in constants.txt
+    assert not names & {"lr.png", "grad_norm.png", "tokens_per_s.png", "rewards_accuracies.png"}
+    assert (tmp_path / "plots" / "constants.txt").read_text() == (
+        "grad_norm = 1\nlr = 0.001\nrewards/accuracies = 0.5\ntokens_per_s = 100\n")
+    assert "wrote 3 plots to" in capsys.readouterr().out  # loss.png, group_loss.png, curves.png
+
+
+def test_schedules_and_counters_are_drawn_raw():
+    from astrai.train.plot import drawn_raw
+
+    assert [m for m in ("lr", "critic_lr", "policy_version", "eval/accuracy", "loss", "reward_mean") if drawn_raw(m)] == [
+        "lr", "critic_lr", "policy_version", "eval/accuracy"]
 
 
 def test_plot_missing_log(tmp_path, capsys):
@@ -47,8 +59,9 @@ def test_metric_groups_and_log_scale(tmp_path):
     assert [group_of(m) for m in ("loss", "policy_loss", "lr", "critic_lr", "grad_norm", "tokens_per_s",
                                   "reward_mean", "rewards/accuracies", "response_length_mean", "approx_kl")] == \
         ["loss", "loss", "lr", "lr", "grad_norm", "throughput", "reward", "reward", "length", "other"]
-    rows = [{"split": "train", "step": s, "lr": 1e-3, "loss": 3.0 / s, "grad_norm": 10.0 ** -s, "tokens_per_s": 9.0,
-             "reward_mean": s / 10, "response_length_mean": 5.0 + s, "approx_kl": 0.01} for s in range(1, 9)]
+    rows = [{"split": "train", "step": s, "lr": 1e-3 * s, "loss": 3.0 / s, "grad_norm": 10.0 ** -s,
+             "tokens_per_s": 9.0 + s, "reward_mean": s / 10, "response_length_mean": 5.0 + s, "approx_kl": 0.01 * s}
+            for s in range(1, 9)]
     (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     written = {p.name for p in plot_log_dir(tmp_path, tmp_path / "plots", smooth=0.8)}
     groups = {f"group_{g}.png" for g in ("loss", "lr", "grad_norm", "throughput", "reward", "length", "other")}

@@ -6,10 +6,13 @@ metric), one PNG per metric group (``group_loss.png``, ``group_lr.png``, ``group
 ``group_throughput.png``, ``group_reward.png``, ``group_length.png``, ``group_eval.png`` (the
 ``eval/`` rows of evaluation during training), and for online RL
 ``group_policy.png``, ``group_sampler.png``, ``group_rollout.png``; ``group_other.png``: the
-group's metrics side by side) and ``curves.png`` with all of them on one page. Training curves
-are smoothed by an exponential moving average (``--smooth``, TensorBoard's debiased form) with
-the raw curve drawn faint behind; a validation metric is drawn raw over its training counterpart
-(``val/loss`` on the ``loss`` plot). Gradient norms use a log y-scale.
+group's metrics side by side) and ``curves.png`` with all of them on one page, into
+``LOG_DIR/plots`` unless ``--out`` says otherwise. Noisy training curves are smoothed by an
+exponential moving average (``--smooth``, TensorBoard's debiased form) with the raw curve drawn
+faint behind; schedules and counters (``lr``, ``policy_version``, ...) and ``eval/`` points are
+drawn raw; a validation metric is drawn raw over its training counterpart (``val/loss`` on the
+``loss`` plot). Gradient norms use a log y-scale. A metric whose value never changed gets no panel:
+``constants.txt`` lists each with its value.
 """
 
 from __future__ import annotations
@@ -44,6 +47,12 @@ GROUPS: dict[str, Callable[[str], bool]] = {
     "other": lambda m: True,
 }
 LOG_SCALE_GROUPS = {"grad_norm"}
+# schedules and counters: exact values with nothing to average away, drawn raw
+RAW = {"lr", "policy_version", "rollout_policy_version", "tokens_seen", "nonfinite_steps", "skipped_prompts"}
+
+
+def drawn_raw(metric: str) -> bool:
+    return metric in RAW or metric.endswith("_lr") or metric.startswith("eval/")
 
 Series = list[tuple[int, float]]
 
@@ -119,14 +128,26 @@ def _page(plt, metrics: list[str], train: dict[str, Series], val: dict[str, Seri
     rows = math.ceil(len(metrics) / cols)
     fig, axes = plt.subplots(rows, cols, figsize=(5 * cols, 3.5 * rows), squeeze=False)
     for ax, metric in zip(axes.flat, metrics):
-        # eval/ points are few and each is an exact measurement: drawn raw
-        _draw(ax, metric, train.get(metric), val.get(metric), 0.0 if metric.startswith("eval/") else smooth,
+        # eval/ points are few and each is an exact measurement; schedules and counters are not noisy
+        _draw(ax, metric, train.get(metric), val.get(metric), 0.0 if drawn_raw(metric) else smooth,
               group_of(metric) in LOG_SCALE_GROUPS)
     for ax in list(axes.flat)[len(metrics):]:
         ax.axis("off")
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
+
+
+def constant_metrics(train: dict[str, Series], val: dict[str, Series]) -> dict[str, float]:
+    """Metrics logged at two or more points (train and val together) whose every value is the
+    same: name -> value."""
+    out = {}
+    for metric in set(train) | set(val):
+        points = train.get(metric, []) + val.get(metric, [])
+        values = {v for _, v in points}
+        if len(points) > 1 and len(values) == 1 and math.isfinite(value := next(iter(values))):
+            out[metric] = value
+    return out
 
 
 def plot_log_dir(log_dir: str | Path, out_dir: str | Path | None = None, smooth: float = DEFAULT_SMOOTH) -> list[Path]:
@@ -144,11 +165,17 @@ def plot_log_dir(log_dir: str | Path, out_dir: str | Path | None = None, smooth:
     train, val = read_metrics(path)
     if not train and not val:
         raise ValueError(f"{path} holds no metrics yet")
-    out = Path(out_dir) if out_dir is not None else path.parent
+    out = Path(out_dir) if out_dir is not None else path.parent / "plots"
     out.mkdir(parents=True, exist_ok=True)
-    first = [m for m in ("loss", "lr", "grad_norm", "tokens_per_s") if m in train or m in val]
-    metrics = first + sorted((set(train) | set(val)) - set(first))
+    constant = constant_metrics(train, val)
+    first = [m for m in ("loss", "lr", "grad_norm", "tokens_per_s") if (m in train or m in val) and m not in constant]
+    metrics = first + sorted((set(train) | set(val)) - set(first) - set(constant))
     written = []
+    if constant:
+        (out / "constants.txt").write_text("".join(f"{m} = {v:g}\n" for m, v in sorted(constant.items())))
+        written.append(out / "constants.txt")
+    if not metrics:
+        return written
     for metric in metrics:
         _page(plt, [metric], train, val, smooth, out / _file_name(metric))
         written.append(out / _file_name(metric))
@@ -165,7 +192,7 @@ def plot_log_dir(log_dir: str | Path, out_dir: str | Path | None = None, smooth:
 def main(argv: list[str] | None = None) -> int:
     parser = ArgumentParser(prog="astrai plot", description="PNG curves from LOG_DIR/metrics.jsonl")
     parser.add_argument("log_dir", help="a training run's log_dir (or a metrics.jsonl file)")
-    parser.add_argument("--out", default=None, help="directory for the PNGs (default: LOG_DIR)")
+    parser.add_argument("--out", default=None, help="directory for the PNGs (default: LOG_DIR/plots)")
     parser.add_argument("--smooth", type=float, default=DEFAULT_SMOOTH,
                         help=f"EMA factor in [0, 1) for training curves, raw curve drawn faint; 0 = raw only "
                              f"(default {DEFAULT_SMOOTH})")
@@ -175,5 +202,10 @@ def main(argv: list[str] | None = None) -> int:
     except (FileNotFoundError, ValueError) as e:
         print(f"astrai plot: error: {e}", file=sys.stderr)
         return 1
-    print(f"wrote {len(written)} plots to {written[-1].parent}")
+    pngs = [p for p in written if p.suffix == ".png"]
+    line = f"wrote {len(pngs)} plots to {written[0].parent}"
+    for p in written:
+        if p.name == "constants.txt":
+            line += f"; {len(p.read_text().splitlines())} constant metrics listed in {p.name}, not drawn"
+    print(line)
     return 0
