@@ -20,8 +20,9 @@ from itertools import count
 from typing import TextIO
 
 from astrai.flags import ArgumentParser
+from astrai.infer.config import EngineConfig
 from astrai.infer.defaults import describe, generation_defaults
-from astrai.infer.engine import EngineConfig, LLMEngine
+from astrai.infer.engine import LLMEngine
 from astrai.infer.generate import add_engine_arguments, check_model_dirs
 from astrai.infer.sampling import SamplingParams
 from astrai.infer.sampling_flags import add_sampling_arguments, sampling_params_from_args

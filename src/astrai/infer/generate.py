@@ -18,8 +18,8 @@ from dataclasses import fields
 from pathlib import Path
 
 from astrai.flags import ArgumentParser
+from astrai.infer.config import EngineConfig
 from astrai.infer.defaults import describe, generation_defaults
-from astrai.infer.engine import EngineConfig
 from astrai.infer.llm import LLM
 from astrai.infer.sampling import SamplingParams
 from astrai.infer.sampling_flags import add_sampling_arguments, sampling_params_from_args

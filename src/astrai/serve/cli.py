@@ -77,7 +77,7 @@ def _engine_fields() -> list[tuple[str, Any, str]]:
     """EngineConfig's fields become flags, so the server never lags behind the engine's knobs."""
     import dataclasses
 
-    from astrai.infer.engine import EngineConfig
+    from astrai.infer.config import EngineConfig
 
     taken = set(_SERVER_FLAGS)
     out = []
