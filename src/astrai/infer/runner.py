@@ -29,9 +29,8 @@ from astrai.infer.outputs import logprob_entry
 from astrai.infer.precision import forward_precision
 from astrai.infer.sampling import top_alternatives
 from astrai.infer.scheduler import Sequence
-from astrai.model.attention import PagedAttentionMetadata
-from astrai.model.decode_view import DecodeKVView
 from astrai.model.kernels import to_device
+from astrai.model.paged_metadata import DecodeKVView, PagedAttentionMetadata
 
 
 @dataclass
