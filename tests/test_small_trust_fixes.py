@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from astrai.data.tokenizer import main as tokenizer_main
-from astrai.data.tokenizer import train_tokenizer
+from astrai.data.tokenizer_training import main as tokenizer_main
+from astrai.data.tokenizer_training import train_tokenizer
 from astrai.model.config import ModelConfig
 from astrai.model.hf import save_model
 from astrai.model.manifest import ManifestError, resolve_model_dir

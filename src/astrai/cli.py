@@ -20,7 +20,7 @@ COMMANDS = {
     "generate": ("astrai.infer.generate", "generate text from a prompt or a JSONL file"),
     "chat": ("astrai.infer.chat", "talk to a model in the terminal (history, streaming, /reset)"),
     "preprocess": ("astrai.data.preprocess", "tokenise JSONL into memory-mapped shards"),
-    "tokenizer": ("astrai.data.tokenizer", "train a byte-level BPE tokenizer"),
+    "tokenizer": ("astrai.data.tokenizer_training", "train a byte-level BPE tokenizer"),
     "ckpt": ("astrai.train.checkpoint", "list, verify or pick the latest checkpoint"),
     "convert": ("astrai.model.gguf", "convert a GGUF checkpoint into a model directory"),
     "lora": ("astrai.model.lora_merge", "merge a LoRA adapter into its base model (a plain model directory)"),

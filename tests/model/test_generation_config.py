@@ -8,7 +8,8 @@ import json
 import pytest
 import torch
 
-from astrai.data.tokenizer import IM_END, train_tokenizer
+from astrai.data.tokenizer import IM_END
+from astrai.data.tokenizer_training import train_tokenizer
 from astrai.model.config import ModelConfig
 from astrai.model.hf import load_generation_defaults, load_model, save_model
 from astrai.model.transformer import CausalLM

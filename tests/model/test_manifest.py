@@ -10,7 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from astrai.data.tokenizer import load_tokenizer, train_tokenizer
+from astrai.data.tokenizer import load_tokenizer
+from astrai.data.tokenizer_training import train_tokenizer
 from astrai.infer.generate import main as generate_main
 from astrai.model.config import ModelConfig
 from astrai.model.hf import HFFormatError, check_device, load_model, save_model

@@ -20,7 +20,7 @@ def _restore_signal_handlers():
 @pytest.fixture(scope="module")
 def workdir(tmp_path_factory):
     """A tokenizer trained on the fly and a small SFT JSONL file."""
-    from astrai.data.tokenizer import train_tokenizer
+    from astrai.data.tokenizer_training import train_tokenizer
 
     d = tmp_path_factory.mktemp("cli")
     rows = [{"messages": [{"role": "user", "content": f"add {i} and {i + 1}"},
