@@ -294,7 +294,7 @@ def test_a_mistyped_local_path_is_missing_not_a_hub_id(tmp_path, monkeypatch):
 
 
 def test_ckpt_latest_of_an_empty_folder_says_no_checkpoint(tmp_path, capsys):
-    from astrai.train.checkpoint import main as ckpt_main
+    from astrai.train.ckpt_cli import main as ckpt_main
 
     assert ckpt_main(["latest", str(tmp_path)]) == 1
     err = capsys.readouterr().err

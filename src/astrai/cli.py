@@ -21,7 +21,7 @@ COMMANDS = {
     "chat": ("astrai.infer.chat", "talk to a model in the terminal (history, streaming, /reset)"),
     "preprocess": ("astrai.data.preprocess", "tokenise JSONL into memory-mapped shards"),
     "tokenizer": ("astrai.data.tokenizer_training", "train a byte-level BPE tokenizer"),
-    "ckpt": ("astrai.train.checkpoint", "list, verify or pick the latest checkpoint"),
+    "ckpt": ("astrai.train.ckpt_cli", "list, verify or pick the latest checkpoint"),
     "convert": ("astrai.model.gguf", "convert a GGUF checkpoint into a model directory"),
     "lora": ("astrai.model.lora_merge", "merge a LoRA adapter into its base model (a plain model directory)"),
     "eval": ("astrai.eval.cli", "evaluate: exact match, lm-eval tasks, perplexity"),

@@ -116,7 +116,7 @@ def test_unknown_or_unavailable_device(model_dir, capsys):
 
 
 def test_ckpt_list_verify_marks_a_checksum_damaged_checkpoint(model_dir, tmp_path, capsys):
-    from astrai.train.checkpoint import main as ckpt_main
+    from astrai.train.ckpt_cli import main as ckpt_main
 
     ckpt_dir = tmp_path / "ckpts"
     ckpt_dir.mkdir()

@@ -145,7 +145,7 @@ def test_resume_without_any_checkpoint_is_an_error(workdir, tmp_path, capsys):
 
 def test_resume_uses_param_path_only_when_it_is_a_training_checkpoint(tmp_path):
     from astrai.config import load_config
-    from astrai.train.checkpoint import publish
+    from astrai.train.publish import publish
     from astrai.train.resume import resume_path
 
     ckpt_dir, prev_run = tmp_path / "ckpt", tmp_path / "prev" / "ckpt"
