@@ -14,7 +14,9 @@ from astrai.data.tokenizer import load_tokenizer
 from astrai.data.tokenizer_training import train_tokenizer
 from astrai.infer.generate import main as generate_main
 from astrai.model.config import ModelConfig
-from astrai.model.hf import HFFormatError, check_device, load_model, save_model
+from astrai.model.hf import load_model, save_model
+from astrai.model.hf_config import HFFormatError
+from astrai.model.hf_dir import check_device
 from astrai.model.manifest import MANIFEST, ManifestError, check_model_dir
 from astrai.model.transformer import CausalLM
 

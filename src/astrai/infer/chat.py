@@ -137,7 +137,7 @@ def main(argv: list[str] | None = None, stdin: TextIO | None = None, stdout: Tex
     args = build_parser().parse_args(argv)
     stdin, stdout = stdin or sys.stdin, stdout or sys.stdout
     try:
-        from astrai.model.hf import check_device
+        from astrai.model.hf_dir import check_device
         from astrai.model.lora import split_adapter
         from astrai.model.manifest import model_argument
 

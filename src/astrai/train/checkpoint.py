@@ -301,8 +301,9 @@ def _torch_load(path: Path) -> Any:
 
 
 def _read_model_weights(path: Path, model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    from astrai.model.hf import read_safetensors, state_dict_from_hf
+    from astrai.model.hf_weights import state_dict_from_hf
     from astrai.model.lora import ADAPTER_WEIGHTS, from_peft_key, has_lora, is_adapter_dir
+    from astrai.model.safetensors_io import read_safetensors
 
     if has_lora(model) != is_adapter_dir(path):
         raise CheckpointError(f"{path} holds {'a LoRA adapter' if is_adapter_dir(path) else 'full weights'} but this "
