@@ -36,6 +36,7 @@ from astrai.model.config import ModelConfig  # noqa: E402
 from astrai.model.hf import load_model, save_model  # noqa: E402
 from astrai.model.transformer import CausalLM  # noqa: E402
 from astrai.train import checkpoint as ckpt  # noqa: E402
+from astrai.train import publish as pub  # noqa: E402
 
 MODEL_50M = dict(vocab_size=32000, hidden_size=512, intermediate_size=1536, num_hidden_layers=6,
                  num_attention_heads=8, num_key_value_heads=8, max_position_embeddings=1024)
@@ -73,7 +74,7 @@ def publish_parts(model: CausalLM, root: Path, repeats: int) -> dict[str, float]
         start = time.perf_counter()
         save_model(model, staging)
         mid = time.perf_counter()
-        ckpt._seal(staging, r)
+        pub._seal(staging, r)
         end = time.perf_counter()
         write.append(mid - start)
         seal.append(end - mid)
@@ -81,9 +82,9 @@ def publish_parts(model: CausalLM, root: Path, repeats: int) -> dict[str, float]
     blocking = []
     for r in range(repeats):
         start = time.perf_counter()
-        ckpt.publish(root / "background", r, lambda d: save_model(model, d), keep_last=1, background=True)
+        pub.publish(root / "background", r, lambda d: save_model(model, d), keep_last=1, background=True)
         blocking.append(time.perf_counter() - start)
-        ckpt.wait_for_publish()  # untimed: the training loop would be running meanwhile
+        pub.wait_for_publish()  # untimed: the training loop would be running meanwhile
     return {"write (save_model)": statistics.median(write), "hash + fsync + manifest": statistics.median(seal),
             "blocking, background=True": statistics.median(blocking)}
 
@@ -99,7 +100,7 @@ def bench_weights(model: CausalLM, hf_model, root: Path, repeats: int) -> list[t
             shutil.rmtree(child) if child.is_dir() else child.unlink()
 
     save = interleaved({
-        "publish": lambda r: ckpt.publish(out["publish"], r, lambda d: save_model(model, d), keep_last=1),
+        "publish": lambda r: pub.publish(out["publish"], r, lambda d: save_model(model, d), keep_last=1),
         "torch_save": lambda r: (clean(out["torch_save"]), torch.save(state, out["torch_save"] / "model.pt")),
         "durable": lambda r: (clean(out["durable"]), hf_model.save_pretrained(out["durable"]),
                               fsync_tree(out["durable"])),
@@ -107,7 +108,7 @@ def bench_weights(model: CausalLM, hf_model, root: Path, repeats: int) -> list[t
     }, repeats)
     from transformers import AutoModelForCausalLM
 
-    published = ckpt.latest_checkpoint(out["publish"])
+    published = pub.latest_checkpoint(out["publish"])
     load = interleaved({
         "publish": lambda r: load_model(published),
         "torch_save": lambda r: torch.load(out["torch_save"] / "model.pt", weights_only=True),
@@ -138,7 +139,7 @@ def bench_training_state(model: CausalLM, root: Path, repeats: int) -> dict[str,
                                       scheduler=sched, trainer_state={"step": r}, keep_last=1)
 
     times = interleaved({"save_training_checkpoint": save_astrai, "torch.save (one file)": save_plain}, repeats)
-    latest = ckpt.latest_checkpoint(root / "full")
+    latest = pub.latest_checkpoint(root / "full")
     return {"save_training_checkpoint": (times["save_training_checkpoint"], dir_bytes(latest)),
             "torch.save (one file)": (times["torch.save (one file)"], dir_bytes(plain))}
 

@@ -62,7 +62,7 @@ def write_task(folder: Path, num: int, seed: int = 0) -> None:
 
 def tiny_model(folder: Path) -> Path:
     """A random model with a byte-level BPE trained on arithmetic text."""
-    from astrai.data.tokenizer import train_tokenizer
+    from astrai.data.tokenizer_training import train_tokenizer
     from astrai.model import CausalLM, ModelConfig
     from astrai.model.hf import save_model
 

@@ -22,7 +22,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 import torch  # noqa: E402
 
 import astrai.infer.sampling as sampling  # noqa: E402
-from astrai.data.tokenizer import train_tokenizer  # noqa: E402
+from astrai.data.tokenizer_training import train_tokenizer  # noqa: E402
 from astrai.infer.engine import LLMEngine  # noqa: E402
 from astrai.infer.guided import GuideCompiler  # noqa: E402
 from astrai.infer.sampling import SamplingParams  # noqa: E402

@@ -30,7 +30,8 @@ import numpy as np  # noqa: E402
 
 from astrai.data.preprocess import preprocess  # noqa: E402
 from astrai.data.tasks import generate_items  # noqa: E402
-from astrai.data.tokenizer import load_tokenizer, train_tokenizer  # noqa: E402
+from astrai.data.tokenizer import load_tokenizer  # noqa: E402
+from astrai.data.tokenizer_training import train_tokenizer  # noqa: E402
 
 WORDS = ("the of and to in is was for on that with as by at from his her they which one all were "
          "model data token train loss batch layer attention cache value reward policy gradient step "

@@ -96,7 +96,7 @@ RESULT = "BENCH_RL_RESULT "  # the child's last stdout line: this prefix, then i
 
 def write_tiny_model(model_dir: Path, corpus: list[str], seed: int) -> None:
     """A fresh tiny model directory (weights + tokenizer with its chat template)."""
-    from astrai.data.tokenizer import train_tokenizer
+    from astrai.data.tokenizer_training import train_tokenizer
     from astrai.model.config import ModelConfig
     from astrai.model.hf import save_model
     from astrai.model.transformer import CausalLM

@@ -44,7 +44,7 @@ class RequestResult:
 
 
 def make_tiny_model(path: Path) -> Path:
-    from astrai.data.tokenizer import train_tokenizer
+    from astrai.data.tokenizer_training import train_tokenizer
     from astrai.model.config import ModelConfig
     from astrai.model.hf import save_model
     from astrai.model.transformer import CausalLM

@@ -22,7 +22,8 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 import torch  # noqa: E402
 from torch.profiler import profile  # noqa: E402
 
-from astrai.infer.engine import EngineConfig, LLMEngine  # noqa: E402
+from astrai.infer.config import EngineConfig  # noqa: E402
+from astrai.infer.engine import LLMEngine  # noqa: E402
 from astrai.infer.sampling import SamplingParams  # noqa: E402
 
 

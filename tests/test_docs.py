@@ -24,7 +24,7 @@ import yaml
 
 from astrai import config as run_config
 from astrai.cli import COMMANDS
-from astrai.infer.engine import EngineConfig
+from astrai.infer.config import EngineConfig
 from astrai.infer.sampling import SamplingParams
 from astrai.model.config import ModelConfig
 

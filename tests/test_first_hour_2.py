@@ -16,8 +16,9 @@ import pytest
 import torch
 
 from astrai.data.tasks import write_task_files
-from astrai.data.tokenizer import CHAT_ROLE_TEXT, load_tokenizer, train_tokenizer
-from astrai.data.tokenizer import main as tokenizer_main
+from astrai.data.tokenizer import load_tokenizer
+from astrai.data.tokenizer_training import CHAT_ROLE_TEXT, train_tokenizer
+from astrai.data.tokenizer_training import main as tokenizer_main
 
 ROOT = Path(__file__).resolve().parent.parent
 TINY_MODEL = ["--vocab_size", "300", "--hidden_size", "16", "--intermediate_size", "32", "--num_hidden_layers", "1",
@@ -293,7 +294,7 @@ def test_a_mistyped_local_path_is_missing_not_a_hub_id(tmp_path, monkeypatch):
 
 
 def test_ckpt_latest_of_an_empty_folder_says_no_checkpoint(tmp_path, capsys):
-    from astrai.train.checkpoint import main as ckpt_main
+    from astrai.train.ckpt_cli import main as ckpt_main
 
     assert ckpt_main(["latest", str(tmp_path)]) == 1
     err = capsys.readouterr().err

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from astrai.data.tokenizer import main as tokenizer_main
-from astrai.data.tokenizer import train_tokenizer
+from astrai.data.tokenizer_training import main as tokenizer_main
+from astrai.data.tokenizer_training import train_tokenizer
 from astrai.model.config import ModelConfig
 from astrai.model.hf import save_model
 from astrai.model.manifest import ManifestError, resolve_model_dir
@@ -59,7 +59,8 @@ def test_model_directories_follow_the_umask(tmp_path, umask_027):
 
 
 def test_training_checkpoints_follow_the_umask(tmp_path, umask_027):
-    from astrai.train.checkpoint import save_training_checkpoint, wait_for_publish
+    from astrai.train.checkpoint import save_training_checkpoint
+    from astrai.train.publish import wait_for_publish
 
     model = CausalLM(ModelConfig(**TINY), seed=0)
     optimizer = __import__("torch").optim.AdamW(model.parameters())

@@ -186,7 +186,7 @@ def sft_stages(out: Path, scale: float = 1.0, seed: int = 0, log: Any = print) -
     when done: the SFT'd model is `out/sft/final`, its prompts `out/data/prompts.jsonl`.
     benchmarks/compare_trl.py starts from the same model."""
     from astrai.data.tasks import write_task_files
-    from astrai.data.tokenizer import train_tokenizer
+    from astrai.data.tokenizer_training import train_tokenizer
 
     data_dir, tok_dir = out / "data", out / "tokenizer"
     stages: dict[str, dict[str, Any]] = {}

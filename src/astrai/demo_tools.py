@@ -54,7 +54,7 @@ def data_stage(data_dir: Path, seed: int) -> dict[str, Any]:
 def tokenizer_stage(data_dir: Path, tok_dir: Path) -> dict[str, Any]:
     """BPE on the SFT conversations as the chat template renders them (the tool schema in the
     system turn), so the template's words and the schema's keys become tokens."""
-    from astrai.data.tokenizer import train_tokenizer
+    from astrai.data.tokenizer_training import train_tokenizer
 
     records = [json.loads(line) for line in (data_dir / "sft.jsonl").read_text().splitlines()[:300]]
     renderer = train_tokenizer(["multiply"], 300, None, chat_roles=True)  # any tokenizer renders the template

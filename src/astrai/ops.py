@@ -346,7 +346,7 @@ def preflight(job: Job, args: list[str] | None = None) -> list[str]:
 
 def clean(job: Job, keep: int, force: bool) -> list[Path]:
     """Remove complete checkpoints older than the newest `keep`, and damaged ones older than those."""
-    from astrai.train.checkpoint import STEP_DIR, list_checkpoints
+    from astrai.train.publish import STEP_DIR, list_checkpoints
 
     complete = [p for _, p in list_checkpoints(job.checkpoint_dir)]
     kept = complete[-keep:] if keep > 0 else []

@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 
 from astrai.data.tasks import corpus_records, generate_items
-from astrai.data.tokenizer import load_tokenizer, train_tokenizer
+from astrai.data.tokenizer import load_tokenizer
+from astrai.data.tokenizer_training import train_tokenizer
 
 _TEXTS = [
     "The quick brown fox jumps over the lazy dog.",

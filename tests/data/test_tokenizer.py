@@ -6,7 +6,8 @@ import json
 
 import pytest
 
-from astrai.data.tokenizer import IM_END, load_tokenizer, main, train_tokenizer
+from astrai.data.tokenizer import IM_END, load_tokenizer
+from astrai.data.tokenizer_training import main, train_tokenizer
 
 CHATS = [
     [{"role": "user", "content": "12+7"}, {"role": "assistant", "content": "19"}],

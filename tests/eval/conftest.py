@@ -85,7 +85,7 @@ def write_tasks(folder: Path, num: int = 8) -> Path:
 
 @pytest.fixture(scope="session")
 def model_dir(tmp_path_factory) -> Path:
-    from astrai.data.tokenizer import train_tokenizer
+    from astrai.data.tokenizer_training import train_tokenizer
     from astrai.model import CausalLM, ModelConfig
     from astrai.model.hf import save_model
 

@@ -44,7 +44,7 @@ def model():
 
 @pytest.fixture(scope="session")
 def tok_dir(tmp_path_factory):
-    from astrai.data.tokenizer import train_tokenizer
+    from astrai.data.tokenizer_training import train_tokenizer
 
     out = tmp_path_factory.mktemp("infer_tok")
     texts = ["The quick brown fox jumps over the lazy dog. Héllo wörld, ünïcode ☃ 日本語!",

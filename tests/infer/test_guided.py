@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from astrai.data.tokenizer import train_tokenizer
+from astrai.data.tokenizer_training import train_tokenizer
 from astrai.infer.engine import LLMEngine
 from astrai.infer.guided import GuideCompiler, GuideError
 from astrai.infer.sampling import SamplingParams

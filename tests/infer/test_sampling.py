@@ -177,9 +177,9 @@ def test_inverse_cdf_never_returns_an_empty_token_and_follows_the_distribution()
 
 
 def test_top_p_past_the_candidate_tokens_sorts_the_whole_vocabulary():
-    from astrai.infer import sampling
+    from astrai.model import logprobs
 
-    big = 3 * sampling.TOP_P_CANDIDATES  # flat logits: the top_p cutoff lies past the candidates
+    big = 3 * logprobs.TOP_P_CANDIDATES  # flat logits: the top_p cutoff lies past the candidates
     logits = torch.randn(3, big, generator=torch.Generator().manual_seed(5)) * 0.1
     logits[2] *= 200  # a peaked row: its cutoff lies among the candidates
     top_k, top_p = torch.tensor([big, 20, big]), torch.tensor([0.9, 0.5, 0.9])
@@ -196,7 +196,7 @@ def test_top_p_past_the_candidate_tokens_sorts_the_whole_vocabulary():
         return keep
 
     for rows in ([0, 1, 2], [1, 2]):  # with the flat row (whole vocabulary sorted), without it
-        got = sampling.apply_truncation(logits[rows], top_k[rows], top_p[rows], torch.zeros(len(rows)))
+        got = logprobs.apply_truncation(logits[rows], top_k[rows], top_p[rows], torch.zeros(len(rows)))
         for j, i in enumerate(rows):
             keep = expected(i)
             assert 1 < int(keep.sum()) < big

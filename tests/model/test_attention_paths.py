@@ -17,7 +17,6 @@ from astrai.infer.sampling import SamplingParams
 from astrai.model import CausalLM, ModelConfig
 from astrai.model.attention import (
     Attention,
-    PagedAttentionMetadata,
     build_attention_mask,
     document_ids_from_positions,
     rope_cos_sin,
@@ -30,6 +29,7 @@ from astrai.model.kernels import (
     packed_segments,
     paged_decode,
 )
+from astrai.model.paged_metadata import PagedAttentionMetadata
 
 CFG = ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
                   num_key_value_heads=2, max_position_embeddings=64)

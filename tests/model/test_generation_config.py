@@ -8,9 +8,11 @@ import json
 import pytest
 import torch
 
-from astrai.data.tokenizer import IM_END, train_tokenizer
+from astrai.data.tokenizer import IM_END
+from astrai.data.tokenizer_training import train_tokenizer
 from astrai.model.config import ModelConfig
-from astrai.model.hf import load_generation_defaults, load_model, save_model
+from astrai.model.hf import load_model, save_model
+from astrai.model.hf_dir import load_generation_defaults
 from astrai.model.transformer import CausalLM
 
 TEXTS = ["the quick brown fox jumps over the lazy dog", "hello world 12 + 7 = 19"] * 20

@@ -10,8 +10,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from astrai.model.config import ModelConfig
-from astrai.model.hf import HFFormatError, load_model, save_model
-from astrai.model.hf_config import pick_model_type
+from astrai.model.hf import load_model, save_model
+from astrai.model.hf_config import HFFormatError, pick_model_type
 from astrai.model.hf_weights import fuse_experts, split_experts
 from astrai.model.transformer import CausalLM
 
@@ -195,7 +195,8 @@ def test_mixtral_files_round_trip_and_router_noise_is_refused(tmp_path):
 
 def test_weights_read_back_whatever_model_type_the_config_names(tmp_path):
     # a training config may name no HF family; its checkpoints are written as one that fits
-    from astrai.model.hf import read_safetensors, state_dict_from_hf
+    from astrai.model.hf_weights import state_dict_from_hf
+    from astrai.model.safetensors_io import read_safetensors
 
     for features in ({"attention_bias": True, "qk_norm": True}, {"num_experts": 4, "norm_topk_prob": True}):
         model = tiny(model_type="my-model", **features)

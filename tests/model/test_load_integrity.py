@@ -23,7 +23,7 @@ CONFIG = dict(vocab_size=320, hidden_size=32, intermediate_size=48, num_hidden_l
 
 @pytest.fixture(scope="module")
 def tokenizer(tmp_path_factory):
-    from astrai.data.tokenizer import train_tokenizer
+    from astrai.data.tokenizer_training import train_tokenizer
 
     return train_tokenizer(["hello there, how are you today? fine thanks"] * 20, vocab_size=300,
                            out_dir=tmp_path_factory.mktemp("tok"))

@@ -10,10 +10,13 @@ from pathlib import Path
 
 import pytest
 
-from astrai.data.tokenizer import load_tokenizer, train_tokenizer
+from astrai.data.tokenizer import load_tokenizer
+from astrai.data.tokenizer_training import train_tokenizer
 from astrai.infer.generate import main as generate_main
 from astrai.model.config import ModelConfig
-from astrai.model.hf import HFFormatError, check_device, load_model, save_model
+from astrai.model.hf import load_model, save_model
+from astrai.model.hf_config import HFFormatError
+from astrai.model.hf_dir import check_device
 from astrai.model.manifest import MANIFEST, ManifestError, check_model_dir
 from astrai.model.transformer import CausalLM
 
@@ -115,7 +118,7 @@ def test_unknown_or_unavailable_device(model_dir, capsys):
 
 
 def test_ckpt_list_verify_marks_a_checksum_damaged_checkpoint(model_dir, tmp_path, capsys):
-    from astrai.train.checkpoint import main as ckpt_main
+    from astrai.train.ckpt_cli import main as ckpt_main
 
     ckpt_dir = tmp_path / "ckpts"
     ckpt_dir.mkdir()

@@ -9,8 +9,8 @@ import torch
 import torch.nn.functional as F
 
 from astrai.model import CausalLM, ModelConfig
-from astrai.model.attention import PagedAttentionMetadata
 from astrai.model.moe import load_balancing_loss, router_statistics
+from astrai.model.paged_metadata import PagedAttentionMetadata
 
 
 def tiny(**overrides) -> ModelConfig:

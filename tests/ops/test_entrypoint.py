@@ -74,7 +74,7 @@ def test_gpus_mode_extra_args_and_duration_limit(tmp_path, mounts):
 
 
 def test_resume_picks_the_latest_complete_checkpoint_and_skips_a_damaged_newer_one(tmp_path, mounts):
-    from astrai.train.checkpoint import publish
+    from astrai.train.publish import publish
 
     ckpt, model = mounts
     for step in (2, 4, 6):

@@ -166,7 +166,7 @@ def test_missing_pyyaml_fails_fast_with_the_fix(tmp_path):
 
 
 def test_clean_keeps_the_newest_and_previews_without_force(tmp_path, capsys):
-    from astrai.train.checkpoint import publish
+    from astrai.train.publish import publish
 
     job = ops.load_job(write_job(tmp_path), env={})
     for step in (1, 2, 3, 4):

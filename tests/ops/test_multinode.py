@@ -14,8 +14,8 @@ from tests.ops.fakes import REPO
 
 @pytest.mark.slow
 def test_two_torchrun_launchers_train_one_run(tmp_path):
-    from astrai.train.checkpoint import list_checkpoints, verify_checkpoint
     from astrai.train.launch import free_port
+    from astrai.train.publish import list_checkpoints, verify_checkpoint
     from tests.train.resume_data import read_metrics, write_run, write_tokenizer
 
     config = write_run(tmp_path / "run", write_tokenizer(tmp_path / "tok"), "sft", num_records=24, max_steps=3)

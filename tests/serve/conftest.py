@@ -32,7 +32,7 @@ TEXTS = [
 
 def make_model_dir(path: Path) -> Path:
     """A random 2-layer model with a tokenizer trained on TEXTS, saved as a model directory."""
-    from astrai.data.tokenizer import train_tokenizer
+    from astrai.data.tokenizer_training import train_tokenizer
     from astrai.model.config import ModelConfig
     from astrai.model.hf import save_model
     from astrai.model.transformer import CausalLM

@@ -15,7 +15,7 @@ RECOMMENDED = {"temperature": 0.3, "top_p": 0.8, "top_k": 20, "repetition_penalt
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
-    from astrai.data.tokenizer import train_tokenizer
+    from astrai.data.tokenizer_training import train_tokenizer
     from astrai.model.hf import save_model
 
     out = tmp_path_factory.mktemp("defaults_model")

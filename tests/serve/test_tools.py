@@ -17,9 +17,9 @@ import pytest
 import torch
 
 from astrai.data.tokenizer import load_tokenizer
+from astrai.data.tool_calls import ToolCallStream, parse_tool_calls
 from astrai.infer.sampling import SamplerOutput
 from astrai.serve.app import ServeConfig, load_engine
-from astrai.serve.tools import ToolCallStream, parse_tool_calls
 from tests.serve.conftest import API_KEY
 from tests.serve.test_hardening import LiveApp
 

@@ -11,7 +11,7 @@ import random
 from pathlib import Path
 
 from astrai.data.tasks import corpus_records, dpo_record, generate_items, sft_record
-from astrai.data.tokenizer import train_tokenizer
+from astrai.data.tokenizer_training import train_tokenizer
 
 MODEL = {
     "vocab_size": 320, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,

@@ -89,7 +89,7 @@ def test_early_stopping_stops_training(tmp_path):
 
 
 def test_background_checkpoints_are_complete_when_training_returns(tmp_path):
-    from astrai.train.checkpoint import latest_checkpoint, verify_checkpoint
+    from astrai.train.publish import latest_checkpoint, verify_checkpoint
 
     cfg = tiny_config(tmp_path, "--batch_per_device", "4", "--max_steps", "4", "--ckpt_interval", "2",
                       "--ckpt_background", "true", "--keep_last", "5")

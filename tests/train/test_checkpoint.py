@@ -11,6 +11,7 @@ import pytest
 
 from astrai.train import checkpoint as CK
 from astrai.train import publish as C
+from astrai.train.ckpt_cli import main as ckpt_main
 
 
 def _writer(payload: bytes = b"weights", extra: bool = True):
@@ -210,25 +211,25 @@ def test_cli_list_and_verify(tmp_path, capsys):
     C.publish(tmp_path, 1, _writer())
     path = C.publish(tmp_path, 2, _writer(b"0123"))
     (tmp_path / ".step_00000003.staging-1").mkdir()
-    assert CK.main(["list", str(tmp_path)]) == 0
+    assert ckpt_main(["list", str(tmp_path)]) == 0
     out = capsys.readouterr().out
     assert "step_00000001" in out and "complete" in out and "leftover" in out
     assert "latest complete: step_00000002" in out
-    assert CK.main(["verify", str(tmp_path)]) == 0
+    assert ckpt_main(["verify", str(tmp_path)]) == 0
     assert capsys.readouterr().out.count("OK") == 2
     (path / "model.safetensors").write_bytes(b"0124")
-    assert CK.main(["verify", str(path)]) == 1
+    assert ckpt_main(["verify", str(path)]) == 1
     assert "model.safetensors" in capsys.readouterr().out
-    assert CK.main(["verify", str(tmp_path / "nothing")]) == 2
+    assert ckpt_main(["verify", str(tmp_path / "nothing")]) == 2
 
 
 def test_cli_latest_prints_the_newest_complete_checkpoint_or_fails(tmp_path, capsys):
-    assert CK.main(["latest", str(tmp_path)]) == 1
+    assert ckpt_main(["latest", str(tmp_path)]) == 1
     assert "no checkpoint" in capsys.readouterr().err
     C.publish(tmp_path, 1, _writer())
     newer = C.publish(tmp_path, 2, _writer())
     (newer / "manifest.json").write_text("not json")  # damaged: skipped with a warning naming it
-    assert CK.main(["latest", str(tmp_path)]) == 0
+    assert ckpt_main(["latest", str(tmp_path)]) == 0
     captured = capsys.readouterr()
     assert captured.out.strip() == str(tmp_path / "step_00000001")
     assert "manifest.json" in captured.err
@@ -254,7 +255,7 @@ def test_each_caller_asks_the_one_finder_at_its_level(tmp_path, capsys):
     data[0] ^= 0x01  # same size: only a checksum sees it
     (bad / "model.safetensors").write_bytes(bytes(data))
     assert C.latest_checkpoint(tmp_path) == resolve_model_dir(tmp_path) == bad
-    assert CK.main(["list", str(tmp_path)]) == 0
+    assert ckpt_main(["list", str(tmp_path)]) == 0
     assert "latest complete: step_00000003" in capsys.readouterr().out
     assert CK.checkpoint_to_resume(tmp_path) == tmp_path / "step_00000001"
     err = capsys.readouterr().err.splitlines()
@@ -265,5 +266,5 @@ def test_each_caller_asks_the_one_finder_at_its_level(tmp_path, capsys):
         f"sha256 check (manifest.json {C.read_manifest(bad)['files']['model.safetensors']['sha256'][:12]}..., file "
         f"{hashlib.sha256(bytes(data)).hexdigest()[:12]}...); the file is damaged, use another checkpoint",
     ]
-    assert CK.main(["latest", str(tmp_path)]) == 0
+    assert ckpt_main(["latest", str(tmp_path)]) == 0
     assert capsys.readouterr().out.strip() == str(tmp_path / "step_00000001")

@@ -11,6 +11,7 @@ from astrai.config import OptimConfig
 from astrai.model.config import ModelConfig
 from astrai.model.transformer import CausalLM
 from astrai.train import checkpoint as C
+from astrai.train import publish as P
 from astrai.train.optim import LRSchedule, build_optimizer
 
 
@@ -76,7 +77,7 @@ def test_checkpoint_is_a_model_directory(tmp_path):
 
     model, opt, sched = _setup()
     path = _save(tmp_path, model, opt, sched, 1)
-    names = set(C.read_manifest(path)["files"])
+    names = set(P.read_manifest(path)["files"])
     assert {"config.json", "model.safetensors", "optimizer.pt", "scheduler.pt", "trainer_state.json"} <= names
     ids = torch.randint(0, 64, (1, 8))
     expected = model(ids).logits
@@ -93,7 +94,7 @@ def test_extras_metrics_and_retention(tmp_path):
         metrics.write_text("".join(json.dumps({"step": s}) + "\n" for s in range(1, step + 1)))
         path = _save(tmp_path, model, opt, sched, step, keep_last=2, metrics_path=metrics,
                      extra_state={"value_model": {"w": torch.full((2,), float(step))}})
-    assert [s for s, _ in C.list_checkpoints(tmp_path / "ckpt")] == [2, 3]
+    assert [s for s, _ in P.list_checkpoints(tmp_path / "ckpt")] == [2, 3]
     assert torch.equal(C.load_extra_state(path, "value_model")["w"], torch.full((2,), 3.0))
     # a later run wrote more lines; restoring the checkpoint's copy rewinds the log to step 2
     metrics.write_text(metrics.read_text() + json.dumps({"step": 4}) + "\n")
@@ -107,13 +108,13 @@ def test_truncated_optimizer_is_an_error_naming_the_file(tmp_path):
     path = _save(tmp_path, model, opt, sched, 1)
     data = (path / "optimizer.pt").read_bytes()
     (path / "optimizer.pt").write_bytes(data[: len(data) // 2])
-    with pytest.raises(C.CheckpointError, match="optimizer.pt"):
+    with pytest.raises(P.CheckpointError, match="optimizer.pt"):
         C.load_training_checkpoint(path, model=model, optimizer=opt, scheduler=sched)
     # without checksums the size check still names it; without a manifest, torch.load does
-    with pytest.raises(C.CheckpointError, match="optimizer.pt"):
+    with pytest.raises(P.CheckpointError, match="optimizer.pt"):
         C.load_training_checkpoint(path, model=model, optimizer=opt, scheduler=sched, verify=False)
     (path / "manifest.json").unlink()
-    with pytest.raises(C.CheckpointError, match="optimizer.pt.*cannot be loaded"):
+    with pytest.raises(P.CheckpointError, match="optimizer.pt.*cannot be loaded"):
         C.load_training_checkpoint(path, model=model, optimizer=opt, scheduler=sched)
 
 
@@ -124,15 +125,15 @@ def test_missing_scheduler_and_corrupt_weights_are_named(tmp_path):
     data = bytearray(weights.read_bytes())
     data[-3] ^= 0xFF  # one flipped byte inside a tensor
     weights.write_bytes(bytes(data))
-    with pytest.raises(C.CheckpointError, match="model.safetensors.*sha256"):
+    with pytest.raises(P.CheckpointError, match="model.safetensors.*sha256"):
         C.load_training_checkpoint(path, model=model, optimizer=opt, scheduler=sched)
     path = _save(tmp_path, model, opt, sched, 2)
     (path / "manifest.json").unlink()  # legacy directory: loads unverified when named
     C.load_training_checkpoint(path, model=model, optimizer=opt, scheduler=sched)
     (path / "scheduler.pt").unlink()
-    with pytest.raises(C.CheckpointError, match="scheduler.pt is missing"):
+    with pytest.raises(P.CheckpointError, match="scheduler.pt is missing"):
         C.load_training_checkpoint(path, model=model, optimizer=opt, scheduler=sched)
-    with pytest.raises(C.CheckpointError, match="does not exist"):
+    with pytest.raises(P.CheckpointError, match="does not exist"):
         C.load_training_checkpoint(tmp_path / "nope", model=model, optimizer=opt, scheduler=sched)
 
 
@@ -141,4 +142,4 @@ def test_trainer_state_must_be_json(tmp_path):
     with pytest.raises(TypeError, match="trainer_state must be JSON-serialisable"):
         C.save_training_checkpoint(tmp_path, 1, model=model, tokenizer=None, optimizer=opt, scheduler=sched,
                                    trainer_state={"t": torch.zeros(1)})
-    assert C.latest_checkpoint(tmp_path) is None
+    assert P.latest_checkpoint(tmp_path) is None

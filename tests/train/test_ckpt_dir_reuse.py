@@ -28,7 +28,7 @@ def _restore_signal_handlers():
 
 @pytest.fixture(scope="module")
 def data(tmp_path_factory):
-    from astrai.data.tokenizer import train_tokenizer
+    from astrai.data.tokenizer_training import train_tokenizer
 
     d = tmp_path_factory.mktemp("reuse")
     rows = [{"messages": [{"role": "user", "content": f"add {i} and {i + 1}"},

@@ -57,7 +57,7 @@ def test_a_wrapped_enospc_counts_and_other_errors_pass_through(tmp_path):
 
 
 def _config(tmp_path: Path) -> Path:
-    from astrai.data.tokenizer import train_tokenizer
+    from astrai.data.tokenizer_training import train_tokenizer
 
     rows = [{"text": f"the number {i} follows {i - 1} and comes before {i + 1}"} for i in range(16)]
     (tmp_path / "seq.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))

@@ -55,7 +55,7 @@ def _fork_server(runs: list[tuple[list[str], int]], cwd: Path) -> list[list[int]
 def _weights(run_dir: Path):
     from safetensors.torch import load_file
 
-    from astrai.train.checkpoint import latest_checkpoint
+    from astrai.train.publish import latest_checkpoint
 
     return load_file(str(latest_checkpoint(run_dir / "ckpt") / "model.safetensors"))
 
@@ -77,7 +77,7 @@ def tok_dir(tmp_path_factory):
 
 @pytest.mark.slow
 def test_sigterm_to_launcher_then_resume_with_1_and_2_ranks(tmp_path, tok_dir):
-    from astrai.train.checkpoint import list_checkpoints, verify_checkpoint
+    from astrai.train.publish import list_checkpoints, verify_checkpoint
     from tests.train.resume_data import read_metrics, write_run
 
     flags = {"batch_per_device": 2, "n_epoch": 2, "stop_timeout": 120}
@@ -155,7 +155,7 @@ def test_ddp_and_fsdp_2x4_match_1x8(tmp_path, tok_dir):
     _assert_close(_weights(tmp_path / "fsdp"), _weights(tmp_path / "one"))
     # the FSDP checkpoint holds full (unsharded) tensors, loadable by one process
     import astrai
-    from astrai.train.checkpoint import latest_checkpoint
+    from astrai.train.publish import latest_checkpoint
 
     model = astrai.load_model(latest_checkpoint(tmp_path / "fsdp" / "ckpt"))
     assert model.model.embed_tokens.weight.shape[0] == 320

@@ -13,8 +13,8 @@ import yaml
 
 from astrai.config import ConfigError, load_config
 from astrai.data.tasks import SCORERS, generate_items, prompt_record, sft_record
-from astrai.train.checkpoint import latest_checkpoint
 from astrai.train.cli import main
+from astrai.train.publish import latest_checkpoint
 from tests.train.resume_data import MODEL, write_tokenizer
 from tests.train.test_rl import sigterm_after_step, write_rl_run
 

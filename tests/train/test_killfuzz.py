@@ -61,7 +61,7 @@ def _wait_for_pause(pid: int, marker: Path, guard_s: float = 300.0) -> bool:
 def _resume_step(ckpt_dir: Path) -> int:
     """The step the next run resumes at: its newest complete checkpoint, counting a sealed staging
     directory that the run's start-up cleanup will move into place."""
-    from astrai.train.checkpoint import HIDDEN_DIR, is_complete, list_checkpoints
+    from astrai.train.publish import HIDDEN_DIR, is_complete, list_checkpoints
 
     steps = [step for step, _ in list_checkpoints(ckpt_dir)]
     for p in ckpt_dir.iterdir() if ckpt_dir.is_dir() else []:
@@ -72,7 +72,7 @@ def _resume_step(ckpt_dir: Path) -> int:
 
 
 def _check_public_dirs(ckpt_dir: Path) -> list[str]:
-    from astrai.train.checkpoint import STEP_DIR, verify_checkpoint
+    from astrai.train.publish import STEP_DIR, verify_checkpoint
 
     names = []
     for p in sorted(ckpt_dir.iterdir()) if ckpt_dir.is_dir() else []:
@@ -89,7 +89,7 @@ def drive(config: Path, straight_config: Path, trials: int, seed: int) -> dict:
 
     import astrai.data.datasets  # noqa: F401 - import once here, so forked trials start fast
     import astrai.train.trainer  # noqa: F401
-    from astrai.train.checkpoint import latest_checkpoint, verify_checkpoint
+    from astrai.train.publish import latest_checkpoint, verify_checkpoint
 
     torch.set_num_threads(1)
     rng = random.Random(seed)
@@ -137,7 +137,7 @@ def yaml_value(config: Path, key: str):
 def test_kill9_fuzz_never_loses_a_checkpoint(tmp_path):
     from safetensors.torch import load_file
 
-    from astrai.train.checkpoint import latest_checkpoint
+    from astrai.train.publish import latest_checkpoint
     from tests.train.resume_data import read_metrics, write_run, write_tokenizer
 
     tok = write_tokenizer(tmp_path / "tok")

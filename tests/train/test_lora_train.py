@@ -18,7 +18,7 @@ from astrai.model.hf import load_model, save_model
 from astrai.model.lora import ADAPTER_CONFIG, ADAPTER_WEIGHTS, AdapterDisabled, LoraLinear
 from astrai.model.transformer import CausalLM
 from astrai.train import signals
-from astrai.train.checkpoint import latest_checkpoint, verify_checkpoint
+from astrai.train.publish import latest_checkpoint, verify_checkpoint
 from tests.train.resume_data import MODEL, read_metrics, write_run, write_tokenizer
 from tests.train.test_resume_exact import _train
 from tests.train.test_rl import write_rl_run

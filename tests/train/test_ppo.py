@@ -14,8 +14,8 @@ import yaml
 from safetensors.torch import load_file
 
 from astrai.train import losses as L
-from astrai.train.checkpoint import latest_checkpoint
 from astrai.train.cli import main
+from astrai.train.publish import latest_checkpoint
 from tests.train.resume_data import read_metrics, write_tokenizer
 from tests.train.test_rl import sigterm_after_step, write_rl_run
 
@@ -132,7 +132,7 @@ def test_resume_without_the_critic_files_fails_naming_them(tmp_path, tok_dir, ca
     assert main(["--config", str(config), "--resume", "--param_path", str(ckpt)]) == 1
     assert "value_optimizer.pt" in capsys.readouterr().err
     # `astrai ckpt latest` (what --resume and the container entrypoint pick) skips it, naming the file
-    from astrai.train.checkpoint import main as ckpt_main
+    from astrai.train.ckpt_cli import main as ckpt_main
 
     assert ckpt_main(["latest", str(tmp_path / "ckpt")]) == 1
     assert "value_optimizer.pt" in capsys.readouterr().err

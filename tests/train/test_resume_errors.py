@@ -6,7 +6,7 @@ import pytest
 
 from astrai.cli import main as astrai_main
 from astrai.train import signals
-from astrai.train.checkpoint import latest_checkpoint
+from astrai.train.publish import latest_checkpoint
 from tests.train.resume_data import read_metrics, write_run, write_tokenizer
 
 

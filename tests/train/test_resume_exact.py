@@ -18,7 +18,7 @@ from safetensors.torch import load_file
 from astrai.cli import main as astrai_main
 from astrai.train import build as trainer_mod  # the builder of every loop's callbacks
 from astrai.train import signals
-from astrai.train.checkpoint import latest_checkpoint, verify_checkpoint
+from astrai.train.publish import latest_checkpoint, verify_checkpoint
 from tests.train.resume_data import read_metrics, write_run, write_tokenizer
 
 COMPARED = ("step", "epoch", "lr", "loss", "grad_norm", "num_loss_units")

@@ -20,7 +20,8 @@ from safetensors.torch import load_file, save_file
 
 from astrai.config import RLConfig
 from astrai.data.tasks import generate_items, prompt_record
-from astrai.data.tokenizer import load_tokenizer, train_tokenizer
+from astrai.data.tokenizer import load_tokenizer
+from astrai.data.tokenizer_training import train_tokenizer
 from astrai.model.config import ModelConfig
 from astrai.model.hf import save_model
 from astrai.model.transformer import CausalLM

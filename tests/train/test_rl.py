@@ -17,8 +17,8 @@ from safetensors.torch import load_file
 
 from astrai.config import ConfigError, RLConfig, load_config
 from astrai.data.tasks import generate_items, prompt_record
-from astrai.train.checkpoint import latest_checkpoint, verify_checkpoint
 from astrai.train.cli import main
+from astrai.train.publish import latest_checkpoint, verify_checkpoint
 from astrai.train.rl.loop import check_policy_lag
 from astrai.train.rl.rewards import RewardSet
 from tests.train.resume_data import MODEL, read_metrics, write_tokenizer

@@ -88,7 +88,7 @@ def test_masked_truncated_completions_carry_no_loss(tmp_path, tok_dir):  # noqa:
     left, so the step sends no gradient; without it the same run trains."""
     from safetensors.torch import load_file
 
-    from astrai.train.checkpoint import latest_checkpoint
+    from astrai.train.publish import latest_checkpoint
 
     results = {}
     for mask in (True, False):
@@ -141,7 +141,7 @@ def test_dynamic_sampling_keeps_only_groups_with_signal(tmp_path, tok_dir, monke
 def test_dynamic_sampling_resumes_exactly(tmp_path, tok_dir):  # noqa: F811
     from safetensors.torch import load_file
 
-    from astrai.train.checkpoint import latest_checkpoint
+    from astrai.train.publish import latest_checkpoint
     from tests.train.test_rl import sigterm_after_step
 
     straight, stopped = (_dynamic_run(tmp_path / name, tok_dir, 6) for name in ("straight", "stopped"))

@@ -16,8 +16,8 @@ import pytest
 from astrai.config import load_config
 from astrai.data.tasks import generate_items, prompt_record
 from astrai.train.build import fit_rollouts_to_model, warn_if_no_signal
-from astrai.train.checkpoint import latest_checkpoint
 from astrai.train.cli import main
+from astrai.train.publish import latest_checkpoint
 from astrai.train.rl import loop as loop_module
 from astrai.train.rl.runner import EpisodeRunner
 from tests.train.resume_data import read_metrics, write_tokenizer

@@ -58,9 +58,9 @@ import yaml
 
 from astrai.cli import main as astrai_main
 from astrai.data.tasks import write_task_files
-from astrai.data.tokenizer import train_tokenizer
+from astrai.data.tokenizer_training import train_tokenizer
 from astrai.eval import SCORERS, evaluate_model, read_prompt_records
-from astrai.train.checkpoint import latest_checkpoint
+from astrai.train.publish import latest_checkpoint
 
 pytestmark = pytest.mark.slow
 

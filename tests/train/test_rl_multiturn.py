@@ -444,7 +444,7 @@ def test_a_stop_while_episodes_are_in_flight_redraws_them_on_resume(tmp_path, to
     steps: 16 episodes of 3 turns per rollout, rollouts before steps 1, 3 and 5): the draw is
     dropped, the run stops at step 4, and the resumed run redraws those episodes with the same
     seeds, ending equal to the uninterrupted run."""
-    from astrai.train.checkpoint import latest_checkpoint
+    from astrai.train.publish import latest_checkpoint
 
     runs = {}
     for name in ("straight", "stopped"):

@@ -26,7 +26,7 @@ import yaml
 from safetensors.torch import load_file
 
 from astrai.data.tasks import generate_items, prompt_record
-from astrai.train.checkpoint import latest_checkpoint, list_checkpoints, verify_checkpoint
+from astrai.train.publish import latest_checkpoint, list_checkpoints, verify_checkpoint
 from tests.train.resume_data import MODEL, read_metrics, write_tokenizer
 
 REPO = Path(__file__).resolve().parents[2]

@@ -20,7 +20,7 @@ def _restore_signal_handlers():
 @pytest.fixture(scope="module")
 def workdir(tmp_path_factory):
     """A tokenizer trained on the fly and a small SFT JSONL file."""
-    from astrai.data.tokenizer import train_tokenizer
+    from astrai.data.tokenizer_training import train_tokenizer
 
     d = tmp_path_factory.mktemp("cli")
     rows = [{"messages": [{"role": "user", "content": f"add {i} and {i + 1}"},
@@ -145,7 +145,7 @@ def test_resume_without_any_checkpoint_is_an_error(workdir, tmp_path, capsys):
 
 def test_resume_uses_param_path_only_when_it_is_a_training_checkpoint(tmp_path):
     from astrai.config import load_config
-    from astrai.train.checkpoint import publish
+    from astrai.train.publish import publish
     from astrai.train.resume import resume_path
 
     ckpt_dir, prev_run = tmp_path / "ckpt", tmp_path / "prev" / "ckpt"

@@ -7,10 +7,11 @@ generation `parse_tool_calls` splits a text into content and calls; while stream
 once its closing tag arrived; `function_schema` turns a typed, documented Python function into
 the tool the template shows. A block whose JSON does not parse, or that names a function that
 was not offered, stays in the content verbatim: a call is never invented. Pure text handling in
-the data layer, so the server (`serve/tools.py`, OpenAI `tool_calls`) and online RL's multi-turn
-rollouts (`train/rl/tools.py`) read the model's calls with one parser. The JSON inside a block
-is read with the standard library's `json`; constrained decoding (`infer/guided.py`) is what
-makes required and named calls parse in the first place.
+the data layer, so the server (`serve/render.py`'s OpenAI `tool_calls`, `serve/anthropic.py`'s
+`tool_use` blocks) and online RL's multi-turn rollouts (`train/rl/tools.py`) read the model's
+calls with one parser. The JSON inside a block is read with the standard library's `json`;
+constrained decoding (`infer/guided.py`) is what makes required and named calls parse in the
+first place.
 """
 
 from __future__ import annotations

@@ -20,8 +20,9 @@ from itertools import count
 from typing import TextIO
 
 from astrai.flags import ArgumentParser
+from astrai.infer.config import EngineConfig
 from astrai.infer.defaults import describe, generation_defaults
-from astrai.infer.engine import EngineConfig, LLMEngine
+from astrai.infer.engine import LLMEngine
 from astrai.infer.generate import add_engine_arguments, check_model_dirs
 from astrai.infer.sampling import SamplingParams
 from astrai.infer.sampling_flags import add_sampling_arguments, sampling_params_from_args
@@ -136,7 +137,7 @@ def main(argv: list[str] | None = None, stdin: TextIO | None = None, stdout: Tex
     args = build_parser().parse_args(argv)
     stdin, stdout = stdin or sys.stdin, stdout or sys.stdout
     try:
-        from astrai.model.hf import check_device
+        from astrai.model.hf_dir import check_device
         from astrai.model.lora import split_adapter
         from astrai.model.manifest import model_argument
 

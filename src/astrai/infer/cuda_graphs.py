@@ -26,7 +26,7 @@ import torch
 from torch import Tensor, nn
 
 from astrai.infer.compiled import decode_buckets
-from astrai.model.attention import PagedAttentionMetadata
+from astrai.model.paged_metadata import PagedAttentionMetadata
 
 logger = logging.getLogger(__name__)
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from astrai.model.hf import load_generation_defaults
+from astrai.model.hf_dir import load_generation_defaults
 
 # generation_config.json name -> SamplingParams field (vLLM applies the same five)
 DEFAULT_FIELDS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p",

@@ -3,17 +3,18 @@
 `LLMEngine` ties the parts together. It sizes its limits at start (sizing.py: longest
 sequence, KV pool, step budgets); `add_request` checks a request against them and queues one
 sequence for it; each `step()` is schedule (scheduler.py) -> run the model (runner.py) ->
-sample (sampling.py) -> postprocess here: append the tokens, detokenise incrementally, apply
-stop tokens, stop strings and length limits, fork the n samples of a request after its shared
-prefill, free finished sequences, and report the requests that changed. `run_batch` drives the
-same loop synchronously for RL rollouts, and `generate_all` (text or token-id prompts) is what
-the offline `LLM` of llm.py calls. The engine runs the model it is given in place (a live
+sample (sampling.py) -> postprocess here: append the tokens, let each request apply its stop
+tokens, stop strings and length limits (request.py), fork the n samples of a request after its
+shared prefill, free finished sequences, and report the requests that changed. Its knobs are
+`EngineConfig` (config.py); precision.py resolves the dtypes of its forward passes and KV pool
+(`autocast_dtype`: a bf16 trainer's precision). `run_batch` drives the same loop synchronously
+for RL rollouts, and `generate_all` (text or token-id prompts) is what the offline `LLM` of
+llm.py calls. The engine runs the model it is given in place (a live
 training module is switched to eval mode and no_grad for each step, then restored; a model in
 eval mode runs under inference_mode); `set_policy_version` keys the prefix cache by weights
 version, so KV of older weights is never reused. An idle engine can free its KV pool
 (`release_kv_cache`, e.g. during a trainer's backward) and make it again at the size the next
-batch needs (`reserve_kv_cache`; a request re-makes it otherwise). `autocast_dtype` runs the
-forward under `torch.autocast` (a bf16 trainer's precision) over a KV pool in that dtype.
+batch needs (`reserve_kv_cache`; a request re-makes it otherwise).
 """
 
 from __future__ import annotations
@@ -21,7 +22,6 @@ from __future__ import annotations
 import itertools
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
@@ -29,16 +29,12 @@ import torch
 from torch import nn
 
 from astrai.infer.block_manager import BlockManager, kv_bytes_per_token
-from astrai.infer.detokenize import detokenize, find_stop_string, flush_text, visible_text
-from astrai.infer.outputs import (
-    CompletionOutput,
-    EngineStats,
-    RequestMetrics,
-    RequestOutput,
-    TopLogprobs,
-)
+from astrai.infer.config import EngineConfig, make_engine_config
+from astrai.infer.outputs import EngineStats, RequestMetrics, RequestOutput, TopLogprobs
+from astrai.infer.precision import InferenceMode, dtype_name, resolve_precision
 from astrai.infer.probe import check_tuning, measure_step_cost, tune_owned_model
-from astrai.infer.runner import InferenceMode, ModelRunner, dtype_name, resolve_precision
+from astrai.infer.request import Request
+from astrai.infer.runner import ModelRunner
 from astrai.infer.sampling import Sampler, SamplerOutput, SamplingParams, make_generator
 from astrai.infer.scheduler import Scheduler, Sequence
 from astrai.infer.sizing import (
@@ -54,59 +50,10 @@ from astrai.model.matmul import set_cpu_matmul
 DETOKENIZE_CONTEXT = 5  # tokens of left context when decoding a new token's text
 
 
-@dataclass
-class EngineConfig:
-    block_size: int = 16
-    kv_cache_tokens: int | None = None  # size of the KV pool in tokens ...
-    kv_cache_memory_gb: float | None = None  # ... or in GiB; neither: a default budget
-    max_model_len: int | None = None  # None = the model's max_position_embeddings (at most its sliding_window)
-    max_num_seqs: int = 256
-    max_num_batched_tokens: int | None = None  # token budget of one step; None: one chunk + a decode per seat
-    long_prefill_token_threshold: int | None = None  # prefill tokens in a step that decodes; None: probed, 0: no cap
-    max_request_kv_share: float = 0.5  # of the KV pool, what one request may hold while others wait; 1.0: no cap
-    enable_prefix_caching: bool = True
-    enable_chunked_prefill: bool = True
-    decode_view_memory_gb: float = 1.0  # dense copy of decoding sequences' KV kept across steps; 0 = off
-    engine_seed: int = 0  # generator of unseeded sampling (SamplingParams.seed is per request)
-    device: str | None = None  # from_pretrained: where to load (None: cuda if available); else the model's
-    dtype: str | None = None  # from_pretrained only: weights dtype (None = float32, "auto" = the checkpoint's)
-    lora: str | None = None  # from_pretrained only: a PEFT adapter directory, merged into the weights at load
-    num_threads: int | None = None  # from_pretrained on CPU: torch threads; None: probed (default vs 1)
-    linear_layout: str | None = None  # from_pretrained: "out_in" | "in_out" weight storage; None: probed
-    compile: bool = False  # decode steps' MLPs under torch.compile, per batch-size bucket (warm-up at start)
-    cpu_matmul: str = "auto"  # auto | onednn | blas: float32 CPU matrix products (model/matmul.py; process-wide)
-    autocast_dtype: str | None = None  # "bfloat16": forward passes under torch.autocast (a bf16 trainer's precision)
-    kv_cache_dtype: str | None = None  # KV pool dtype; None: the autocast dtype if set, else the weights'
-    cuda_graphs: bool = False  # CUDA only: decode steps replay graphs per batch bucket (runner.py); an error on CPU
-    paged_kernel: str = "gather"  # "varlen", CUDA only: decode reads KV blocks in place (no device run yet)
-
-
-@dataclass
-class _Request:
-    request_id: str
-    prompt: str | None
-    prompt_token_ids: list[int]
-    params: SamplingParams
-    metrics: RequestMetrics
-    seqs: list[Sequence] = field(default_factory=list)
-    eos_ids: frozenset[int] = frozenset()
-    stop_ids: frozenset[int] = frozenset()
-    with_logprobs: bool = True
-
-    @property
-    def finished(self) -> bool:
-        if len(self.seqs) != self.params.n:
-            return False
-        for seq in self.seqs:  # a loop, not all(generator): this runs for every request every step
-            if not seq.is_finished:
-                return False
-        return True
-
-
 class LLMEngine:
     def __init__(self, model: nn.Module, tokenizer: Any | None = None, config: EngineConfig | None = None,
                  **config_fields: Any) -> None:
-        self.config = config = _make_config(config, config_fields)
+        self.config = config = make_engine_config(config, config_fields)
         set_cpu_matmul(config.cpu_matmul)  # before the probes time a forward pass
         self.model = model
         self.tokenizer = tokenizer
@@ -143,7 +90,7 @@ class LLMEngine:
         if config.compile:
             self.probes["compile"] = self.runner.compile_decode(config.max_num_seqs, self.autocast_dtype)
         self.sampler = Sampler(make_generator(config.engine_seed, device))
-        self._requests: dict[str, _Request] = {}
+        self._requests: dict[str, Request] = {}
         self._seq_ids = itertools.count()
         self._batch_ids = itertools.count()
         self._lazy_text = False  # run_batch: decode text once at the end unless stop strings need it
@@ -160,7 +107,7 @@ class LLMEngine:
         from astrai.model.hub import resolve_model_path
 
         model_dir = resolve_model_path(model_dir)  # a Hub id -> its cached snapshot; a local path as it is
-        config = _make_config(None, config_fields)
+        config = make_engine_config(None, config_fields)
         check_tuning(config.num_threads, config.linear_layout)  # before the (slow) load
         set_cpu_matmul(config.cpu_matmul)  # before the layout probe times the linears
         device = config.device or ("cuda" if torch.cuda.is_available() else "cpu")
@@ -212,7 +159,7 @@ class LLMEngine:
         check_request(prompt_ids, params, vocab_size=self.vocab_size, max_model_len=self.max_model_len,
                       max_num_seqs=self.config.max_num_seqs, block_manager=self.block_manager)
         eos_ids = frozenset() if params.ignore_eos else self.eos_token_ids
-        req = _Request(
+        req = Request(
             request_id, prompt_text, prompt_ids, params, RequestMetrics(arrival_time or time.time()),
             eos_ids=eos_ids, stop_ids=frozenset(set(params.stop_token_ids) | eos_ids), with_logprobs=with_logprobs,
         )
@@ -230,7 +177,7 @@ class LLMEngine:
             return prompt, self.tokenizer.encode(prompt, add_special_tokens=True)
         return None, [int(t) for t in prompt]
 
-    def _new_sequence(self, req: _Request, index: int) -> Sequence:
+    def _new_sequence(self, req: Request, index: int) -> Sequence:
         params = req.params
         gen = None
         if params.seed is not None:
@@ -323,9 +270,9 @@ class LLMEngine:
     # -- the step -------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         """One schedule -> run -> sample -> postprocess step; the requests that changed."""
-        return [self._output(req) for req in self._step()]
+        return [req.output(self.policy_version) for req in self._step()]
 
-    def _step(self) -> list[_Request]:
+    def _step(self) -> list[Request]:
         sched = self.scheduler.schedule()
         if not sched.scheduled:
             return []
@@ -373,13 +320,13 @@ class LLMEngine:
                 row_of += [i] * len(children)
         return rows, row_of
 
-    def _postprocess(self, rows: list[Sequence], sampled: SamplerOutput) -> list[_Request]:
+    def _postprocess(self, rows: list[Sequence], sampled: SamplerOutput) -> list[Request]:
         logprobs = sampled.logprobs.tolist()
         raw_logprobs = sampled.raw_logprobs.tolist()
         top = TopLogprobs(sampled, self.tokenizer) if sampled.top_ids is not None else None
         now = time.time()
-        touched: dict[str, _Request] = {}
-        ended: list[_Request] = []  # requests with a sequence that finished this step
+        touched: dict[str, Request] = {}
+        ended: list[Request] = []  # requests with a sequence that finished this step
         for i, (seq, token) in enumerate(zip(rows, sampled.token_ids)):
             req = self._requests[seq.request_id]
             seq.append_token(token)
@@ -393,7 +340,7 @@ class LLMEngine:
                     seq.raw_logprobs.append(raw_logprobs[i])
             if req.metrics.first_token_time is None:
                 req.metrics.first_token_time = now
-            self._check_stop(req, seq, token)
+            req.check_stop(seq, token, self.tokenizer, self.max_model_len, self._lazy_text)
             if seq.finish_reason is not None:
                 self.scheduler.finish(seq)
                 ended.append(req)
@@ -403,46 +350,6 @@ class LLMEngine:
                 req.metrics.finished_time = now
                 del self._requests[req.request_id]
         return list(touched.values())
-
-    def _check_stop(self, req: _Request, seq: Sequence, token: int) -> None:
-        params = seq.params
-        num_out = len(seq.output_token_ids)
-        if num_out >= params.min_tokens and token in req.stop_ids:
-            seq.finish_reason = "stop"  # the stop token's own text is left out of the output
-            seq.stop_reason = None if token in req.eos_ids and token not in params.stop_token_ids else token
-        else:
-            if self.tokenizer is not None and (not self._lazy_text or params.stop):
-                delta = detokenize(self.tokenizer, seq)
-                if params.stop and delta and num_out >= params.min_tokens and find_stop_string(seq, delta):
-                    return
-            if (params.max_tokens is not None and num_out >= params.max_tokens) or seq.num_tokens >= self.max_model_len:
-                seq.finish_reason = "length"
-        if seq.finish_reason is not None and self.tokenizer is not None:
-            self._finalize_text(seq)
-
-    def _finalize_text(self, seq: Sequence) -> None:
-        by_token = seq.finish_reason == "stop"  # a stop string returned before this point
-        if self._lazy_text and not seq.params.stop:
-            ids = seq.output_token_ids[:-1] if by_token else seq.output_token_ids
-            seq.text = self.tokenizer.decode(ids)
-        elif not by_token:
-            flush_text(self.tokenizer, seq)
-
-    def _output(self, req: _Request) -> RequestOutput:
-        outputs = []
-        for seq in sorted(req.seqs, key=lambda s: s.index):
-            outputs.append(CompletionOutput(
-                index=seq.index, text=visible_text(seq), token_ids=list(seq.output_token_ids),
-                logprobs=list(seq.logprobs) if req.with_logprobs else None,
-                raw_logprobs=list(seq.raw_logprobs) if req.with_logprobs else None,
-                finish_reason=seq.finish_reason, stop_reason=seq.stop_reason,
-                cumulative_logprob=seq.cumulative_logprob,
-            ))
-        first = next(s for s in req.seqs if s.index == 0)
-        cached = first.num_cached_tokens or 0
-        prompt_lps = list(first.prompt_logprobs) if first.prompt_logprobs is not None else None
-        return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, outputs, req.finished,
-                             cached, self.policy_version, req.metrics, prompt_lps)
 
     # -- synchronous batches (RL rollouts) ---------------------------------------------------------
     def run_batch(self, prompt_ids: list[list[int]], params: SamplingParams | list[SamplingParams] | None = None,
@@ -485,16 +392,8 @@ class LLMEngine:
         while pending:
             for req in self._step():
                 if req.finished and req.request_id in pending:
-                    results[req.request_id] = self._output(req)
+                    results[req.request_id] = req.output(self.policy_version)
                     pending.discard(req.request_id)
                     if on_finish is not None:
                         on_finish()
 
-
-def _make_config(config: EngineConfig | None, overrides: dict[str, Any]) -> EngineConfig:
-    names = {f.name for f in fields(EngineConfig)}
-    unknown = sorted(set(overrides) - names)
-    if unknown:
-        raise ValueError(f"unknown engine config field {unknown[0]!r}; expected one of {sorted(names)}")
-    config = config or EngineConfig()
-    return EngineConfig(**{**config.__dict__, **overrides}) if overrides else config

@@ -18,12 +18,12 @@ from dataclasses import fields
 from pathlib import Path
 
 from astrai.flags import ArgumentParser, add_dataclass_arguments
+from astrai.infer.config import EngineConfig
 from astrai.infer.defaults import describe, generation_defaults
-from astrai.infer.engine import EngineConfig
 from astrai.infer.llm import LLM
 from astrai.infer.sampling import SamplingParams
 from astrai.infer.sampling_flags import add_sampling_arguments, sampling_params_from_args
-from astrai.model.hf import check_device
+from astrai.model.hf_dir import check_device
 from astrai.model.lora import split_adapter
 from astrai.model.manifest import VERIFY_HELP, check_model_dir, model_argument
 

@@ -26,7 +26,7 @@ from torch import Tensor
 from astrai.flags import base_types, is_optional, knob
 from astrai.infer.guided import Guide, GuideState, advance_guides, apply_guides
 from astrai.model.kernels import to_device
-from astrai.model.logprobs import TOP_P_CANDIDATES, apply_truncation, selective_log_softmax  # noqa: F401 - re-exported
+from astrai.model.logprobs import apply_truncation, selective_log_softmax
 
 SAMPLING_EPS = 1e-5  # temperatures below this are greedy
 MAX_LOGPROBS = 20  # top alternatives per token, as OpenAI caps it

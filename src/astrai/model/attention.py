@@ -3,25 +3,21 @@
 One module serves both worlds. In training (and plain evaluation) it attends over a padded
 (B, T) batch, masking padding and, for packed rows, keys of other documents. In inference the
 engine hands it a flat row of the tokens scheduled this step (several sequences back to back)
-and a `PagedAttentionMetadata`: new keys and values are written into the paged KV cache and
-each sequence attends over its cached context. The metadata type lives here, in the model
-layer, because both the model and the engine's runner need it.
+and a `PagedAttentionMetadata` (paged_metadata.py): new keys and values are written into the
+paged KV cache and each sequence attends over its cached context.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
 from astrai.model.config import ModelConfig
-from astrai.model.decode_view import DecodeKVView, DecodeViewStep, _decode_mask, _pad_tables  # noqa: F401 - re-exported
 from astrai.model.kernels import (
     PackedSegments,
-    PagedDecodeTables,
     SharedPrefixSegments,
     decode_attention,
     packed_attention,
@@ -29,9 +25,9 @@ from astrai.model.kernels import (
     paged_decode,
     shared_prefix_attention,
     shared_prefix_segments,
-    to_device,
 )
 from astrai.model.ops import apply_rope, norm_linears, rms_norm
+from astrai.model.paged_metadata import PagedAttentionMetadata
 
 
 class RMSNorm(nn.Module):
@@ -126,144 +122,6 @@ def shared_prefix_dense_mask(document_ids: Tensor, prefix_ids: Tensor, T: int, d
     onto_prefix = (prefix_ids[:, :, None] == document_ids[:, None, :]) & (prefix_ids != 0)[:, :, None]
     allowed = torch.ones(T, T, dtype=torch.bool, device=device).tril()[None] & (same | onto_prefix)
     return (allowed | torch.eye(T, dtype=torch.bool, device=device)[None])[:, None]
-
-
-# -- paged inference metadata ------------------------------------------------------------------
-@dataclass
-class PrefillSegment:
-    start: int  # first token of this sequence in the flat batch
-    end: int
-    blocks: Tensor | None  # (num_blocks,) cache blocks of its whole context; None: no cached prefix
-    context_len: int  # keys it attends to (the first context_len slots of its blocks)
-    mask: Tensor | None  # (query_len, context_len) bool for a chunk after cached context
-
-
-@dataclass
-class PagedAttentionMetadata:
-    """What one engine step tells every attention layer about the flat batch it runs."""
-
-    kv_caches: list[tuple[Tensor, Tensor]]  # per layer, (num_blocks, block_size, kv_heads, head_dim)
-    slot_mapping: Tensor  # (N,) cache slot of every new token
-    decode_token_idx: Tensor | None  # (Sd,) flat index of each single-token (decode) sequence
-    decode_blocks: Tensor | None  # (Sd, W) cache blocks of its context, padded with block 0 (None: decode_view)
-    decode_mask: Tensor | None  # (Sd, 1, 1, L) additive: 0 on real context, -inf elsewhere; L = W * block_size,
-    # or with a decode_view the longest context
-    prefills: list[PrefillSegment]
-    decode_view: DecodeViewStep | None = None  # read decode context from a kept dense copy instead
-    paged_decode: PagedDecodeTables | None = None  # or read it in place (the varlen kernel; no mask, no blocks)
-
-    @classmethod
-    def build(
-        cls,
-        query_lens: list[int],
-        context_lens: list[int],
-        block_tables: list[list[int]],
-        block_size: int,
-        kv_caches: list[tuple[Tensor, Tensor]],
-        device: torch.device | str = "cpu",
-        seq_ids: list[int] | None = None,
-        decode_view: DecodeKVView | None = None,
-        paged_kernel: str = "gather",
-    ) -> PagedAttentionMetadata:
-        """`decode_view` with `seq_ids` (one stable id per sequence): decoding sequences read their
-        context from the view's dense copy, which is updated in place from step to step.
-        `paged_kernel="varlen"`: they read it where it lies in the cache (PagedDecodeTables)."""
-        if paged_kernel not in ("gather", "varlen"):
-            raise ValueError(f"paged_kernel is {paged_kernel!r}; use 'gather' or 'varlen'")
-        if paged_kernel == "varlen":
-            decode_view = None
-        # built once per engine step and shared by every layer: vectorised over sequences,
-        # since a Python loop here costs more than the attention itself for tiny models
-        if decode_view is not None and seq_ids is None:
-            raise ValueError("a decode_view needs the seq_ids of the sequences")
-        if all(n == 1 for n in query_lens) and all(c > 1 for c in context_lens):
-            return cls._build_decode_only(context_lens, block_tables, block_size, kv_caches, device,
-                                          seq_ids, decode_view, paged_kernel)
-        S = len(query_lens)
-        q = torch.tensor(query_lens, dtype=torch.long)  # (S,)
-        ctx = torch.tensor(context_lens, dtype=torch.long)  # (S,)
-        num_blocks = torch.tensor([len(t) for t in block_tables], dtype=torch.long)  # (S,)
-        bad = ((q <= 0) | (ctx < q)).nonzero()
-        if len(bad):
-            i = int(bad[0])
-            raise ValueError(f"sequence {i}: query_len {query_lens[i]} and context_len {context_lens[i]} "
-                             "are inconsistent")
-        bad = (ctx > num_blocks * block_size).nonzero()
-        if len(bad):
-            i = int(bad[0])
-            raise ValueError(f"sequence {i}: context_len {context_lens[i]} exceeds its {len(block_tables[i])} "
-                             f"blocks of {block_size} tokens")
-        width = int(num_blocks.max())
-        tables = torch.tensor([t + [0] * (width - len(t)) for t in block_tables], dtype=torch.long)  # (S, W)
-        starts = q.cumsum(0) - q  # (S,) first flat index of each sequence
-        seq_of = torch.repeat_interleave(torch.arange(S), q)  # (N,)
-        pos = torch.arange(int(q.sum())) - starts[seq_of] + (ctx - q)[seq_of]  # (N,) absolute positions
-        slot_mapping = tables[seq_of, pos // block_size] * block_size + pos % block_size  # (N,)
-        is_decode = (q == 1) & (ctx > 1)
-        prefills = []
-        for i in (~is_decode).nonzero()[:, 0].tolist():
-            start, q_len, ctx_len = int(starts[i]), query_lens[i], context_lens[i]
-            if ctx_len == q_len:  # whole prompt in this step: attend over the fresh keys
-                prefills.append(PrefillSegment(start, start + q_len, None, ctx_len, None))
-            else:  # a chunk after cached context
-                key_pos = torch.arange(ctx_len)
-                blocks = tables[i, : -(-ctx_len // block_size)]
-                mask = key_pos[None, :] <= (ctx_len - q_len + torch.arange(q_len))[:, None]
-                prefills.append(PrefillSegment(start, start + q_len, to_device(blocks, device), ctx_len, to_device(mask, device)))
-        dec_idx = dec_blocks = dec_mask = view = tables_d = None
-        dec = is_decode.nonzero()[:, 0]
-        if decode_view is not None and not len(dec):
-            decode_view.invalidate()  # its copy must come from the step right before
-        if len(dec):
-            # whole blocks are gathered (a few large copies instead of one small copy per token);
-            # the mask hides the tail of each sequence's last block and the padding blocks
-            ctx_d = ctx[dec]  # (Sd,)
-            w = -(-int(ctx_d.max()) // block_size)
-            if decode_view is not None:
-                d = dec.tolist()
-                view = decode_view.plan([seq_ids[i] for i in d], ctx_d.tolist(), [block_tables[i] for i in d],
-                                        block_size, kv_caches, device)
-            if paged_kernel == "varlen":
-                d = dec.tolist()
-                tables_d = PagedDecodeTables.build(ctx_d.tolist(), [block_tables[i] for i in d], block_size, device)
-            elif view is None:
-                dec_blocks = to_device(tables[dec, :w], device)  # (Sd, w)
-                dec_mask = _decode_mask(ctx_d, w * block_size, kv_caches, device)
-            else:
-                dec_mask = view.mask
-            dec_idx = to_device(starts[dec], device)
-        return cls(kv_caches=kv_caches, slot_mapping=to_device(slot_mapping, device), decode_token_idx=dec_idx,
-                   decode_blocks=dec_blocks, decode_mask=dec_mask, prefills=prefills, decode_view=view,
-                   paged_decode=tables_d)
-
-    @classmethod
-    def _build_decode_only(
-        cls, context_lens: list[int], block_tables: list[list[int]], block_size: int,
-        kv_caches: list[tuple[Tensor, Tensor]], device: torch.device | str,
-        seq_ids: list[int] | None, decode_view: DecodeKVView | None, paged_kernel: str = "gather",
-    ) -> PagedAttentionMetadata:
-        """The common steady state, every sequence adding one token: plain Python over the
-        sequences is cheaper here than the general path's tensor bookkeeping."""
-        w = -(-max(context_lens) // block_size)
-        slots = []
-        for i, (ctx, table) in enumerate(zip(context_lens, block_tables)):
-            if ctx > len(table) * block_size:
-                raise ValueError(f"sequence {i}: context_len {ctx} exceeds its {len(table)} blocks of "
-                                 f"{block_size} tokens")
-            slots.append(table[(ctx - 1) // block_size] * block_size + (ctx - 1) % block_size)
-        view = blocks = mask = tables = None
-        if paged_kernel == "varlen":
-            tables = PagedDecodeTables.build(context_lens, block_tables, block_size, device)
-        elif decode_view is not None:
-            view = decode_view.plan(seq_ids, context_lens, block_tables, block_size, kv_caches, device)
-        if view is None and tables is None:
-            blocks = to_device(torch.tensor(_pad_tables(block_tables, w), dtype=torch.long), device)
-            mask = _decode_mask(torch.tensor(context_lens, dtype=torch.long), w * block_size, kv_caches, device)
-        elif view is not None:
-            mask = view.mask
-        return cls(kv_caches=kv_caches, slot_mapping=to_device(torch.tensor(slots, dtype=torch.long), device),
-                   decode_token_idx=torch.arange(len(context_lens), device=device),
-                   decode_blocks=blocks, decode_mask=mask, prefills=[], decode_view=view, paged_decode=tables)
 
 
 # -- the attention module ----------------------------------------------------------------------

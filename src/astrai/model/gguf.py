@@ -17,14 +17,9 @@ from typing import Any
 
 from astrai.flags import ArgumentParser
 from astrai.model.config import ModelConfig
-from astrai.model.hf import (
-    GENERATION_SAMPLING_KEYS,
-    build_model,
-    resolve_dtype,
-    save_model,
-    write_generation_config,
-)
+from astrai.model.hf import save_model
 from astrai.model.hf_config import config_from_hf
+from astrai.model.hf_dir import GENERATION_SAMPLING_KEYS, build_model, resolve_dtype, write_generation_config
 
 
 def convert_gguf(gguf_file: str | Path, out: str | Path, dtype: str = "float32",

@@ -5,9 +5,9 @@ top of the file side of the model layer: it sits above the directory format (hf_
 knows nothing of adapters) and the adapters (lora.py), and is the one module that puts the two
 together. A PEFT adapter directory, or a base directory with `lora=ADAPTER_DIR`, loads as its
 base with the adapter merged; a model that still carries adapters saves as a plain directory
-with them folded in. Nothing below imports this module. The format helpers callers have always
-taken from here (`check_device`, `load_config`, `read_safetensors`, `HFFormatError`, ...) are
-re-exported under their old names.
+with them folded in. Nothing below imports this module. The format helpers live where they are
+defined: `check_device`, `load_config`, `build_model` in hf_dir.py, `HFFormatError` in
+hf_config.py, `read_safetensors` in safetensors_io.py, the tensor renames in hf_weights.py.
 """
 
 from __future__ import annotations
@@ -18,37 +18,11 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from astrai.model.hf_config import HFFormatError
-from astrai.model.hf_dir import (
-    GENERATION_SAMPLING_KEYS,
-    build_model,
-    check_device,
-    load_config,
-    load_generation_defaults,
-    load_model_dir,
-    resolve_dtype,
-    save_model_dir,
-    write_generation_config,
-)
-from astrai.model.hf_weights import state_dict_from_hf, state_dict_to_hf
+from astrai.model.hf_dir import check_device, load_model_dir, save_model_dir
 from astrai.model.hub import resolve_model_path
 from astrai.model.lora import is_adapter_dir, load_adapter, merge_lora, merged_state_dict, resolve_base
-from astrai.model.safetensors_io import (
-    DEFAULT_MAX_SHARD_BYTES,
-    SAFE_INDEX,
-    SAFE_WEIGHTS,
-    current_umask,
-    read_safetensors,
-    save_safetensors,
-)
+from astrai.model.safetensors_io import DEFAULT_MAX_SHARD_BYTES
 from astrai.model.transformer import CausalLM
-
-__all__ = [  # load_model and save_model, then what callers import from here under old names
-    "load_model", "save_model", "DEFAULT_MAX_SHARD_BYTES", "GENERATION_SAMPLING_KEYS", "HFFormatError",
-    "SAFE_INDEX", "SAFE_WEIGHTS", "build_model", "check_device", "current_umask", "load_config",
-    "load_generation_defaults", "read_safetensors", "resolve_dtype", "save_safetensors",
-    "state_dict_from_hf", "state_dict_to_hf", "write_generation_config",
-]
 
 
 def load_model(

@@ -20,7 +20,6 @@ from torch.utils.checkpoint import checkpoint
 
 from astrai.model.attention import (
     Attention,
-    PagedAttentionMetadata,
     RMSNorm,
     build_attention_mask,
     document_ids_from_positions,
@@ -29,6 +28,7 @@ from astrai.model.attention import (
 )
 from astrai.model.config import ModelConfig
 from astrai.model.moe import MLP, MoE
+from astrai.model.paged_metadata import PagedAttentionMetadata
 
 
 @dataclass

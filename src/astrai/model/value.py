@@ -50,8 +50,10 @@ class ValueModel(nn.Module):
         """A critic (or reward model) from a model directory: the trunk from its weights, the head
         from ``score.weight`` (transformers' sequence classification, one label) or
         ``value_head.weight``/``.bias`` when present, else zero (a warm start from a policy)."""
-        from astrai.model.hf import load_config, read_safetensors, state_dict_from_hf
+        from astrai.model.hf_dir import load_config
+        from astrai.model.hf_weights import state_dict_from_hf
         from astrai.model.hub import resolve_model_path
+        from astrai.model.safetensors_io import read_safetensors
 
         path = resolve_model_path(path, "critic_model_path")  # a Hub id -> its cached snapshot
         config = load_config(path)

@@ -22,10 +22,10 @@ from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import Field, ValidationInfo, field_validator, model_validator
 
+from astrai.data.tool_calls import ToolCall, ToolCallStream, parse_tool_calls
 from astrai.serve.async_engine import OutputStream
-from astrai.serve.protocol import _Strict, check_stops
-from astrai.serve.render import Renderer, _Choice
-from astrai.serve.tools import ToolCall, ToolCallStream, parse_tool_calls
+from astrai.serve.protocol import StrictModel, check_stops
+from astrai.serve.render import Choice, Renderer
 
 # Anthropic's error types by HTTP status (https://docs.anthropic.com/en/api/errors)
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
@@ -37,19 +37,19 @@ def anthropic_error_body(status: int, message: str) -> dict[str, Any]:
     return {"type": "error", "error": {"type": ERROR_TYPES.get(status, "api_error"), "message": message}}
 
 
-class TextBlock(_Strict):
+class TextBlock(StrictModel):
     type: Literal["text"]
     text: str
 
 
-class ToolUseBlock(_Strict):
+class ToolUseBlock(StrictModel):
     type: Literal["tool_use"]
     id: str
     name: str
     input: dict[str, Any]
 
 
-class ToolResultBlock(_Strict):
+class ToolResultBlock(StrictModel):
     type: Literal["tool_result"]
     tool_use_id: str
     content: str | list[TextBlock] = ""
@@ -62,7 +62,7 @@ class ToolResultBlock(_Strict):
 Block = Annotated[TextBlock | ToolUseBlock | ToolResultBlock, Field(discriminator="type")]
 
 
-class AnthropicMessage(_Strict):
+class AnthropicMessage(StrictModel):
     role: Literal["user", "assistant"]
     content: str | list[Block]
 
@@ -96,7 +96,7 @@ class AnthropicMessage(_Strict):
         return out or [{"role": "user", "content": ""}]
 
 
-class AnthropicTool(_Strict):
+class AnthropicTool(StrictModel):
     name: str = Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")
     description: str | None = None
     input_schema: dict[str, Any]
@@ -110,7 +110,7 @@ class AnthropicTool(_Strict):
         return {"type": "function", "function": {**function, "parameters": self.input_schema}}
 
 
-class AnthropicToolChoice(_Strict):
+class AnthropicToolChoice(StrictModel):
     type: Literal["auto", "any", "tool", "none"]
     name: str | None = None
     disable_parallel_tool_use: bool = False
@@ -122,7 +122,7 @@ class AnthropicToolChoice(_Strict):
         return self
 
 
-class MessagesRequest(_Strict):
+class MessagesRequest(StrictModel):
     model: str
     messages: list[AnthropicMessage] = Field(min_length=1)
     max_tokens: int = Field(ge=1)
@@ -210,7 +210,7 @@ class MessagesRenderer(Renderer):
         self.tool_names = req.tool_names()
         self.num_calls = 0
 
-    def _stop(self, choice: _Choice) -> tuple[str | None, str | None]:
+    def _stop(self, choice: Choice) -> tuple[str | None, str | None]:
         """(stop_reason, stop_sequence) in Anthropic's terms."""
         if choice.finish_reason == "length":
             return "max_tokens", None
@@ -225,7 +225,7 @@ class MessagesRenderer(Renderer):
         return {"input_tokens": usage.prompt_tokens, "output_tokens": usage.completion_tokens,
                 "cache_read_input_tokens": sum(self.num_cached.values())}
 
-    def _message(self, content: list[dict[str, Any]], choice: _Choice | None) -> dict[str, Any]:
+    def _message(self, content: list[dict[str, Any]], choice: Choice | None) -> dict[str, Any]:
         stop_reason, stop_sequence = self._stop(choice) if choice is not None else (None, None)
         return {"id": self.request_id, "type": "message", "role": "assistant", "model": self.state.model_name,
                 "content": content, "stop_reason": stop_reason, "stop_sequence": stop_sequence,

@@ -26,6 +26,7 @@ from astrai.flags import ArgumentParser, add_dataclass_arguments
 from astrai.infer.defaults import GENERATION_CONFIG_HELP, generation_defaults
 from astrai.model.manifest import VERIFY_HELP
 from astrai.serve.app import create_app
+from astrai.serve.header_timeout import header_timeout_protocol
 from astrai.serve.state import ServeConfig, ServerState
 
 HEADER_TIMEOUT = 10.0  # seconds a connection may take to send a complete request head
@@ -77,7 +78,7 @@ def _engine_fields() -> list[str]:
     """EngineConfig's fields become flags, so the server never lags behind the engine's knobs."""
     import dataclasses
 
-    from astrai.infer.engine import EngineConfig
+    from astrai.infer.config import EngineConfig
 
     return [f.name for f in dataclasses.fields(EngineConfig) if f.name not in _SERVER_FLAGS]
 
@@ -105,53 +106,6 @@ def _graceful_server_class(state: ServerState) -> type:
                 timer.cancel()
 
     return GracefulServer
-
-
-def header_timeout_protocol(header_timeout: float) -> type:
-    """uvicorn's h11 protocol with a deadline on the request head: the connection is closed when
-    no complete request head arrives within `header_timeout` seconds of the connection opening or
-    of the previous response. uvicorn's own keep-alive timer starts only after a response and is
-    cancelled by any byte, so a silent or trickling client would otherwise hold its socket forever."""
-    from uvicorn.protocols.http.h11_impl import H11Protocol
-
-    class HeaderTimeoutProtocol(H11Protocol):
-        _header_timer: asyncio.TimerHandle | None = None
-        _idle_cycle: Any = None  # the request cycle that was current when the deadline was armed
-
-        def connection_made(self, transport: Any) -> None:
-            super().connection_made(transport)
-            self._arm_header_deadline()
-
-        def connection_lost(self, exc: Exception | None) -> None:
-            self._disarm_header_deadline()
-            super().connection_lost(exc)
-
-        def handle_events(self) -> None:
-            super().handle_events()
-            if self._header_timer is not None and self.cycle is not self._idle_cycle:
-                self._disarm_header_deadline()  # a request head arrived: the body has its own timeout
-
-        def on_response_complete(self) -> None:
-            if not self.transport.is_closing():  # armed first: a pipelined request started below disarms it
-                self._arm_header_deadline()
-            super().on_response_complete()
-
-        def _arm_header_deadline(self) -> None:
-            self._disarm_header_deadline()
-            self._idle_cycle = self.cycle
-            self._header_timer = self.loop.call_later(header_timeout, self._header_deadline)
-
-        def _disarm_header_deadline(self) -> None:
-            if self._header_timer is not None:
-                self._header_timer.cancel()
-                self._header_timer = None
-
-        def _header_deadline(self) -> None:
-            self._header_timer = None
-            if not self.transport.is_closing():
-                self.transport.close()
-
-    return HeaderTimeoutProtocol
 
 
 def uvicorn_config(app: Any, *, host: str, port: int, log_level: str = "info", shutdown_timeout: float = 30.0,

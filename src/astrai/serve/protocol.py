@@ -30,7 +30,9 @@ MAX_STOP_CHARS = 256
 MAX_FIELD_NAME_CHARS = 100  # an ignored field's name as logged (see ignored_fields)
 
 
-class _Strict(BaseModel):
+class StrictModel(BaseModel):
+    """The base of every request object (here and in anthropic.py): strict types, no coercion."""
+
     # unknown fields are kept (not used) so the app can count and log them: see ignored_fields
     model_config = ConfigDict(extra="allow", strict=True)
 
@@ -71,16 +73,16 @@ def check_stops(stops: list[str]) -> None:
         raise ValueError(f"each stop string may have at most {MAX_STOP_CHARS} characters, got one of {longest}")
 
 
-class StreamOptions(_Strict):
+class StreamOptions(StrictModel):
     include_usage: bool = False
 
 
-class TextPart(_Strict):
+class TextPart(StrictModel):
     type: Literal["text"]
     text: str
 
 
-class ChatMessage(_Strict):
+class ChatMessage(StrictModel):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
@@ -100,7 +102,7 @@ class ChatMessage(_Strict):
         return msg
 
 
-class _SamplingFields(_Strict):
+class _SamplingFields(StrictModel):
     """Fields shared by both completion endpoints (OpenAI names plus vLLM's extras)."""
 
     model: str
@@ -148,35 +150,35 @@ class _SamplingFields(_Strict):
         return [s for s in stops if s]
 
 
-class FunctionDef(_Strict):
+class FunctionDef(StrictModel):
     name: str = Field(pattern=r"^[A-Za-z0-9_.-]{1,64}$")
     description: str | None = None
     parameters: dict[str, Any] | None = None
     strict: bool | None = None
 
 
-class ToolDef(_Strict):
+class ToolDef(StrictModel):
     type: Literal["function"]
     function: FunctionDef
 
 
-class FunctionName(_Strict):
+class FunctionName(StrictModel):
     name: str
 
 
-class NamedToolChoice(_Strict):
+class NamedToolChoice(StrictModel):
     type: Literal["function"]
     function: FunctionName
 
 
-class JsonSchemaFormat(_Strict):
+class JsonSchemaFormat(StrictModel):
     name: str = "response"
     description: str | None = None
     schema_: dict[str, Any] = Field(default_factory=dict, alias="schema")
     strict: bool | None = None
 
 
-class ResponseFormat(_Strict):
+class ResponseFormat(StrictModel):
     type: Literal["text", "json_object", "json_schema"]
     json_schema: JsonSchemaFormat | None = None
 
@@ -292,7 +294,7 @@ class CompletionRequest(_SamplingFields):
         return list(p)
 
 
-class TokenizeRequest(_Strict):
+class TokenizeRequest(StrictModel):
     """`POST /tokenize` (vLLM's shape): a `prompt`, or chat `messages` rendered by the template."""
 
     model: str | None = None
@@ -313,7 +315,7 @@ class TokenizeRequest(_Strict):
         return [t.model_dump(exclude_none=True) for t in self.tools] if self.tools else None
 
 
-class DetokenizeRequest(_Strict):
+class DetokenizeRequest(StrictModel):
     """`POST /detokenize` (vLLM's shape): token ids back to text."""
 
     model: str | None = None

@@ -3,7 +3,7 @@
 `app.py` turns a validated request into prompt token ids and a renderer over the server's
 `RenderContext` (the served model's name, token texts); the renderer names the engine requests
 (one per prompt), folds `RequestUpdate`s from the async engine loop into one
-`_Choice` per (prompt, sample) and renders either the final JSON body or the SSE chunks. Chat
+`Choice` per (prompt, sample) and renders either the final JSON body or the SSE chunks. Chat
 and legacy completions differ only in chunk shape, echo and logprob format, so they share the
 accumulator and the SSE skeleton: a first chunk (role or echo), one chunk per batch of ready
 updates with the text delta of each changed choice, exactly one finish_reason per choice, an
@@ -18,6 +18,7 @@ import uuid
 from collections.abc import AsyncIterator
 from typing import Any, Protocol
 
+from astrai.data.tool_calls import ToolCall, ToolCallStream, parse_tool_calls
 from astrai.serve.async_engine import OutputStream, RequestUpdate
 from astrai.serve.protocol import (
     ChatChoice,
@@ -35,7 +36,6 @@ from astrai.serve.protocol import (
     error_body,
     make_usage,
 )
-from astrai.serve.tools import ToolCall, ToolCallStream, parse_tool_calls
 
 DONE = "data: [DONE]\n\n"
 
@@ -64,7 +64,7 @@ def sse(obj: Any) -> str:
     return "data: " + data + "\n\n"
 
 
-class _Choice:
+class Choice:
     """Everything one sample (choice) has produced so far."""
 
     __slots__ = ("index", "prompt_index", "text", "num_text_sent", "token_ids", "logprobs",
@@ -98,7 +98,7 @@ class Renderer:
         self.engine_ids = ([self.request_id] if len(prompts) == 1 else
                            [f"{self.request_id}-{p}" for p in range(len(prompts))])
         n = req.n
-        self.choices = {(rid, i): _Choice(p * n + i, p) for p, rid in enumerate(self.engine_ids) for i in range(n)}
+        self.choices = {(rid, i): Choice(p * n + i, p) for p, rid in enumerate(self.engine_ids) for i in range(n)}
         self.num_cached = dict.fromkeys(self.engine_ids, 0)
         self.prompt_logprobs: dict[str, list[Any]] = {}  # engine request id -> entries, when asked for
         self.include_usage = bool(req.stream and req.stream_options and req.stream_options.include_usage)
@@ -106,9 +106,9 @@ class Renderer:
     def engine_requests(self) -> list[tuple[str, list[int]]]:
         return list(zip(self.engine_ids, self.prompts))
 
-    def apply(self, batch: list[RequestUpdate]) -> list[tuple[_Choice, list[int], list[Any], bool]]:
+    def apply(self, batch: list[RequestUpdate]) -> list[tuple[Choice, list[int], list[Any], bool]]:
         """Fold a batch of updates in; per changed choice: (choice, new ids, new logprobs, finished now)."""
-        changed: dict[int, tuple[_Choice, list[int], list[Any], list[bool]]] = {}
+        changed: dict[int, tuple[Choice, list[int], list[Any], list[bool]]] = {}
         for update in batch:
             self.num_cached[update.request_id] = max(self.num_cached[update.request_id], update.num_cached_tokens)
             if update.prompt_logprobs is not None:
@@ -132,7 +132,7 @@ class Renderer:
         return make_usage(sum(len(p) for p in self.prompts), sum(len(c.token_ids) for c in self.choices.values()),
                           sum(self.num_cached.values()))
 
-    def ordered_choices(self) -> list[_Choice]:
+    def ordered_choices(self) -> list[Choice]:
         return sorted(self.choices.values(), key=lambda c: c.index)
 
     async def collect(self, stream: OutputStream) -> dict[str, Any]:
@@ -161,7 +161,7 @@ class Renderer:
     def first_chunks(self) -> list[dict[str, Any]]:
         raise NotImplementedError
 
-    def chunk_choice(self, choice: _Choice, new_ids: list[int], new_lps: list[Any],
+    def chunk_choice(self, choice: Choice, new_ids: list[int], new_lps: list[Any],
                      finished_now: bool) -> dict[str, Any] | None:
         raise NotImplementedError
 
@@ -189,7 +189,7 @@ class ChatRenderer(Renderer):
             return None
         return chat_logprobs(ids, entries, self.req.top_logprobs or 0, self.state.token_text)
 
-    def _finish_reason(self, choice: _Choice, made_calls: bool) -> str | None:
+    def _finish_reason(self, choice: Choice, made_calls: bool) -> str | None:
         return "tool_calls" if made_calls and choice.finish_reason == "stop" else choice.finish_reason
 
     def first_chunks(self) -> list[dict[str, Any]]:
@@ -197,7 +197,7 @@ class ChatRenderer(Renderer):
                  "finish_reason": None} for c in self.ordered_choices()]
         return [self.chunk(role)]
 
-    def chunk_choice(self, choice: _Choice, new_ids: list[int], new_lps: list[Any],
+    def chunk_choice(self, choice: Choice, new_ids: list[int], new_lps: list[Any],
                      finished_now: bool) -> dict[str, Any] | None:
         text = choice.take_delta()
         calls: list[ToolCall] = []
@@ -256,14 +256,14 @@ class CompletionRenderer(Renderer):
         """echo with logprobs: the prompt's tokens lead the logprobs (the engine computes them)."""
         return bool(self.echo) and self.req.logprobs is not None
 
-    def _logprobs(self, choice: _Choice, ids: list[int], entries: list[Any]) -> dict[str, Any] | None:
+    def _logprobs(self, choice: Choice, ids: list[int], entries: list[Any]) -> dict[str, Any] | None:
         if self.req.logprobs is None:
             return None
         out = completion_logprobs(ids, entries, self.req.logprobs, self.state.token_text, choice.text_offset)
         choice.text_offset += sum(len(t) for t in out["tokens"])
         return out
 
-    def _with_prompt(self, choice: _Choice, logprobs: dict[str, Any] | None) -> dict[str, Any]:
+    def _with_prompt(self, choice: Choice, logprobs: dict[str, Any] | None) -> dict[str, Any]:
         """The prompt's logprobs (offsets from 0), then `logprobs` of the generated tokens."""
         ids = self.prompts[choice.prompt_index]
         entries = self.prompt_logprobs.get(self.engine_ids[choice.prompt_index]) or [None] * len(ids)
@@ -281,7 +281,7 @@ class CompletionRenderer(Renderer):
         return [self.chunk([{"index": c.index, "text": self.echo[c.prompt_index], "logprobs": None,
                              "finish_reason": None} for c in self.ordered_choices()])]
 
-    def chunk_choice(self, choice: _Choice, new_ids: list[int], new_lps: list[Any],
+    def chunk_choice(self, choice: Choice, new_ids: list[int], new_lps: list[Any],
                      finished_now: bool) -> dict[str, Any] | None:
         delta = choice.take_delta()
         logprobs = self._logprobs(choice, new_ids, new_lps) if new_ids else None

@@ -168,7 +168,7 @@ class CheckpointSaver:
         self.failed = True  # never publish after a failure: the last good checkpoint stays newest
 
     def on_train_end(self, trainer: Loop) -> None:
-        from astrai.train.checkpoint import wait_for_publish
+        from astrai.train.publish import wait_for_publish
 
         if not self.failed and trainer.ctx.step != self.last_saved:
             self._save(trainer)

@@ -1,13 +1,12 @@
-"""Training checkpoints: the full training state saved and restored, and the `astrai ckpt` CLI.
+"""Training checkpoints: the full training state saved and restored.
 
 Sits at the end of the training data flow: the checkpoint callback calls
 `save_training_checkpoint` after an optimizer step, and `--resume` calls
 `load_training_checkpoint` before the first one; `checkpoint_to_resume` picks which (the one
 finder, `astrai.model.manifest.newest_checkpoint`, at the "checksums" level with the files the
 train type needs). The files are published by the atomic protocol of `train/publish.py`
-(staging, manifest, fsync, rename, retention), whose names are re-exported here for callers
-that think in checkpoints. A checkpoint holding a non-finite weight or optimizer value is never
-published. What differs by rank (online RL's rollouts) is one file per rank, each rank loading
+(staging, manifest, fsync, rename, retention); the `astrai ckpt` command is ckpt_cli.py. A
+checkpoint holding a non-finite weight or optimizer value is never published. What differs by rank (online RL's rollouts) is one file per rank, each rank loading
 its own; everything else is one full, unsharded copy.
 """
 
@@ -23,24 +22,14 @@ from typing import Any
 
 import torch
 
-from astrai.flags import ArgumentParser
 from astrai.model.manifest import newest_checkpoint
 from astrai.train import dist
-from astrai.train.publish import (  # noqa: F401 - re-exported: the checkpoint vocabulary in one place
-    FORMAT,
-    HIDDEN_DIR,
+from astrai.train.publish import (
     MANIFEST,
-    STEP_DIR,
-    VERSION,
     CheckpointError,
     claim_ckpt_dir,
     cleanup_leftovers,
-    is_complete,
-    last_published,
-    latest_checkpoint,
-    list_checkpoints,
     publish,
-    read_manifest,
     step_dir_name,
     verify_checkpoint,
     wait_for_publish,
@@ -312,8 +301,9 @@ def _torch_load(path: Path) -> Any:
 
 
 def _read_model_weights(path: Path, model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    from astrai.model.hf import read_safetensors, state_dict_from_hf
+    from astrai.model.hf_weights import state_dict_from_hf
     from astrai.model.lora import ADAPTER_WEIGHTS, from_peft_key, has_lora, is_adapter_dir
+    from astrai.model.safetensors_io import read_safetensors
 
     if has_lora(model) != is_adapter_dir(path):
         raise CheckpointError(f"{path} holds {'a LoRA adapter' if is_adapter_dir(path) else 'full weights'} but this "
@@ -352,84 +342,3 @@ def _restore_metrics(saved: Path, target: Path) -> None:
     else:
         tmp.write_text("")
     os.replace(tmp, target)
-
-
-# ---------------------------------------------------------------------------------------- CLI
-
-
-def _dir_bytes(path: Path) -> int:
-    return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
-
-
-def _cmd_list(ckpt_dir: Path, verify: bool = False) -> int:
-    if not ckpt_dir.is_dir():
-        print(f"astrai ckpt list: {ckpt_dir} is not a directory", file=sys.stderr)
-        return 2
-    rows = []
-    for p in sorted(ckpt_dir.iterdir()):
-        if p.is_dir() and (STEP_DIR.match(p.name) or HIDDEN_DIR.match(p.name)):
-            if HIDDEN_DIR.match(p.name):
-                status = "leftover (ignored; removed at the next start)"
-            elif (p / MANIFEST).exists():
-                status = "complete" if is_complete(p) else "INCOMPLETE"
-                if verify and status == "complete":  # sizes match; --verify also reads every byte
-                    status = "complete, verified" if is_complete(p, checksums=True) else "DAMAGED (checksum)"
-            else:
-                status = "legacy (no manifest)"
-            rows.append(f"{p.name:<40} {_dir_bytes(p) / 1e6:>10.1f} MB  {status}")
-    print("\n".join(rows) if rows else f"no checkpoints in {ckpt_dir}")
-    latest = newest_checkpoint(ckpt_dir, "sizes").path
-    print(f"latest complete: {latest.name if latest else 'none'}")
-    return 0
-
-
-def _cmd_verify(target: Path) -> int:
-    if (target / MANIFEST).exists() or STEP_DIR.match(target.name):
-        paths = [target]
-    else:
-        paths = sorted(p for p in target.iterdir() if p.is_dir() and STEP_DIR.match(p.name)) if target.is_dir() else []
-        if not paths:
-            print(f"astrai ckpt verify: no checkpoints in {target}", file=sys.stderr)
-            return 2
-    failed = 0
-    for p in paths:
-        try:
-            verify_checkpoint(p)
-            print(f"OK      {p} ({len(read_manifest(p)['files'])} files, {_dir_bytes(p) / 1e6:.1f} MB)")
-        except CheckpointError as e:
-            failed += 1
-            print(f"FAILED  {e}")
-    return 1 if failed else 0
-
-
-def _cmd_latest(ckpt_dir: Path) -> int:
-    """The checkpoint `--resume` (and the container entrypoint) would continue from."""
-    try:
-        print(checkpoint_to_resume(ckpt_dir, asker="astrai ckpt latest"))
-    except CheckpointError as e:
-        print(f"astrai ckpt latest: {e}", file=sys.stderr)
-        return 1
-    return 0
-
-
-def main(argv: list[str] | None = None) -> int:
-    parser = ArgumentParser(prog="astrai ckpt", description="List, verify or pick training checkpoints.")
-    sub = parser.add_subparsers(dest="command", required=True)
-    list_cmd = sub.add_parser("list", help="checkpoints in a ckpt_dir, their size and status")
-    list_cmd.add_argument("dir", type=Path)
-    list_cmd.add_argument("--verify", action="store_true", help="also recompute checksums; mark damaged ones")
-    sub.add_parser(
-        "verify", help="recompute the checksums of one checkpoint, or of every checkpoint in a ckpt_dir"
-    ).add_argument("dir", type=Path)
-    sub.add_parser(
-        "latest", help="print the newest complete checkpoint in a ckpt_dir (what --resume picks), or exit 1"
-    ).add_argument("dir", type=Path)
-    args = parser.parse_args(argv)
-    if args.command == "list":
-        return _cmd_list(args.dir, args.verify)
-    commands = {"verify": _cmd_verify, "latest": _cmd_latest}
-    return commands[args.command](args.dir)
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

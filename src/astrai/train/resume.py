@@ -49,7 +49,7 @@ def resume_path(cfg: Config) -> Path:
 
 def find(cfg: Config) -> Path | None:
     """The checkpoint to resume from (None without --resume), the same on every rank."""
-    from astrai.train.checkpoint import CheckpointError
+    from astrai.train.publish import CheckpointError
 
     if not cfg.train.resume:
         return None
@@ -113,7 +113,8 @@ def restore_rank_state(loop: Loop, ckpt: Path, saved_world_size: int) -> None:
     own file. Under another number of ranks than the checkpoint's it cannot be split or merged:
     none is restored (online RL: every rank draws a fresh rollout at the next step), and rank 0
     says so. A rank that cannot read its file fails every rank, so none trains on alone."""
-    from astrai.train.checkpoint import CheckpointError, load_rank_state
+    from astrai.train.checkpoint import load_rank_state
+    from astrai.train.publish import CheckpointError
 
     rank_state = getattr(loop, "rank_state", None)
     if rank_state is None:
