@@ -13,11 +13,6 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "src" / "astrai"
 MAX_LINES = 600
-# modules that still pass on an imported name; each entry is a debt, and an entry that no longer
-# re-exports fails the test so that it is deleted
-KNOWN_REEXPORTS = {
-    "astrai.train.rl.tools",  # function_schema via __all__: removed by the episode-runner change
-}
 
 
 def module_name(path: Path) -> str:
@@ -218,10 +213,7 @@ def test_no_module_only_re_exports() -> None:
 
 def test_no_module_passes_on_names_it_imports() -> None:
     found = {name: names for name, path in sorted(module_paths().items()) if (names := reexported_names(path))}
-    unknown = {name: names for name, names in found.items() if name not in KNOWN_REEXPORTS}
-    assert not unknown, f"modules re-exporting imported names (importers should import from where they live): {unknown}"
-    stale = sorted(KNOWN_REEXPORTS - set(found))
-    assert not stale, f"no longer re-export: delete them from KNOWN_REEXPORTS: {stale}"
+    assert not found, f"modules re-exporting imported names (importers should import from where they live): {found}"
 
 
 def test_the_re_export_and_private_rules_find_what_they_name(tmp_path: Path) -> None:

@@ -24,7 +24,7 @@ from pydantic import Field, ValidationInfo, field_validator, model_validator
 
 from astrai.data.tool_calls import ToolCall, ToolCallStream, parse_tool_calls
 from astrai.serve.async_engine import OutputStream
-from astrai.serve.protocol import StrictModel, check_stops
+from astrai.serve.protocol import StrictModel, check_stops, sampling_field
 from astrai.serve.render import Choice, Renderer
 
 # Anthropic's error types by HTTP status (https://docs.anthropic.com/en/api/errors)
@@ -128,9 +128,9 @@ class MessagesRequest(StrictModel):
     max_tokens: int = Field(ge=1)
     system: str | list[TextBlock] | None = None
     stop_sequences: list[str] | None = None
-    temperature: float | None = Field(None, ge=0.0, le=1.0)
-    top_p: float | None = Field(None, gt=0.0, le=1.0)
-    top_k: int | None = Field(None, ge=0)
+    temperature: float | None = sampling_field("temperature", le=1.0)  # Anthropic's range is [0, 1]
+    top_p: float | None = sampling_field("top_p")
+    top_k: int | None = sampling_field("top_k", ge=0)  # Anthropic has no -1 for "off"
     stream: bool = False
     metadata: dict[str, Any] | None = None
     tools: list[AnthropicTool] | None = None

@@ -123,7 +123,7 @@ def uvicorn_config(app: Any, *, host: str, port: int, log_level: str = "info", s
 
 def _check_args(args: argparse.Namespace) -> str | None:
     """What makes this command line unusable, as one line for stderr; None when it is fine."""
-    from astrai.model.hf import check_device
+    from astrai.model.hf_dir import check_device
     from astrai.model.hub import is_hub_id
     from astrai.model.lora import read_adapter, split_adapter
     from astrai.model.manifest import check_model_dir, model_argument
