@@ -49,21 +49,22 @@ def run_stage(name: str, stage_dir: Path, fn, log) -> dict[str, Any]:
 
 
 def publish_final(ckpt_dir: Path, final_dir: Path) -> Path:
-    """Copy the newest complete checkpoint's model files to a plain model directory."""
-    from astrai.model.manifest import newest_checkpoint
+    """The newest complete checkpoint's model files as a plain model directory, published as a
+    checkpoint is (atomically, with a manifest of sizes and checksums that loading checks)."""
+    from astrai.model.manifest import newest_checkpoint, read_manifest
+    from astrai.train.publish import publish_model_dir
 
-    latest = newest_checkpoint(ckpt_dir, "sizes").path
-    if latest is None:
+    found = newest_checkpoint(ckpt_dir, "sizes")
+    if found.path is None:
         raise RuntimeError(f"training finished without a complete checkpoint in {ckpt_dir}")
-    tmp = final_dir.with_name(final_dir.name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    for name in MODEL_FILES:
-        if (latest / name).exists():
-            shutil.copy2(latest / name, tmp / name)
-    shutil.rmtree(final_dir, ignore_errors=True)
-    tmp.rename(final_dir)
-    return final_dir
+    latest = found.path
+
+    def copy(staging: Path) -> None:
+        for name in MODEL_FILES:
+            if (latest / name).exists():
+                shutil.copy2(latest / name, staging / name)
+
+    return publish_model_dir(final_dir, read_manifest(latest)["step"], copy)
 
 
 def train_stage(stage_dir: Path, config: dict[str, Any]) -> dict[str, Any]:

@@ -155,6 +155,26 @@ def publish(
     return final
 
 
+def publish_model_dir(final: str | os.PathLike, step: int, write_fn: Callable[[Path], None]) -> Path:
+    """A model directory outside a ckpt_dir (a run's ``final/``) published as a checkpoint is:
+    `write_fn(staging_dir)` writes the files into a hidden sibling, which is sealed with a manifest
+    (sizes and sha256, `step` the checkpoint it came from) and renamed into place, replacing an
+    older copy; loading it checks the manifest as for a checkpoint (``astrai.model.manifest``)."""
+    wait_for_publish()
+    final = Path(final)
+    final.parent.mkdir(parents=True, exist_ok=True)
+    staging = final.parent / f".{final.name}.staging-{os.getpid()}"
+    shutil.rmtree(staging, ignore_errors=True)
+    staging.mkdir()
+    try:
+        write_fn(staging)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    _finish(staging, final, step, keep_last=None)
+    return final
+
+
 def _finish(staging: Path, final: Path, step: int, keep_last: int | None) -> None:
     """Seal the staging directory and move it into place (the atomic part of publish)."""
     ckpt_dir, name = final.parent, final.name
