@@ -142,8 +142,7 @@ class OnlineLoop:
                 num = dist.max_over_ranks(len(batches)) if self.dist.world_size > 1 else len(batches)
                 for i in range(num):
                     filler = i >= len(batches)  # a pass that only joins the gradient all-reduce
-                    batch = batches[-1] if filler and batches else (
-                        self.objective.filler_batch(rollout) if filler else batches[i])
+                    batch = self.objective.filler_batch(rollout, batches) if filler else batches[i]
                     batch = {k: v.to(self.device) for k, v in batch.items()}
                     with self._no_sync(i < num - 1), self._autocast():
                         out = self.objective(self.model, batch)
