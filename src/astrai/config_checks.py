@@ -3,7 +3,9 @@ the rules between fields. A range that is one field's fact is that field's ``kno
 (``astrai.flags.Range``), checked here for every field at once; only rules between fields are
 written out. ``config.build_config`` calls ``validate`` last, so every way of
 making a run (YAML, flags, the Python API) meets the same rules; each failure is one
-``ConfigError`` line naming the field, the value and the fix.
+``ConfigError`` line naming the field, the value and the fix. What depends on a table of the train
+side (an advantage estimator's smallest ``group_size``: ``train/advantages.py``) is checked there,
+by ``astrai train`` and ``build_run``: this layer imports nothing of ``train``.
 """
 
 from __future__ import annotations
@@ -40,9 +42,6 @@ def validate(cfg: Config) -> None:
     if "overlong" in rl.rewards and not 0 < rl.overlong_buffer <= rl.rollout_max_tokens:
         raise ConfigError(f"overlong_buffer={rl.overlong_buffer} must be within [1, rollout_max_tokens="
                           f"{rl.rollout_max_tokens}] for the overlong reward; set --overlong_buffer in that range")
-    if rl.advantage_estimator == "rloo" and rl.group_size < 2:
-        raise ConfigError(f"advantage_estimator rloo needs group_size >= 2 (a baseline of the other samples), got "
-                          f"{rl.group_size}; set --group_size 2 or more")
     if rl.rollout_interval - 1 > rl.max_policy_lag:
         raise ConfigError(f"rollout_interval={rl.rollout_interval} reuses a rollout until it is "
                           f"{rl.rollout_interval - 1} policy versions old, more than max_policy_lag={rl.max_policy_lag}; "

@@ -21,7 +21,8 @@ from astrai.model.logprobs import selective_log_softmax, truncated_token_logps
 from astrai.model.transformer import CausalLM
 from astrai.train.losses import dpo_loss, sequence_logps, token_cross_entropy, token_entropy
 from astrai.train.objectives import OBJECTIVES
-from astrai.train.objectives.base import PolicyLogps, labelled_positions
+from astrai.train.objectives.base import labelled_positions
+from astrai.train.objectives.logps import PolicyLogps
 from astrai.train.objectives.packing import MIN_SHARED_PREFIX, RowLayout, first_fit_decreasing, prefix_trees
 from astrai.train.rl.data import Rollout
 from tests.train.resume_data import MODEL

@@ -65,11 +65,11 @@ def test_critic_warm_start_equals_the_policy_trunk_with_a_zero_head(tok_dir):
     from astrai.config import load_config
     from astrai.model.config import ModelConfig
     from astrai.model.transformer import CausalLM
-    from astrai.train.objectives import OnlinePPOObjective
+    from astrai.train.objectives import PPOObjective
     from tests.train.resume_data import MODEL
 
     policy = CausalLM(ModelConfig(**MODEL), seed=0).eval()
-    objective = OnlinePPOObjective(load_config(None, ["--train_type", "online_ppo"]), policy)
+    objective = PPOObjective(load_config(None, ["--train_type", "online_ppo"]), policy)
     critic = objective.critic.eval()
     ids = torch.randint(3, 300, (2, 9))
     hidden, _, _ = policy.model(ids, None, None, None)
@@ -180,11 +180,11 @@ def test_ppo_batches_with_bad_logp_old_are_errors_naming_the_field():
     from astrai.config import load_config
     from astrai.model.config import ModelConfig
     from astrai.model.transformer import CausalLM
-    from astrai.train.objectives import OnlinePPOObjective
+    from astrai.train.objectives import PPOObjective
     from tests.train.resume_data import MODEL
 
     policy = CausalLM(ModelConfig(**MODEL), seed=0)
-    objective = OnlinePPOObjective(load_config(None, ["--train_type", "online_ppo"]), policy)
+    objective = PPOObjective(load_config(None, ["--train_type", "online_ppo"]), policy)
     ids = torch.randint(3, 300, (2, 6))
     labels = torch.full((2, 6), -100)
     labels[:, 2:5] = ids[:, 3:6]

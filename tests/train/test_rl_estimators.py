@@ -11,6 +11,7 @@ import torch
 
 from astrai.config import ConfigError, load_config
 from astrai.train import losses as L
+from astrai.train.build import check_config
 from astrai.train.cli import main
 from tests.train.resume_data import read_metrics
 from tests.train.test_rl import tok_dir, write_rl_run  # noqa: F401 - the module-scoped tokenizer fixture
@@ -23,8 +24,10 @@ def test_rloo_advantages_by_hand():
     assert L.rloo_advantages(torch.ones(4), 2).tolist() == [0.0] * 4  # equal rewards: no signal
     with pytest.raises(ValueError, match="group_size >= 2"):
         L.rloo_advantages(torch.ones(3), 1)
+    # the estimator table is train's: checked by the run builder (and `astrai train`) before any model
     with pytest.raises(ConfigError, match="advantage_estimator rloo needs group_size >= 2"):
-        load_config(None, ["--advantage_estimator", "rloo", "--group_size", "1"])
+        check_config(load_config(None, ["--advantage_estimator", "rloo", "--group_size", "1"]))
+    assert main(["--advantage_estimator", "rloo", "--group_size", "1", "--dry_run"]) == 2
 
 
 def test_reward_to_go_and_batch_whitening_by_hand():

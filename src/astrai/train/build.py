@@ -30,9 +30,10 @@ from astrai.config import Config, OptimConfig
 from astrai.config_values import DEFAULT_MAX_PROMPT_LEN, TRAIN_TYPES, default_max_prompt_len, is_online
 from astrai.model.matmul import set_cpu_matmul
 from astrai.train import dist, resume
+from astrai.train.advantages import ADVANTAGE_ESTIMATORS, check_group_size
 from astrai.train.callbacks import CallbackList, arrange_callbacks, default_callbacks, requested_metrics
 from astrai.train.context import Loop
-from astrai.train.objectives import build_objective, objective_class
+from astrai.train.objectives import build_objective, objective_builder
 from astrai.train.optim import LRSchedule, build_optimizer
 from astrai.train.step import GradientStep
 
@@ -222,8 +223,11 @@ class Run:
 
 def check_config(cfg: Config) -> None:
     """What the train side refuses before anything is built, beyond ``astrai.config``'s checks
-    (which see only the config's own tables): the train type must have an objective here."""
-    objective_class(cfg.data.train_type)
+    (which see only the config's own tables): the train type must have an objective here, and
+    ``group_size`` must suit the advantage estimator (``train/advantages.py``, whose check ``astrai
+    train`` also runs right after reading the config, before any rank starts)."""
+    objective_builder(cfg.data.train_type)
+    check_group_size(cfg.rl)
 
 
 def build_run(cfg: Config, model: nn.Module | None = None, tokenizer: Any = None, objective: Any = None) -> Run:
@@ -270,7 +274,8 @@ def setup_objective(run: Run, total_steps: int) -> None:
 
 
 def companions(objective: Any) -> tuple[Any, ...]:
-    """The modules trained beside the policy on the same micro-batches (``objectives.base.Companion``)."""
+    """The modules trained beside the policy on the same micro-batches (``objectives.base.Companion``;
+    none for an objective that does not say)."""
     return tuple(getattr(objective, "companions", ()))
 
 
@@ -296,16 +301,13 @@ def fit_rollouts_to_model(cfg: Config, max_positions: int, is_main: bool = True)
                          f"{max_positions}; set --max_prompt_len to at most {room} (or lower --rollout_max_tokens)")
 
 
-# advantage estimators that compare a prompt's samples with each other: zero when they are all equal
-GROUP_RELATIVE = ("grpo", "rloo")
-
-
 def warn_if_no_signal(cfg: Config, is_main: bool = True) -> str | None:
     """One line when the settings make every advantage zero, so the run trains nothing: a group of
     one sample (GRPO's group-relative estimators) or greedy sampling (temperature 0: the group's
     samples are identical; online DPO finds no pair). Returns the line (None when there is none)."""
     rl, train_type = cfg.rl, cfg.data.train_type
-    relative = train_type == "online_dpo" or (train_type == "online_grpo" and rl.advantage_estimator in GROUP_RELATIVE)
+    relative = train_type == "online_dpo" or (
+        train_type == "online_grpo" and ADVANTAGE_ESTIMATORS[rl.advantage_estimator].group_relative)
     if not relative:
         return None
     what = "online_dpo's pairs" if train_type == "online_dpo" else f"advantage_estimator {rl.advantage_estimator}"

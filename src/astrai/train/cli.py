@@ -129,6 +129,9 @@ def main(argv: list[str] | None = None) -> int:
         return _fail(f"--num_threads must be >= 1, got {args.num_threads}")
     try:
         cfg = load_config(args.config, rest)
+        from astrai.train.advantages import check_group_size
+
+        check_group_size(cfg.rl)  # the estimator's table is train's: checked here, before any rank starts
     except ConfigError as e:
         return _fail(str(e))
     if args.dry_run:

@@ -1,4 +1,4 @@
-"""The gradient-step window: accumulate micro-batches, then one optimizer step. Every loop calls it.
+"""The gradient-step window and one optimizer step's bookkeeping: every loop calls them.
 
 The offline trainer, the online RL loop and the PPO critic's optimizer all end a window the same
 way, so the arithmetic lives here once. Objectives report *sums* over their loss units; after the
@@ -9,19 +9,24 @@ the step's ``grad_norm``), and steps the optimizer and the schedule. A non-finit
 gradient norm skips the update (gradients dropped, ``nonfinite_steps`` counts it, one warning
 names the step); ``max_nonfinite_steps`` skips in a row stop the run with ``NonFiniteError``.
 A window without loss units (nothing to learn from) leaves the weights as they are.
+``TrainStep`` is what both loops write around it: a micro-batch (device, DDP no-sync, autocast,
+objective, backward, the window's sums, the companions') and the window's end (the optimizer
+step, then the run's step and policy-version counters, then the companions' steps).
 """
-
 from __future__ import annotations
 
 import math
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from contextlib import ExitStack
 from typing import Any
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
 from astrai.train import dist
+from astrai.train.context import TrainContext
+from astrai.train.objectives.base import Batch, Companion, LossOutput, Objective, num_tokens
 
 
 class NonFiniteError(RuntimeError):
@@ -124,6 +129,59 @@ class GradientStep:
             print(f"warning: {self.name} step {number} skipped: non-finite loss={loss} or grad_norm={grad_norm}; gradients "
                   f"dropped ({self.num_nonfinite_in_row} in a row, the run stops at {self.max_nonfinite_steps})",
                   file=sys.stderr)
+
+
+class TrainStep:
+    """One optimizer step of a loop: ``micro_batch`` for each micro-batch of the window, then
+    ``finish``. `model` is the wrapped policy the objective trains through; `companions` are the
+    modules trained beside it (the online loop's objective's; the offline loop has none)."""
+
+    def __init__(self, model: nn.Module, objective: Objective, grad_step: GradientStep, device: torch.device,
+                 bf16: bool, companions: Sequence[Companion] = ()):
+        self.model, self.objective, self.grad_step = model, objective, grad_step
+        self.device, self.bf16, self.companions = device, bf16, tuple(companions)
+
+    def micro_batch(self, batch: Batch, last: bool, filler: bool = False) -> LossOutput:
+        """Forward and backward one micro-batch and add it to the window. DDP all-reduces the
+        gradients only in the window's `last` backward (policy and companions). A `filler` pass
+        (a rank with fewer micro-batches than another) only joins the gradient all-reduce: zero
+        loss, zero units and tokens, zero metrics (their names keep the window's sums aligned
+        over the ranks) and no pins."""
+        batch = {k: v.to(self.device, non_blocking=True) if isinstance(v, Tensor) else v for k, v in batch.items()}
+        # the switches cover the forward only (DDP reads no-sync there); FSDP2 reads its switch in
+        # the backward, so its gradients are reduce-scattered every micro-batch, as they always were
+        with ExitStack() as stack:
+            for module in (self.model, *(c.module for c in self.companions)):
+                stack.enter_context(dist.no_sync(module, not last))
+            stack.enter_context(dist.autocast(self.device, self.bf16))
+            out = self.objective(self.model, batch)
+        if filler:
+            out = LossOutput(out.loss * 0, {k: torch.zeros_like(v) for k, v in out.metrics.items()})
+        out.loss.backward()  # a sum over loss units; the window normalises it
+        units = 0 if filler else self.objective.num_units(batch)
+        self.grad_step.add(out.loss, units, 0 if filler else num_tokens(batch), out.metrics)
+        for companion in self.companions:  # PPO's critic: the same backward fed its gradients
+            companion.add(out, units)
+        return out
+
+    def finish(self, ctx: TrainContext, before_update: Callable[[], None] | None = None,
+               publish: Callable[[int], None] | None = None) -> tuple[dict[str, Any], int]:
+        """End the window as optimizer step ``ctx.step + 1`` (``GradientStep.step``; `before_update`
+        is the loop's callback hook), count the step and the new policy version in `ctx`, hand the
+        version to `publish` (the rollout sampler: older KV is never served), then step each
+        companion, outside the version's publication. Returns the step's metrics (the policy's
+        and the companions') and the window's trained tokens (all ranks), also added to
+        ``ctx.tokens_seen``."""
+        result = self.grad_step.step(ctx.step + 1, before_update=before_update)
+        ctx.step += 1
+        ctx.policy_version += 1
+        if publish is not None:
+            publish(ctx.policy_version)
+        for companion in self.companions:
+            result.update(companion.step(ctx.step))
+        tokens = result.pop("num_tokens")
+        ctx.tokens_seen += tokens
+        return result, tokens
 
 
 def _to_float(x: Tensor | float) -> float:

@@ -3,8 +3,9 @@
 Sits in the middle of the training data flow: a dataset and ``ResumableSampler`` from
 ``astrai.data`` feed micro-batches; an objective (``train/objectives/``) turns each into a
 loss summed over its loss units; after ``grad_accum_steps`` micro-batches the gradient-step window
-(``train/step.py``, shared with every loop) normalises by the loss units of the whole window (all
-ranks), clips and steps, and callbacks log and publish checkpoints (``train/callbacks.py``).
+(``train/step.py``, shared with every loop, as is the micro-batch itself: ``TrainStep``)
+normalises by the loss units of the whole window (all ranks), clips and steps, and callbacks log
+and publish checkpoints (``train/callbacks.py``).
 The run (ranks, model, objective, optimizer, callbacks) is built by ``train/build.py``, as
 for the online loop; resume is ``train/resume.py``. Windows may span epochs. The stop event
 of ``TrainContext`` is checked at every batch boundary; a stop inside a window drops the partial
@@ -35,8 +36,8 @@ from astrai.train.build import (
     setup_objective,
 )
 from astrai.train.context import TrainContext
-from astrai.train.objectives import num_tokens
 from astrai.train.signals import pause_point
+from astrai.train.step import TrainStep
 
 Batch = dict[str, Any]
 
@@ -65,6 +66,7 @@ class Trainer:
         self.total_steps = self._count_total_steps()
         self.optimizer, self.scheduler, self.grad_step = run.optimization(self.raw_model, cfg.optim, self.total_steps)
         setup_objective(run, self.total_steps)
+        self.train_step = TrainStep(self.model, self.objective, self.grad_step, self.device, cfg.train.bf16)
         self.callbacks = build_callbacks(self, run, callbacks)
         self.step_metrics: dict[str, Any] = {}
         self._data_epoch, self._data_consumed = self.ctx.epoch, self.ctx.consumed_samples
@@ -86,12 +88,8 @@ class Trainer:
                     if stopping:
                         break
                     cbs.on_batch_begin(self, batch)
-                    last_micro_step = self.grad_step.size == accum - 1
-                    # DDP: gradients are all-reduced only in the window's last backward
-                    with dist.no_sync(self.model, not last_micro_step), self._autocast():
-                        out = self.objective(self.model, batch)
-                    out.loss.backward()  # loss is summed over units; the window normalises it
-                    self.grad_step.add(out.loss, self.objective.num_units(batch), num_tokens(batch), out.metrics)
+                    # forward, backward, the window's sums; DDP all-reduces only in its last backward
+                    out = self.train_step.micro_batch(batch, last=self.grad_step.size == accum - 1)
                     cbs.on_batch_end(self, batch, out)
                     if self.grad_step.size == accum:
                         self._optimizer_step()
@@ -109,13 +107,9 @@ class Trainer:
 
     def _optimizer_step(self) -> None:
         ctx, cbs = self.ctx, self.callbacks
-        result = self.grad_step.step(ctx.step + 1, before_update=lambda: cbs.before_optimizer_step(self))
-        ctx.step += 1
-        ctx.policy_version += 1
+        result, tokens = self.train_step.finish(ctx, before_update=lambda: cbs.before_optimizer_step(self))
         ctx.epoch, ctx.consumed_samples = self._data_epoch, self._data_consumed
         now = time.perf_counter()
-        ctx.tokens_seen += result["num_tokens"]
-        tokens = result.pop("num_tokens")
         self.step_metrics = {"step": ctx.step, "epoch": ctx.epoch, **result,
                              "tokens_per_s": tokens / max(now - self._t_last, 1e-9)}
         if self._validation_due():

@@ -1,5 +1,5 @@
-"""What every objective shares: ``LossOutput``, metric requests, the MoE terms, the frozen reference,
-and, for objectives that train on rollouts, token log-probs, loss units and micro-batches.
+"""What every objective shares: ``LossOutput``, the loop contract (``Objective``, ``RolloutObjective``,
+``Companion``), metric requests, the MoE terms and the frozen reference, as plain functions.
 
 Sits between a loop and ``train/losses.py``: an objective runs the model forward on a batch and
 hands the outputs to the pure loss functions, which hold all the arithmetic. Loops normalise by
@@ -7,31 +7,26 @@ the whole accumulation window, so every objective reports *sums* over its loss u
 for seq/sft, preference pairs for dpo, tokens or sequences for RL): ``loss`` and each metric are
 divided by the window's unit count (all ranks) in ``train/step.py``. Metrics are computed only
 when requested: the loop sets ``requested_metrics`` to the names its callbacks read (None = all).
-
-What a loop may ask of an objective beyond ``__call__`` and ``num_units`` is stated here once:
-``setup(run, total_steps)`` after the policy is wrapped (PPO builds its critic's training there),
-``companions`` (modules trained beside the policy on the same micro-batches, each with its own
-optimizer and gradient step), and for online objectives ``prepare`` / ``batches``.
+Objectives are composed, not inherited: each calls the shared steps it needs (here, and for
+rollout objectives ``logps.py`` and ``rollout_steps.py``).
 """
 
 from __future__ import annotations
 
 import copy
-import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
-import torch
 from torch import Tensor, nn
 
-from astrai.config import Config, RLConfig
+from astrai.config import Config
 from astrai.model.chunked_head import HeadLogps, head_logps
-from astrai.train.dist import unwrap_model
-from astrai.train.losses import IGNORE_INDEX, aggregate_token_loss, importance_weights
-from astrai.train.objectives.packing import RowLayout
+from astrai.train.losses import IGNORE_INDEX
 
 if TYPE_CHECKING:
     from astrai.train.build import Run
+    from astrai.train.rl.data import Rollout
 
 Batch = dict[str, Any]
 
@@ -60,6 +55,45 @@ class Companion(Protocol):
     def load_state_dict(self, state: dict[str, int]) -> None: ...
     def extra_state(self) -> dict[str, dict[str, Any]]: ...
     def load_extra_state(self, states: dict[str, dict[str, Any]]) -> None: ...
+
+
+class Objective(Protocol):
+    """What a loop asks of an objective. ``__call__`` runs one micro-batch: its loss summed over
+    ``num_units(batch)`` loss units, and metric sums over the same units (only those named in
+    ``requested_metrics``, None = all, set by the loop from its callbacks). ``setup(run,
+    total_steps)`` runs once the policy is wrapped and the run's length is known (PPO builds its
+    critic's training there); ``companions`` are the modules trained beside the policy. Every
+    objective here states all five; a user's own objective for the offline loop may give only
+    ``__call__`` and ``num_units`` (``train/build.py`` reads the others with defaults)."""
+
+    requested_metrics: frozenset[str] | None
+    companions: tuple[Companion, ...]
+
+    def __call__(self, model: nn.Module, batch: Batch) -> LossOutput: ...
+    def num_units(self, batch: Batch) -> Tensor | int: ...
+    def setup(self, run: Run, total_steps: int) -> None: ...
+
+
+class RolloutObjective(Objective, Protocol):
+    """An objective of the online loop (``train/rl/loop.py``), which trains on rollouts: ``prepare``
+    pins a fresh rollout's targets once (advantages, pairs, values); each optimizer step on it
+    runs ``batches(rollout, grad_accum_steps)``; under DDP a rank with fewer micro-batches than
+    another runs ``filler_batch(rollout, batches)`` for each missing one, a pass whose loss and
+    units the loop zeroes, so that every rank joins every gradient all-reduce."""
+
+    def prepare(self, rollout: Rollout) -> None: ...
+    def batches(self, rollout: Rollout, num_micro: int) -> list[Batch]: ...
+    def filler_batch(self, rollout: Rollout, batches: list[Batch]) -> Batch: ...
+
+
+def wants(requested: frozenset[str] | None, name: str) -> bool:
+    """Whether metric `name` was asked for (``requested_metrics``; None asks for every one)."""
+    return requested is None or name in requested
+
+
+def computed(candidates: dict[str, Callable[[], Tensor]], requested: frozenset[str] | None) -> dict[str, Tensor]:
+    """The requested metrics of `candidates` (name -> how to compute it), computed; the others never are."""
+    return {name: compute() for name, compute in candidates.items() if wants(requested, name)}
 
 
 def num_tokens(batch: Batch) -> Tensor | int:
@@ -108,6 +142,29 @@ def aux_coef(cfg: Config, model: nn.Module) -> float:
     return float(cfg.model.get("router_aux_loss_coef", default))
 
 
+def add_moe_terms(out: Any, loss: Tensor, units: Tensor, coef: float, metrics: dict[str, Tensor],
+                  requested: frozenset[str] | None) -> Tensor:
+    """loss + coef * aux_loss of the forward `out` (aux is a per-micro-batch mean, so it is
+    weighted by the units); the requested MoE metrics go into `metrics`."""
+    if out.aux_loss is None:
+        return loss
+    aux = out.aux_loss.float() * units
+    candidates = {
+        "task_loss": lambda: loss.detach(),
+        "aux_loss": lambda: aux.detach(),
+        "aux_loss_weighted": lambda: coef * aux.detach(),
+    }
+    for name, value in out.router_stats.items():
+        value = value.detach().float()
+        if value.ndim:  # per-expert loads: the busiest expert's share says how balanced routing is
+            candidates[f"router/{name}_max"] = lambda v=value: v.max() * units
+            candidates[f"router/{name}_min"] = lambda v=value: v.min() * units
+        else:
+            candidates[f"router/{name}"] = lambda v=value: v * units
+    metrics.update(computed(candidates, requested))
+    return loss + coef * aux
+
+
 def frozen_reference(ref_model_path: str | None, model: nn.Module) -> Any:
     """The reference of DPO and of the RL KL term: ref_model_path, else the initial policy: under
     LoRA the policy's own module with its adapters disabled (no copy of the weights), otherwise a
@@ -123,204 +180,3 @@ def frozen_reference(ref_model_path: str | None, model: nn.Module) -> Any:
 
         ref = load_model(ref_model_path, device=next(model.parameters()).device)
     return ref.eval().requires_grad_(False)
-
-
-class Objective:
-    """What every objective shares: which of its metrics anyone asked for, the MoE terms, and the
-    loop hooks that most objectives leave empty."""
-
-    requested_metrics: frozenset[str] | None = None  # None: compute every metric
-    companions: tuple[Companion, ...] = ()
-
-    def wants(self, name: str) -> bool:
-        return self.requested_metrics is None or name in self.requested_metrics
-
-    def setup(self, run: Run, total_steps: int) -> None:
-        """Called once the policy is wrapped and the run's length is known; nothing by default."""
-
-    def _add_moe_terms(self, out: Any, loss: Tensor, units: Tensor, coef: float, metrics: dict[str, Tensor]) -> Tensor:
-        """loss + coef * aux_loss (aux is a per-micro-batch mean, so it is weighted by the units)."""
-        if out.aux_loss is None:
-            return loss
-        aux = out.aux_loss.float() * units
-        candidates = {
-            "task_loss": lambda: loss.detach(),
-            "aux_loss": lambda: aux.detach(),
-            "aux_loss_weighted": lambda: coef * aux.detach(),
-        }
-        for name, value in out.router_stats.items():
-            value = value.detach().float()
-            if value.ndim:  # per-expert loads: the busiest expert's share says how balanced routing is
-                candidates[f"router/{name}_max"] = lambda v=value: v.max() * units
-                candidates[f"router/{name}_min"] = lambda v=value: v.min() * units
-            else:
-                candidates[f"router/{name}"] = lambda v=value: v * units
-        metrics.update({name: compute() for name, compute in candidates.items() if self.wants(name)})
-        return loss + coef * aux
-
-
-@dataclass
-class PolicyLogps:
-    """What ``token_logps`` gives an objective, at the labelled positions ``idx`` (K,) of the
-    padded rows (every position when None): log-probs and loss mask (B, K), the entropy metric
-    (B, K) when asked for, and the forward's MoE terms."""
-
-    logps: Tensor
-    mask: Tensor
-    idx: Tensor | None
-    entropy: Tensor | None = None
-    aux_loss: Tensor | None = None
-    router_stats: dict[str, Tensor] = field(default_factory=dict)
-    rows: RowLayout | None = None  # how the rows went through the model (PPO's critic runs them the same way)
-
-
-def token_logps(model: Any, batch: Batch, rl: RLConfig, entropy: bool = False, layout: str = "share") -> PolicyLogps:
-    """The labelled tokens' log-probs under the distribution the rollout sampler drew from:
-    logits / rollout_temperature, truncated to rollout_top_k and rollout_top_p and renormalised
-    (docs/training.md, "The log-prob contract"); temperature 0 (greedy) uses the plain logits, as
-    the sampler does. The rows run through the model in `layout` (``packing.py``: padding-free by
-    default) and the lm head runs chunked on the labelled tokens only (``model/chunked_head.py``:
-    no (rows, vocab) logits tensor); results come back in the padded (B, K) layout, 0 off-label."""
-    labels = batch["labels"]
-    labelled = labels != IGNORE_INDEX
-    if layout == "share" and getattr(getattr(unwrap_model(model), "config", None), "num_experts", 0):
-        layout = "pack"  # MoE routing statistics count tokens: a shared prompt must count once per sample
-    rows = RowLayout.build(batch["attention_mask"], labelled, layout, batch["input_ids"])
-    keep = rows.keep()
-    targets = labels[rows.src]  # (M,)
-
-    def head(hidden: Tensor, lm_head: nn.Module) -> HeadLogps:
-        return head_logps(rows.gather(hidden, keep), lm_head, targets, rl.rollout_temperature, rl.rollout_top_k,
-                          rl.rollout_top_p, entropy=entropy)
-
-    out = model(**rows.inputs(batch["input_ids"], batch["attention_mask"]), logits_indices=keep, head=head)
-    idx = labelled_positions(labels)
-    mask = labelled if idx is None else labelled[:, idx]  # (B, K)
-    ent = rows.scatter(out.head.entropy, idx) if entropy else None
-    return PolicyLogps(rows.scatter(out.head.logps, idx), mask, idx, ent, out.aux_loss, out.router_stats, rows)
-
-
-@torch.no_grad()
-def reference_logps(reference: Any, rollout: Any, rl: RLConfig, device: torch.device) -> Tensor:
-    """The reference's log-probs (N, T) of a rollout's labels (0 where no label), in chunks of 16
-    samples: for KL terms folded into per-token rewards (PPO, REINFORCE++)."""
-    out = torch.zeros(rollout.labels.shape)
-    for rows in torch.arange(rollout.num_samples).split(16):
-        batch = {"input_ids": rollout.input_ids[rows].to(device), "attention_mask": rollout.attention_mask[rows].to(device),
-                 "labels": rollout.labels[rows].to(device)}
-        ref = token_logps(reference, batch, rl)
-        full = torch.zeros(len(rows), out.size(1))
-        full[:, ref.idx if ref.idx is not None else slice(None)] = ref.logps.cpu()
-        out[rows] = full
-    return out
-
-
-@dataclass
-class Behaviour:
-    """What a rollout objective compares its log-probs with, at the labelled positions (B, K):
-    ``old`` is the ratio's denominator (the trainer's own log-prob at the rollout's weights),
-    ``weights`` the truncated importance weights for the sampler-trainer mismatch, ``capped`` where
-    the cap bit, and ``pins`` what the loop stores on the rollout for the steps that reuse it."""
-
-    old: Tensor
-    weights: Tensor
-    capped: Tensor
-    pins: dict[str, Tensor]
-
-
-class RolloutObjective(Objective):
-    """Objectives that train on scored samples (GRPO, PPO): loss units follow ``rl_loss_agg``
-    (tokens, or sequences), a rollout splits into micro-batches of whole samples, and online ones
-    correct the sampler-trainer mismatch (``behaviour``)."""
-
-    online = False
-    # how micro-batches go through the model (measured in benchmarks/bench_rl_scale.py): "share"
-    # (padding-free rows, each group's common prompt computed once), "pack" (padding-free rows),
-    # "sort" (samples sorted by length into micro-batches, each trimmed to its longest), "pad"
-    # (every micro-batch at the rollout's width, as before)
-    layout = "share"
-
-    def __init__(self, rl: RLConfig):
-        self.rl = rl
-        self.agg = rl.rl_loss_agg
-        self.is_level, self.is_cap = rl.rollout_is_level, rl.rollout_is_cap
-        self.mask_truncated = rl.mask_truncated_completions
-
-    def loss_mask(self, batch: Batch, mask: Tensor) -> Tensor:
-        """The labelled positions that carry loss: with ``mask_truncated_completions``, none of a
-        completion cut off at ``rollout_max_tokens`` (the ``keep`` pinned per sample)."""
-        return mask & batch["keep"][:, None] if "keep" in batch else mask
-
-    def num_units(self, batch: Batch) -> Tensor:
-        labelled = self.loss_mask(batch, batch["labels"] != IGNORE_INDEX)
-        if self.agg == "token_mean":
-            return labelled.sum()
-        if "keep" in batch:
-            return batch["keep"].sum()
-        return torch.tensor(batch["labels"].size(0), device=batch["labels"].device)
-
-    def prepare_truncation(self, rollout: Any) -> None:
-        """``mask_truncated_completions``: pin which samples carry loss (those that ended)."""
-        if self.mask_truncated:
-            rollout.pinned["keep"] = ~rollout.truncated
-
-    def prepare_behaviour(self, rollout: Any) -> None:
-        """A fresh rollout: the trainer's log-probs at its weights are not known yet (NaN); the
-        first step on it computes them (the weights have not moved since sampling) and pins them.
-        Positions without a label hold 0 (a checkpoint's rollout must be finite)."""
-        unknown = torch.full(rollout.old_logps.shape, math.nan)
-        rollout.trainer_logps = torch.where(rollout.labels != IGNORE_INDEX, unknown, 0.0)
-
-    def batches(self, rollout: Any, num_micro: int) -> list[Batch]:
-        """Micro-batches of whole samples, in order (or, layout "sort", longest first, so that
-        each micro-batch holds samples of similar lengths)."""
-        order = torch.arange(rollout.num_samples)
-        if self.layout == "sort":
-            order = rollout.attention_mask.sum(dim=1).argsort(descending=True, stable=True)
-        chunks = order.tensor_split(min(num_micro, rollout.num_samples))
-        return [rollout.rows(idx) for idx in chunks if len(idx)]
-
-    def logps(self, model: Any, batch: Batch, entropy: bool = False) -> PolicyLogps:
-        """``token_logps`` in this objective's layout."""
-        return token_logps(model, batch, self.rl, entropy, "trim" if self.layout == "sort" else self.layout)
-
-    def behaviour(self, batch: Batch, logps: Tensor, mask: Tensor, idx: Tensor | None) -> Behaviour:
-        """The ratio's denominator and the importance weights (docs/training.md, "The log-prob
-        contract"). Offline records, and rows without behaviour log-probs (NaN), use the policy's
-        own log-probs: weights 1."""
-        def at(key: str) -> Tensor:
-            return batch[key] if idx is None else batch[key][:, idx]
-
-        current = logps.detach()
-        sampler = torch.where(torch.isnan(at("old_logps")), current, at("old_logps"))
-        if not self.online or "trainer_logps" not in batch:
-            return Behaviour(sampler, mask.float(), torch.zeros_like(mask), {})
-        known = at("trainer_logps")
-        old = torch.where(torch.isnan(known), current, known)  # NaN: this is the rollout's first step
-        weights, capped = importance_weights(old, sampler, mask, self.is_level, self.is_cap)
-        full = batch["trainer_logps"].clone()
-        full[:, idx if idx is not None else slice(None)] = old
-        return Behaviour(old, weights, capped, {"trainer_logps": full})
-
-    def per_unit(self, per_token: Tensor, mask: Tensor) -> Tensor:
-        """A per-token metric summed over this objective's loss units (a token or a sequence mean
-        once the window divides by its units)."""
-        return aggregate_token_loss(per_token, mask, "token_mean" if self.agg == "token_mean" else "seq_mean")[0]
-
-    def common_metrics(self, pol: PolicyLogps, mask: Tensor, beh: Behaviour, clipped: Tensor,
-                       sampler: Tensor) -> dict[str, Tensor]:
-        """The metrics every rollout objective reports, computed only when asked for (TRL / verl
-        names where they exist): clip fractions (all, below 1 - eps, above 1 + eps_high), approx_kl
-        to the old policy, sampler_logp_diff, the policy's mean token entropy, importance weights."""
-        diff_old, diff_sampler = pol.logps.detach() - beh.old, pol.logps.detach() - sampler
-        candidates = {
-            "clip_fraction": lambda: clipped.float(),
-            "clip_fraction_low": lambda: (clipped & (diff_old < 0)).float(),  # ratio below 1 - clip_eps
-            "clip_fraction_high": lambda: (clipped & (diff_old > 0)).float(),  # ratio above 1 + clip_eps_high
-            "approx_kl": lambda: 0.5 * diff_old**2,  # between the current and the old policy
-            "sampler_logp_diff": lambda: diff_sampler.abs(),  # |trainer - sampler| log-prob; ~0 on a fresh rollout
-            "entropy": lambda: pol.entropy,  # computed chunk by chunk by token_logps when asked for
-            "is_weight_mean": lambda: beh.weights,
-            "is_weight_capped_fraction": lambda: beh.capped.float(),
-        }
-        return {k: self.per_unit(f(), mask) for k, f in candidates.items() if self.wants(k)}

@@ -5,7 +5,7 @@ picked from rollouts."""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor, nn
@@ -14,12 +14,17 @@ from astrai.config import Config
 from astrai.train.losses import IGNORE_INDEX, dpo_loss, sum_token_logps
 from astrai.train.objectives.base import (
     Batch,
+    Companion,
     LossOutput,
-    Objective,
+    add_moe_terms,
     aux_coef,
+    computed,
     frozen_reference,
     labelled_logps,
 )
+
+if TYPE_CHECKING:
+    from astrai.train.build import Run
 
 
 def concat_pairs(batch: Batch) -> tuple[Tensor, Tensor, Tensor, Tensor]:
@@ -34,9 +39,12 @@ def concat_pairs(batch: Batch) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     return parts[0], parts[1], parts[2], parts[3]
 
 
-class DPOObjective(Objective):
+class DPOObjective:
     """Direct preference optimisation against a frozen reference (or none, reference-free). Under
     LoRA the reference is the policy's own module with its adapters disabled (no second model)."""
+
+    requested_metrics: frozenset[str] | None = None
+    companions: tuple[Companion, ...] = ()
 
     def __init__(self, cfg: Config, model: nn.Module, reference: nn.Module | None = None):
         o = cfg.objective
@@ -47,6 +55,9 @@ class DPOObjective(Objective):
             self.reference = reference if reference is not None else frozen_reference(o.ref_model_path, model)
             if isinstance(self.reference, nn.Module):
                 self.reference.eval().requires_grad_(False)
+
+    def setup(self, run: Run, total_steps: int) -> None:
+        """Nothing is trained beside the policy."""
 
     def num_units(self, batch: Batch) -> Tensor:
         return torch.tensor(batch["chosen_input_ids"].size(0), device=batch["chosen_input_ids"].device)
@@ -69,14 +80,14 @@ class DPOObjective(Objective):
         losses, chosen_rewards, rejected_rewards = dpo_loss(
             logps[:B], logps[B:], ref_c, ref_r, self.beta, self.loss_type, self.label_noise
         )  # (B,) each
-        candidates = {
+        metrics = computed({
             "rewards/chosen": lambda: chosen_rewards.sum(),
             "rewards/rejected": lambda: rejected_rewards.sum(),
             "rewards/margins": lambda: (chosen_rewards - rejected_rewards).sum(),
             "rewards/accuracies": lambda: (chosen_rewards > rejected_rewards).float().sum(),
             "logps/chosen": lambda: logps[:B].detach().sum(),
             "logps/rejected": lambda: logps[B:].detach().sum(),
-        }
-        metrics = {name: compute() for name, compute in candidates.items() if self.wants(name)}
-        loss = self._add_moe_terms(out, losses.sum(), torch.tensor(float(B), device=ids.device), self.aux_coef, metrics)
+        }, self.requested_metrics)
+        units = torch.tensor(float(B), device=ids.device)
+        loss = add_moe_terms(out, losses.sum(), units, self.aux_coef, metrics, self.requested_metrics)
         return LossOutput(loss, metrics)

@@ -1,81 +1,95 @@
 """GRPO and its relatives (``grpo`` on recorded samples, ``online_grpo`` on rollouts of the live
-policy): the clipped surrogate on advantages from scored samples, with an optional KL term.
+policy, the same class with ``online=True``): the clipped surrogate on advantages from scored
+samples, with an optional KL term.
 
-The advantage estimator (``advantage_estimator``) is a pure function of ``train/losses.py``:
+The advantage estimator (``advantage_estimator``) is an entry of ``train/advantages.py``'s table:
 ``grpo`` (group-relative, ``scale_rewards`` choosing Dr. GRPO's unscaled form), ``rloo``
 (leave-one-out baseline) or ``reinforce_pp`` (REINFORCE++: the KL folded into per-token rewards,
-reward-to-go, normalised over the whole batch of all ranks); ``advantages`` and ``prepare`` are
-the one place that picks it. ``importance_sampling_level: sequence`` is GSPO: one ratio per
-sample, the exponentiated mean of its tokens' log-ratios, clipped per sequence.
-Batch keys: input_ids, attention_mask, labels (response tokens, -100 elsewhere), old_logps (the
-sampler's, aligned with labels; NaN = the policy's own at the start of the step) and advantages
-(one per sequence; offline records give rewards and group ids instead).
+reward-to-go, normalised over the whole batch of all ranks); ``prepare`` calls its function and
+reads from the table whether the KL is in the rewards. ``importance_sampling_level: sequence`` is
+GSPO: one ratio per sample, the exponentiated mean of its tokens' log-ratios, clipped per
+sequence. Batch keys: input_ids, attention_mask, labels (response tokens, -100 elsewhere),
+old_logps (the sampler's, aligned with labels; NaN = the policy's own at the start of the step)
+and advantages (one per sequence, or per token for reinforce_pp; offline records give rewards and
+group ids instead). Shared steps: ``logps.py`` and ``rollout_steps.py``.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor, nn
 
 from astrai.config import Config
 from astrai.train import dist
+from astrai.train.advantages import ADVANTAGE_ESTIMATORS, AdvantageInputs
 from astrai.train.losses import (
     IGNORE_INDEX,
     aggregate_token_loss,
     clipped_surrogate,
     grpo_advantages,
     kl_estimate,
-    reward_to_go,
-    rloo_advantages,
     sequence_log_ratio,
-    token_rewards,
-    whiten_with_sums,
 )
-from astrai.train.objectives.base import (
-    Batch,
-    LossOutput,
-    RolloutObjective,
-    frozen_reference,
+from astrai.train.objectives.base import Batch, Companion, LossOutput, frozen_reference, wants
+from astrai.train.objectives.logps import (
+    PolicyLogps,
+    at_labels,
+    behaviour,
     reference_logps,
+    token_logps,
+    unknown_trainer_logps,
 )
+from astrai.train.objectives.rollout_steps import (
+    DEFAULT_LAYOUT,
+    common_metrics,
+    loss_mask,
+    micro_batches,
+    num_units,
+    per_unit,
+    pin_keep,
+)
+from astrai.train.rl.sampler import rollout_sampling
+
+if TYPE_CHECKING:
+    from astrai.train.build import Run
+    from astrai.train.rl.data import Rollout
 
 
-class GRPOObjective(RolloutObjective):
+class GRPOObjective:
     """GRPO: PPO clipping (per token, or per sequence for GSPO) on advantages from the group's
-    rewards, optional KL to a reference (``kl_estimator``; in the rewards for REINFORCE++)."""
+    rewards, optional KL to a reference (``kl_estimator``; in the rewards for REINFORCE++).
+    ``online``: the samples are rollouts of the live policy, so no old model is kept: the ratio's
+    old log-probs are the trainer's own on the rollout's first step, and the sampler's enter only
+    through the importance weights. Offline, the records' log-probs are the old ones (weights 1)."""
 
-    def __init__(self, cfg: Config, model: nn.Module):
+    requested_metrics: frozenset[str] | None = None
+    companions: tuple[Companion, ...] = ()
+    layout = DEFAULT_LAYOUT  # how micro-batches go through the model (rollout_steps.py)
+
+    def __init__(self, cfg: Config, model: nn.Module, online: bool = False):
         rl = self.rl = cfg.rl
-        super().__init__(rl)
-        self.clip_eps, self.clip_eps_high = rl.clip_eps, rl.clip_eps_high
-        self.temperature, self.kl_coef = rl.rollout_temperature, rl.kl_coef
-        self.max_len = rl.rollout_max_tokens
+        self.online = online
+        self.agg, self.max_len = rl.rl_loss_agg, rl.rollout_max_tokens
+        self.clip_eps, self.clip_eps_high, self.kl_coef = rl.clip_eps, rl.clip_eps_high, rl.kl_coef
         self.scale = rl.scale_rewards == "group"
-        self.group_size, self.estimator = rl.group_size, rl.advantage_estimator
+        self.estimator = ADVANTAGE_ESTIMATORS[rl.advantage_estimator]
         self.device = next(model.parameters()).device
         self.sequence_ratio = rl.importance_sampling_level == "sequence"
         self.reference = frozen_reference(cfg.objective.ref_model_path, model) if rl.kl_coef > 0 else None
         # REINFORCE++ folds the KL into its per-token rewards: no KL term in the loss then
-        self.kl_in_loss = self.reference is not None and self.estimator != "reinforce_pp"
+        self.kl_in_loss = self.reference is not None and not self.estimator.kl_in_rewards
 
-    def advantages(self, rewards: Tensor) -> Tensor:
-        """(B, G) rewards -> (B * G,) advantages, groups contiguous (grpo, rloo)."""
-        if self.estimator == "rloo":
-            return rloo_advantages(rewards.reshape(-1), rewards.size(-1))
-        return grpo_advantages(rewards.reshape(-1), rewards.size(-1), scale=self.scale)
+    def setup(self, run: Run, total_steps: int) -> None:
+        """Nothing is trained beside the policy."""
 
-    def reinforce_pp_advantages(self, rollout: Any) -> Tensor:
-        """REINFORCE++: per-token rewards (the score on the last response token, minus kl_coef times
-        the KL estimate to the reference on every one), reward-to-go, whitened over every response
-        token of the batch on all ranks. (N, T), 0 outside the response."""
-        mask = rollout.labels != IGNORE_INDEX
-        ref = reference_logps(self.reference, rollout, self.rl, self.device) if self.reference is not None else None
-        rewards = token_rewards(rollout.rewards.reshape(-1), mask, rollout.old_logps, ref, self.kl_coef,
-                                self.rl.kl_estimator)
-        returns = reward_to_go(rewards, mask)
-        return whiten_with_sums(returns, mask, dist.all_reduce_sum if dist.is_distributed() else None)
+    def num_units(self, batch: Batch) -> Tensor:
+        return num_units(batch, self.agg)
+
+    def logps(self, model: nn.Module, batch: Batch, entropy: bool = False) -> PolicyLogps:
+        """``token_logps`` at the rollout's sampling, in this objective's layout."""
+        return token_logps(model, batch, rollout_sampling(self.rl), entropy, self.layout)
 
     def _group_advantages(self, batch: Batch) -> Tensor:
         """Offline records: advantages per record's group (groups may differ in size)."""
@@ -87,10 +101,11 @@ class GRPOObjective(RolloutObjective):
         return advantages
 
     def __call__(self, model: nn.Module, batch: Batch) -> LossOutput:
-        pol = self.logps(model, batch, entropy=self.wants("entropy"))
+        pol = self.logps(model, batch, entropy=wants(self.requested_metrics, "entropy"))
         logps, idx = pol.logps, pol.idx
-        mask = self.loss_mask(batch, pol.mask)
-        beh = self.behaviour(batch, logps, mask, idx)  # the ratio's old log-probs, importance weights
+        mask = loss_mask(batch, pol.mask)
+        # the ratio's old log-probs and the importance weights
+        beh = behaviour(batch, logps, mask, idx, self.online, self.rl.rollout_is_level, self.rl.rollout_is_cap)
         advantages = batch["advantages"] if "advantages" in batch else self._group_advantages(batch)
         if advantages.dim() == 2 and idx is not None:
             advantages = advantages[:, idx]  # REINFORCE++: per-token advantages at the labelled positions
@@ -106,27 +121,28 @@ class GRPOObjective(RolloutObjective):
                 ref_logps = self.logps(self.reference, batch).logps
             kl = kl_estimate(logps, ref_logps, self.rl.kl_estimator)  # (B, K)
             loss = loss + self.kl_coef * kl
-            if self.wants("kl"):
-                metrics["kl"] = self.per_unit(kl.detach(), mask)
+            if wants(self.requested_metrics, "kl"):
+                metrics["kl"] = per_unit(kl.detach(), mask, self.agg)
         total, _ = aggregate_token_loss(loss, mask, self.agg, self.max_len)
-        sampler = batch["old_logps"] if idx is None else batch["old_logps"][:, idx]
-        sampler = torch.where(torch.isnan(sampler), logps.detach(), sampler)
-        metrics.update(self.common_metrics(pol, mask, beh, clipped, sampler))
+        recorded = at_labels(batch, "old_logps", idx)
+        sampler = torch.where(torch.isnan(recorded), logps.detach(), recorded)
+        metrics.update(common_metrics(pol, mask, beh, clipped, sampler, self.agg, self.requested_metrics))
         return LossOutput(total, metrics, beh.pins)
 
-    def prepare(self, rollout: Any) -> None:
+    def prepare(self, rollout: Rollout) -> None:
         """Online: pin the rollout's advantages (computed once, reused by every step on it)."""
-        if self.estimator == "reinforce_pp":
-            rollout.pinned["advantages"] = self.reinforce_pp_advantages(rollout)
-        else:
-            rollout.pinned["advantages"] = self.advantages(rollout.rewards)
-        self.prepare_truncation(rollout)
-        self.prepare_behaviour(rollout)
+        mask = rollout.labels != IGNORE_INDEX
+        with_ref = self.estimator.kl_in_rewards and self.reference is not None
+        ref = reference_logps(self.reference, rollout, rollout_sampling(self.rl), self.device) if with_ref else None
+        inputs = AdvantageInputs(rollout.rewards, mask, rollout.old_logps, ref, self.scale, self.kl_coef,
+                                 self.rl.kl_estimator, dist.all_reduce_sum if dist.is_distributed() else None)
+        rollout.pinned["advantages"] = self.estimator.function(inputs)
+        pin_keep(rollout, self.rl.mask_truncated_completions)
+        unknown_trainer_logps(rollout)
 
+    def batches(self, rollout: Rollout, num_micro: int) -> list[Batch]:
+        return micro_batches(rollout, num_micro, self.layout)
 
-class OnlineGRPOObjective(GRPOObjective):
-    """GRPO on rollouts of the live policy: no old model is kept; the ratio's old log-probs are
-    the trainer's own on the rollout's first step, and the sampler's enter only through the
-    importance weights."""
-
-    online = True
+    def filler_batch(self, rollout: Rollout, batches: list[Batch]) -> Batch:
+        """Every rank has samples: its last micro-batch again (the loop zeroes its loss)."""
+        return batches[-1]

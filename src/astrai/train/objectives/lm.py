@@ -5,19 +5,30 @@ on log-probs from the chunked lm head)."""
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from torch import Tensor, nn
 
 from astrai.config import Config
 from astrai.train.losses import IGNORE_INDEX, cross_entropy_from_logps
-from astrai.train.objectives.base import Batch, LossOutput, Objective, aux_coef, labelled_logps
+from astrai.train.objectives.base import Batch, Companion, LossOutput, add_moe_terms, aux_coef, labelled_logps
+
+if TYPE_CHECKING:
+    from astrai.train.build import Run
 
 
-class SeqObjective(Objective):
+class SeqObjective:
     """Next-token cross entropy on every labelled token (pre-training), with label smoothing."""
+
+    requested_metrics: frozenset[str] | None = None
+    companions: tuple[Companion, ...] = ()
 
     def __init__(self, cfg: Config, model: nn.Module):
         self.label_smoothing = cfg.objective.label_smoothing
         self.aux_coef = aux_coef(cfg, model)
+
+    def setup(self, run: Run, total_steps: int) -> None:
+        """Nothing is trained beside the policy."""
 
     def num_units(self, batch: Batch) -> Tensor:
         return (batch["labels"] != IGNORE_INDEX).sum()
@@ -28,7 +39,7 @@ class SeqObjective(Objective):
         loss_sum = cross_entropy_from_logps(logps, mean_logps, self.label_smoothing)
         num_tokens = (batch["labels"] != IGNORE_INDEX).sum()
         metrics: dict[str, Tensor] = {}
-        loss = self._add_moe_terms(out, loss_sum, num_tokens, self.aux_coef, metrics)
+        loss = add_moe_terms(out, loss_sum, num_tokens, self.aux_coef, metrics, self.requested_metrics)
         return LossOutput(loss, metrics)
 
 

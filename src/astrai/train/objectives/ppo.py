@@ -31,16 +31,29 @@ from astrai.train.losses import (
     token_rewards,
     value_loss,
 )
-from astrai.train.objectives.base import (
-    Batch,
-    LossOutput,
-    RolloutObjective,
-    frozen_reference,
+from astrai.train.objectives.base import Batch, Companion, LossOutput, computed, frozen_reference, wants
+from astrai.train.objectives.logps import (
+    PolicyLogps,
+    at_labels,
+    behaviour,
     reference_logps,
+    token_logps,
+    unknown_trainer_logps,
 )
+from astrai.train.objectives.rollout_steps import (
+    DEFAULT_LAYOUT,
+    common_metrics,
+    loss_mask,
+    micro_batches,
+    num_units,
+    per_unit,
+    pin_keep,
+)
+from astrai.train.rl.sampler import rollout_sampling
 
 if TYPE_CHECKING:
     from astrai.train.build import Run
+    from astrai.train.rl.data import Rollout
 
 
 class CriticTraining:
@@ -95,18 +108,20 @@ class CriticTraining:
         self.scheduler.load_state_dict(states["value_optimizer"]["scheduler"])
 
 
-class OnlinePPOObjective(RolloutObjective):
-    """PPO with a critic: per-token GAE advantages under the clipped surrogate, plus the critic's
-    ``ppo_vf_coef * (V - R)^2``; the KL to the reference is folded into the per-token rewards."""
+class PPOObjective:
+    """PPO with a critic, on rollouts of the live policy: per-token GAE advantages under the clipped
+    surrogate, plus the critic's ``ppo_vf_coef * (V - R)^2``; the KL to the reference is folded
+    into the per-token rewards. As online GRPO's, the ratio's old log-probs are the trainer's own
+    on the rollout's first step, and the sampler's enter only through the importance weights."""
 
-    online = True
+    requested_metrics: frozenset[str] | None = None
+    layout = DEFAULT_LAYOUT  # how micro-batches go through the model (rollout_steps.py)
 
     def __init__(self, cfg: Config, model: nn.Module):
         from astrai.model.value import ValueModel
 
-        rl = cfg.rl
-        super().__init__(rl)
-        self.rl, self.temperature = rl, rl.rollout_temperature
+        rl = self.rl = cfg.rl
+        self.agg = rl.rl_loss_agg
         self.reference = frozen_reference(cfg.objective.ref_model_path, model) if rl.kl_coef > 0 else None
         device = next(model.parameters()).device
         if rl.critic_model_path is not None:
@@ -115,13 +130,21 @@ class OnlinePPOObjective(RolloutObjective):
             self.critic = ValueModel.from_policy(model)  # the policy's trunk, zero head: first values are 0
         self.critic.gradient_checkpointing = getattr(model, "gradient_checkpointing", False)
         self.critic_module: nn.Module = self.critic  # the wrapped critic once ``setup`` ran
+        self.companions: tuple[Companion, ...] = ()  # the critic's training once ``setup`` ran
 
     def setup(self, run: Run, total_steps: int) -> None:
         training = CriticTraining(self.critic, run, total_steps)
         self.critic_module, self.companions = training.module, (training,)
 
+    def num_units(self, batch: Batch) -> Tensor:
+        return num_units(batch, self.agg)
+
+    def logps(self, model: nn.Module, batch: Batch, entropy: bool = False) -> PolicyLogps:
+        """``token_logps`` at the rollout's sampling, in this objective's layout."""
+        return token_logps(model, batch, rollout_sampling(self.rl), entropy, self.layout)
+
     @torch.no_grad()
-    def prepare(self, rollout: Any) -> None:
+    def prepare(self, rollout: Rollout) -> None:
         """Values (critic, no gradients), per-token rewards, GAE advantages and returns, pinned."""
         rl, device = self.rl, next(self.critic.parameters()).device
         mask = rollout.labels != IGNORE_INDEX  # (N, T): the positions that predict response tokens
@@ -129,7 +152,8 @@ class OnlinePPOObjective(RolloutObjective):
         for rows in torch.arange(rollout.num_samples).split(16):
             ids, att = rollout.input_ids[rows].to(device), rollout.attention_mask[rows].to(device)
             values[rows] = self.critic(ids, attention_mask=att).float().cpu()
-        ref_logps = reference_logps(self.reference, rollout, rl, device) if self.reference is not None else None
+        sampling = rollout_sampling(rl)
+        ref_logps = reference_logps(self.reference, rollout, sampling, device) if self.reference is not None else None
         values = values * mask
         rewards = token_rewards(rollout.rewards.reshape(-1), mask, rollout.old_logps, ref_logps, rl.kl_coef,
                                 rl.kl_estimator)
@@ -137,45 +161,52 @@ class OnlinePPOObjective(RolloutObjective):
         if rl.whiten_advantages:
             advantages = masked_whiten(advantages, mask) * mask
         rollout.pinned.update({"advantages": advantages, "returns": returns, "old_values": values})
-        self.prepare_truncation(rollout)
-        self.prepare_behaviour(rollout)
+        pin_keep(rollout, rl.mask_truncated_completions)
+        unknown_trainer_logps(rollout)
         rollout.stats.update({
             "explained_variance": explained_variance(values, returns, mask).item(),
             "value_mean": masked_mean(values, mask).item(), "return_mean": masked_mean(returns, mask).item(),
         })
 
-    def _check(self, batch: Batch, at: Any, mask: Tensor) -> None:
+    def batches(self, rollout: Rollout, num_micro: int) -> list[Batch]:
+        return micro_batches(rollout, num_micro, self.layout)
+
+    def filler_batch(self, rollout: Rollout, batches: list[Batch]) -> Batch:
+        """Every rank has samples: its last micro-batch again (the loop zeroes its loss)."""
+        return batches[-1]
+
+    def _check(self, batch: Batch, idx: Tensor | None, mask: Tensor) -> None:
         for key in ("old_logps", "advantages", "returns", "old_values"):
             value = batch[key]
             if value.shape != batch["labels"].shape:
                 raise ValueError(f"PPO batch field {key!r} has shape {tuple(value.shape)}; expected "
                                  f"{tuple(batch['labels'].shape)}, the shape of labels")
-            if not bool(torch.isfinite(at(key)[mask]).all()):
+            if not bool(torch.isfinite(at_labels(batch, key, idx)[mask]).all()):
                 raise ValueError(f"PPO batch field {key!r} holds NaN or inf on response tokens; it must be finite")
 
     def __call__(self, model: nn.Module, batch: Batch) -> LossOutput:
-        rl = self.rl
-        pol = self.logps(model, batch, entropy=self.wants("entropy"))
+        rl, requested = self.rl, self.requested_metrics
+        pol = self.logps(model, batch, entropy=wants(requested, "entropy"))
         logps, idx, rows = pol.logps, pol.idx, pol.rows
-        mask = self.loss_mask(batch, pol.mask)
+        mask = loss_mask(batch, pol.mask)
 
         def at(key: str) -> Tensor:  # a pinned (B, T) tensor at the labelled positions (B, K)
-            return batch[key] if idx is None else batch[key][:, idx]
+            return at_labels(batch, key, idx)
 
-        self._check(batch, at, mask)
-        beh = self.behaviour(batch, logps, mask, idx)  # the ratio's old log-probs, importance weights
+        self._check(batch, idx, mask)
+        # the ratio's old log-probs and the importance weights
+        beh = behaviour(batch, logps, mask, idx, True, rl.rollout_is_level, rl.rollout_is_cap)
         policy, clipped = clipped_surrogate(logps, beh.old, at("advantages"), rl.clip_eps, rl.clip_eps_high)
         policy = policy * beh.weights
         values = self.critic_module(**rows.inputs(batch["input_ids"], batch["attention_mask"]))  # (R, W), as the policy ran
         values = rows.scatter(values[rows.dst], idx)  # (B, K)
         vloss, vclipped = value_loss(values, at("old_values"), at("returns"), rl.value_clip, coef=1.0)
-        policy_sum, _ = aggregate_token_loss(policy, mask, rl.rl_loss_agg, rl.rollout_max_tokens)
-        value_sum, _ = aggregate_token_loss(vloss, mask, rl.rl_loss_agg, rl.rollout_max_tokens)
-        candidates = {
+        policy_sum, _ = aggregate_token_loss(policy, mask, self.agg, rl.rollout_max_tokens)
+        value_sum, _ = aggregate_token_loss(vloss, mask, self.agg, rl.rollout_max_tokens)
+        metrics = computed({
             "policy_loss": lambda: policy_sum.detach(),
             "value_loss": lambda: value_sum.detach(),
-            "value_clip_fraction": lambda: self.per_unit(vclipped.float(), mask),
-        }
-        metrics = {k: f() for k, f in candidates.items() if self.wants(k)}
-        metrics.update(self.common_metrics(pol, mask, beh, clipped, at("old_logps")))
+            "value_clip_fraction": lambda: per_unit(vclipped.float(), mask, self.agg),
+        }, requested)
+        metrics.update(common_metrics(pol, mask, beh, clipped, at("old_logps"), self.agg, requested))
         return LossOutput(policy_sum + rl.ppo_vf_coef * value_sum, metrics, beh.pins)

@@ -20,7 +20,6 @@ from __future__ import annotations
 import math
 import sys
 import time
-from contextlib import ExitStack
 from typing import Any
 
 import torch
@@ -40,13 +39,13 @@ from astrai.train.build import (
 )
 from astrai.train.context import TrainContext
 from astrai.train.host_memory import HeapTrim, set_mmap_threshold
-from astrai.train.objectives import LossOutput, num_tokens
 from astrai.train.rl.data import Rollout, concat_rollouts, groups_with_signal, select_groups
 from astrai.train.rl.engine_sampler import engine_runner
 from astrai.train.rl.environments import check_hooks
 from astrai.train.rl.guard import RewardsInterrupted
 from astrai.train.rl.rewards import RewardSet
 from astrai.train.signals import pause_point
+from astrai.train.step import TrainStep
 
 MAX_EMPTY_DRAWS = 10  # prompt batches passed over in a row (no prompt within max_prompt_len), then an error
 
@@ -105,6 +104,8 @@ class OnlineLoop:
         self.optimizer, self.scheduler, self.grad_step = run.optimization(self.raw_model, cfg.optim, self.total_steps)
         setup_objective(run, self.total_steps)  # PPO: the critic's wrapping, optimizer and gradient step
         self.companions = companions(self.objective)
+        self.train_step = TrainStep(self.model, self.objective, self.grad_step, self.device, cfg.train.bf16,
+                                    self.companions)
         # a reward model with its own tokenizer re-encodes; a stop request interrupts a slow user reward
         rewards = RewardSet(cfg.rl, self.device, tokenizer=self.tokenizer, should_stop=lambda: self.ctx.stop_requested)
         # the in-process engine over the live policy draws every turn (rl/engine_sampler.py);
@@ -149,29 +150,14 @@ class OnlineLoop:
                 num = dist.max_over_ranks(len(batches)) if self.dist.world_size > 1 else len(batches)
                 for i in range(num):
                     filler = i >= len(batches)  # a pass that only joins the gradient all-reduce
-                    batch = batches[-1] if filler and batches else (
-                        self.objective.filler_batch(rollout) if filler else batches[i])
-                    batch = {k: v.to(self.device) for k, v in batch.items()}
-                    with self._no_sync(i < num - 1), self._autocast():
-                        out = self.objective(self.model, batch)
-                    if filler:  # zero loss, zero units; its metric names keep the window's sums aligned
-                        out = LossOutput(out.loss * 0, {k: torch.zeros_like(v) for k, v in out.metrics.items()})
-                    if out.pins and not filler:  # online RL: the trainer's log-probs at the rollout's weights
+                    batch = self.objective.filler_batch(rollout, batches) if filler else batches[i]
+                    out = self.train_step.micro_batch(batch, last=i == num - 1, filler=filler)
+                    if out.pins:  # online RL: the trainer's log-probs at the rollout's weights
                         rollout.pin(batch["sample_index"], out.pins)
-                    out.loss.backward()  # a sum over loss units; the window normalises it
-                    units = 0 if filler else self.objective.num_units(batch)
-                    self.grad_step.add(out.loss, units, 0 if filler else num_tokens(batch), out.metrics)
-                    for companion in self.companions:  # PPO's critic: the same backward fed its gradients
-                        companion.add(out, units)
-                result = self.grad_step.step(ctx.step + 1, before_update=lambda: cbs.before_optimizer_step(self))
+                # new weights: the sampler never serves older KV; the critic steps after that
+                result, tokens = self.train_step.finish(ctx, before_update=lambda: cbs.before_optimizer_step(self),
+                                                        publish=self.rollout_sampler.set_policy_version)
                 rollout.num_uses += 1
-                ctx.step += 1
-                ctx.policy_version += 1
-                self.rollout_sampler.set_policy_version(ctx.policy_version)  # new weights: older KV is never served
-                for companion in self.companions:  # after the policy step, outside the version publication
-                    result.update(companion.step(ctx.step))
-                tokens = result.pop("num_tokens")
-                ctx.tokens_seen += tokens
                 seconds = time.perf_counter() - t0
                 result["tokens_per_s"] = tokens / max(seconds, 1e-9)  # trained tokens (all ranks), rollout included
                 self.step_metrics = self._metrics(result, rollout, fresh, seconds)
@@ -308,17 +294,6 @@ class OnlineLoop:
 
     def _should_stop(self) -> bool:
         return dist.stop_agreed(self.ctx)  # every step boundary is a window boundary here
-
-    def _no_sync(self, enabled: bool):
-        """DDP: gradients are all-reduced only in the window's last backward (policy and critic)."""
-        stack = ExitStack()
-        stack.enter_context(dist.no_sync(self.model, enabled))
-        for companion in self.companions:
-            stack.enter_context(dist.no_sync(companion.module, enabled))
-        return stack
-
-    def _autocast(self):
-        return dist.autocast(self.device, self.config.train.bf16)
 
     # ---------------------------------------------------------------------------- state
 

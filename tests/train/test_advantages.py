@@ -1,0 +1,56 @@
+"""The advantage-estimator table: its names are the config's choices, each function gives the numbers
+of its pure formula in ``train/losses.py``, and its facts drive the group-size check and the
+run builder's no-signal warning."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from astrai.config import ConfigError, load_config
+from astrai.config_values import CHOICES
+from astrai.train import losses as L
+from astrai.train.advantages import ADVANTAGE_ESTIMATORS, AdvantageInputs, check_group_size
+from astrai.train.build import warn_if_no_signal
+
+
+def inputs(rewards, **kw):
+    N = rewards.numel()
+    mask = torch.tensor([[0, 1, 1]] * N, dtype=torch.bool)
+    base = dict(mask=mask, behaviour_logps=torch.full((N, 3), -1.0), ref_logps=None, scale=True, kl_coef=0.0,
+                kl_estimator="k3", all_reduce=None)
+    return AdvantageInputs(rewards, **{**base, **kw})
+
+
+def test_the_table_names_the_config_choices():
+    assert tuple(ADVANTAGE_ESTIMATORS) == CHOICES["advantage_estimator"]
+
+
+def test_each_estimator_by_hand():
+    rewards = torch.tensor([[1.0, 0.0, 0.0], [1.0, 2.0, 3.0]])  # two prompts, three samples each
+    rloo = ADVANTAGE_ESTIMATORS["rloo"].function(inputs(rewards))
+    assert rloo.tolist() == pytest.approx([1.0, -0.5, -0.5, -1.5, 0.0, 1.5])
+    grpo = ADVANTAGE_ESTIMATORS["grpo"].function(inputs(rewards, scale=False))
+    assert grpo.tolist() == pytest.approx([2 / 3, -1 / 3, -1 / 3, -1.0, 0.0, 1.0])
+    scaled = ADVANTAGE_ESTIMATORS["grpo"].function(inputs(rewards))
+    torch.testing.assert_close(scaled, L.grpo_advantages(rewards.reshape(-1), 3))
+    # REINFORCE++ without a KL: the score on the last response token, reward-to-go over both,
+    # whitened over the batch's 12 response tokens (each sample's score twice)
+    rpp = ADVANTAGE_ESTIMATORS["reinforce_pp"].function(inputs(rewards))
+    scores = rewards.reshape(-1)
+    mean, std = scores.mean(), scores.std(unbiased=False)
+    assert rpp[:, 0].tolist() == [0.0] * 6
+    torch.testing.assert_close(rpp[:, 1], (scores - mean) / std)
+    torch.testing.assert_close(rpp[:, 2], (scores - mean) / std)
+
+
+def test_facts_drive_the_group_size_check_and_the_warning():
+    assert [n for n, e in ADVANTAGE_ESTIMATORS.items() if e.group_relative] == ["grpo", "rloo"]
+    assert [n for n, e in ADVANTAGE_ESTIMATORS.items() if e.kl_in_rewards] == ["reinforce_pp"]
+    with pytest.raises(ConfigError, match=r"advantage_estimator rloo needs group_size >= 2 .* set --group_size 2"):
+        check_group_size(load_config(None, ["--advantage_estimator", "rloo", "--group_size", "1"]).rl)
+    check_group_size(load_config(None, ["--advantage_estimator", "rloo", "--group_size", "2"]).rl)
+    for name, estimator in ADVANTAGE_ESTIMATORS.items():
+        cfg = load_config(None, ["--train_type", "online_grpo", "--advantage_estimator", name,
+                                 "--group_size", str(estimator.min_group_size), "--rollout_temperature", "0"])
+        assert (warn_if_no_signal(cfg, is_main=False) is not None) == estimator.group_relative, name
