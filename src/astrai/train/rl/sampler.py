@@ -9,7 +9,7 @@ the policy version of the weights that drew them. The in-process engine is one i
 fits the same methods, so the runner never changes with where the samples come from.
 
 ``rollout_sampling`` is the one reading of the config's ``rollout_*`` sampling fields: rollouts,
-evaluation and the trainer's log-prob path (``objectives/base.py``, which must score tokens under
+evaluation and the trainer's log-prob path (``objectives/logps.py``, which must score tokens under
 the distribution they were drawn from) all take it from here.
 """
 
