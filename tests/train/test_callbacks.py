@@ -99,3 +99,39 @@ def test_background_checkpoints_are_complete_when_training_returns(tmp_path):
     for name in saved:
         verify_checkpoint(tmp_path / "ckpt" / name)
     assert latest_checkpoint(tmp_path / "ckpt").name == "step_00000004"
+
+
+def same_score(prompt, completion, record):
+    """A reward that cannot tell samples apart (as a verifier that parses no answer scores 0)."""
+    return 0.0
+
+
+def test_rollouts_without_signal_for_long_are_one_warning_naming_the_rewards(tmp_path, capsys):
+    from astrai.train.callbacks import FLAT_REWARD_ROLLOUTS
+    from astrai.train.cli import main
+    from tests.train.resume_data import write_tokenizer
+    from tests.train.test_rl import write_rl_run
+
+    reward = "tests.train.test_callbacks:same_score"
+    config = write_rl_run(tmp_path, write_tokenizer(tmp_path / "tok"), rewards=[reward], rollout_max_tokens=2)
+    assert main(["--config", str(config), "--max_steps", str(2 * FLAT_REWARD_ROLLOUTS + 1)]) == 0
+    warnings = [line for line in capsys.readouterr().err.splitlines() if "frac_reward_zero_std 1.0" in line]
+    assert len(warnings) == 1, warnings  # once per streak, however long it lasts
+    assert warnings[0].startswith(
+        f"warning: the last {FLAT_REWARD_ROLLOUTS} rollouts (steps 1-{FLAT_REWARD_ROLLOUTS}) had no prompt whose samples "
+        "got different rewards (frac_reward_zero_std 1.0), so every advantage was 0 and the policy did not learn; "
+        f"check that the rewards ({reward}) tell a prompt's samples apart")
+    assert warnings[0].endswith("or raise --group_size / --rollout_temperature for more varied samples")
+
+
+def test_a_rollout_with_signal_ends_the_streak():
+    from types import SimpleNamespace
+
+    from astrai.train.callbacks import FlatRewardsWarning
+
+    watch = FlatRewardsWarning(["exact_match"], rollouts=2)
+    loop = SimpleNamespace(ctx=SimpleNamespace(step=0), is_main=False, step_metrics={})
+    for step, flat in enumerate([1.0, None, 0.5, 1.0, None, 1.0, 1.0, 1.0], 1):  # None: a reused rollout
+        loop.ctx.step, loop.step_metrics = step, {} if flat is None else {"frac_reward_zero_std": flat}
+        watch.after_optimizer_step(loop)
+    assert [w.split(")")[0] for w in watch.warnings] == ["warning: the last 2 rollouts (steps 4-6"]

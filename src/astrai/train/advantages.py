@@ -87,3 +87,11 @@ def check_group_size(rl: RLConfig | Any) -> None:
         raise ConfigError(f"advantage_estimator {rl.advantage_estimator} needs group_size >= {need.min_group_size} "
                           f"({need.why_min_group}), got {rl.group_size}; set --group_size {need.min_group_size} "
                           "or more")
+
+
+def learns_from_group_differences(train_type: str, rl: RLConfig | Any) -> bool:
+    """Whether a run's only learning signal is the difference between a prompt's samples: online
+    DPO's pairs, or a group-relative estimator of online GRPO (a group whose samples all score alike
+    then teaches nothing)."""
+    return train_type == "online_dpo" or (
+        train_type == "online_grpo" and ADVANTAGE_ESTIMATORS[rl.advantage_estimator].group_relative)

@@ -30,7 +30,7 @@ from astrai.config import Config, OptimConfig
 from astrai.config_values import DEFAULT_MAX_PROMPT_LEN, TRAIN_TYPES, default_max_prompt_len, is_online
 from astrai.model.matmul import set_cpu_matmul
 from astrai.train import dist, resume
-from astrai.train.advantages import ADVANTAGE_ESTIMATORS, check_group_size
+from astrai.train.advantages import check_group_size, learns_from_group_differences
 from astrai.train.callbacks import CallbackList, arrange_callbacks, default_callbacks, requested_metrics
 from astrai.train.context import Loop
 from astrai.train.objectives import build_objective, objective_builder
@@ -306,9 +306,7 @@ def warn_if_no_signal(cfg: Config, is_main: bool = True) -> str | None:
     one sample (GRPO's group-relative estimators) or greedy sampling (temperature 0: the group's
     samples are identical; online DPO finds no pair). Returns the line (None when there is none)."""
     rl, train_type = cfg.rl, cfg.data.train_type
-    relative = train_type == "online_dpo" or (
-        train_type == "online_grpo" and ADVANTAGE_ESTIMATORS[rl.advantage_estimator].group_relative)
-    if not relative:
+    if not learns_from_group_differences(train_type, rl):
         return None
     what = "online_dpo's pairs" if train_type == "online_dpo" else f"advantage_estimator {rl.advantage_estimator}"
     if rl.group_size == 1:

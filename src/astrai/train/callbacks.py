@@ -5,7 +5,8 @@ per micro-batch ``on_batch_begin`` / ``on_batch_end``, per optimizer step
 ``before_optimizer_step`` / ``after_optimizer_step`` (``trainer.step_metrics`` holds the step's
 metrics there, validation ones included), ``on_epoch_end``; ``on_error`` when the loop raises and
 ``on_train_end`` always. Built in: metrics log (``metrics.jsonl``), checkpoints, progress (a tqdm bar or periodic lines),
-early stopping, the ``report_to`` backends (``reporters.py``: TensorBoard, wandb, MLflow) and the
+early stopping, the ``report_to`` backends (``reporters.py``: TensorBoard, wandb, MLflow), the
+warning of online runs whose rollouts stopped carrying any signal (``FlatRewardsWarning``) and the
 end-of-run summary (``summary.py``). Users pass their own objects to ``Trainer(callbacks=...)``;
 a callback implements any subset of the hooks, and may offer ``state_dict``/``load_state_dict``
 (saved in the checkpoint's trainer state).
@@ -27,6 +28,7 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
+from astrai.train.advantages import learns_from_group_differences
 from astrai.train.context import Loop
 from astrai.train.summary import RunSummary
 
@@ -289,6 +291,46 @@ class EarlyStopping:
         self.best, self.num_bad = state["best"], int(state["num_bad"])
 
 
+FLAT_REWARD_ROLLOUTS = 5  # fresh rollouts in a row without a group whose rewards differ, then one warning
+
+
+class FlatRewardsWarning:
+    """Online runs that learn only from differences within a prompt's group (GRPO's group-relative
+    estimators, online DPO): after FLAT_REWARD_ROLLOUTS fresh rollouts in a row where every group's
+    samples scored alike (``frac_reward_zero_std`` 1), every advantage was 0 and the policy did not
+    move; one warning per such streak says so, names the rewards and what to check."""
+
+    requested_metrics = frozenset({"frac_reward_zero_std", "truncated_fraction"})
+
+    def __init__(self, rewards: list[str], rollouts: int = FLAT_REWARD_ROLLOUTS):
+        self.rewards, self.rollouts = list(rewards), rollouts
+        self.streak, self.first_step = 0, 0
+        self.warnings: list[str] = []
+
+    def after_optimizer_step(self, trainer: Loop) -> None:
+        metrics = trainer.step_metrics
+        if "frac_reward_zero_std" not in metrics:  # a step on a reused rollout: nothing new was scored
+            return
+        if metrics["frac_reward_zero_std"] < 1.0:
+            self.streak = 0
+            return
+        self.streak += 1
+        self.first_step = trainer.ctx.step if self.streak == 1 else self.first_step
+        if self.streak != self.rollouts:
+            return
+        cut = metrics.get("truncated_fraction", 0.0)
+        hint = (f"{cut:.0%} of the completions were cut off at rollout_max_tokens: raise --rollout_max_tokens; "
+                if cut >= 0.5 else "")
+        line = (f"warning: the last {self.rollouts} rollouts (steps {self.first_step}-{trainer.ctx.step}) had no prompt "
+                "whose samples got different rewards (frac_reward_zero_std 1.0), so every advantage was 0 and the "
+                f"policy did not learn; check that the rewards ({', '.join(self.rewards) or 'the environment'}) tell "
+                "a prompt's samples apart on a few completions (a reward that cannot parse an answer scores every "
+                f"sample alike); {hint}or raise --group_size / --rollout_temperature for more varied samples")
+        self.warnings.append(line)
+        if trainer.is_main:
+            print(line, file=sys.stderr)
+
+
 def default_callbacks(trainer: Loop) -> list[Any]:
     """The built-in callbacks a config asks for; metrics come before checkpoints so that a
     checkpoint's copy of metrics.jsonl holds its own step."""
@@ -298,6 +340,8 @@ def default_callbacks(trainer: Loop) -> list[Any]:
         from astrai.train.evaluation import GenerationEval
 
         cbs.append(GenerationEval(cfg))
+    if learns_from_group_differences(cfg.data.train_type, cfg.rl):  # warns when no group has signal for long
+        cbs.append(FlatRewardsWarning(list(cfg.rl.rewards)))
     if cfg.train.early_stopping_metric:
         cbs.append(EarlyStopping(cfg.train.early_stopping_metric, cfg.train.early_stopping_patience,
                                  cfg.train.early_stopping_min_delta, cfg.train.early_stopping_mode))
