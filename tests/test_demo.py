@@ -23,10 +23,13 @@ pre-training is short.)"""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
 from astrai.demo import main as demo_main
+
+ROOT = Path(__file__).resolve().parent.parent
 
 SEED, THREADS = 0, 1  # the spread above was measured around these
 SFT_GAIN, REWARD_GAIN = 0.025, 0.2
@@ -67,3 +70,21 @@ def test_demo_sft_raises_accuracy_rl_raises_reward_and_stages_are_reused(tmp_pat
     for name in ("data", "tokenizer", "pretrain", "sft", "eval", "rl-grpo"):
         assert f"[{name}] reusing the finished stage" in second
     assert "[rl-grpo] running" not in second
+
+
+def test_operations_doc_states_the_demos_real_flags_and_task():
+    from astrai.demo import BUDGET_MINUTES, TASK
+
+    text = (ROOT / "docs" / "operations.md").read_text()
+    assert f"[--minutes {BUDGET_MINUTES:g}]" in text and f"({TASK['digits']}-digit addition)" in text
+
+
+def test_the_reports_budget_line_is_not_a_run_time(tmp_path):
+    from astrai.demo import write_report
+
+    ev = {"accuracy": 0.5, "num_correct": 1, "num_total": 2, "tokens_per_s": 1.0, "samples": []}
+    stages = {name: {"seconds": 1.0} for name in ("data", "tokenizer", "pretrain", "sft")}
+    stages["eval"] = {"pretrained": ev, "sft": ev, "seconds": 1.0}
+    stages["rl-grpo"] = {"eval": ev, "seconds": 1.0}
+    text = write_report(tmp_path, stages, 8.0, "grpo").read_text()
+    assert "Step budget: --minutes 8 (scales the training steps" in text and "Budget: 8.0 min" not in text
