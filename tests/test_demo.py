@@ -1,24 +1,20 @@
 """The quickstart at its default budget: every stage runs, SFT clearly beats pre-training, online
-GRPO raises the rollout reward, and a second run reuses every stage.
+GRPO raises the rollout reward, and a second run reuses every stage; docs/operations.md states the
+demo's real flags and task, and the report's budget line is no run time.
 
 A seeded run takes another path on another CPU, so the assertions rest on a spread measured
 across 5 runs: SEED 0 at THREADS 1 and 2, and training seeds 1, 2, 3 at one thread (the task
-split kept at seed 0, as on any machine), remeasured 2026-12-04 after float32 products moved to
-oneDNN and the CPU attention kernels changed (both change the float rounding). Greedy held-out
-accuracy on the 40 held-out sums (min / mean / max): pre-trained 0 / 0 / 0%, SFT 5 / 27 / 42.5%,
-after GRPO 15 / 39 / 57.5%; GRPO's change over SFT -5 / +12 / +30 points greedy. Held-out accuracy
-is therefore not asserted to rise under RL (at seed 1 it falls 40% -> 35%). The rollout reward on
-the training prompts rises in every run: first 0.20-0.46, last 0.46-0.75 (means of 10 steps), the
-share of the room left that it closed, (last - first) / (1 - first), 0.33 / 0.47 / 0.55 (seed 0 at
-one thread: 27.5% -> 57.5%, reward 0.41 -> 0.67, gain 0.44). Margins, about half the measured
-minimum: SFT +2.5 points over pre-training (one problem of 40; measured minimum +5, seed 2) and
-GRPO reward gain 0.2 (the minimum 0.33 at seed 2; the reward of a model that does not learn
-drifts by about 0.07-0.09 of the room, tests/train/test_rl_learns.py). (Earlier spreads: on
-2026-12-02, SFT 7.5-57.5%, GRPO 10-70%, reward gain 0.37-0.78; on the full logits path, SFT
-10-40%, GRPO 12.5-47.5%, reward gain 0.47-0.89.) About 60 s at one thread on
-idle cores, several minutes when shared. (With 200 pre-training steps instead of 40 the model
-memorised the training sums and GRPO lowered held-out accuracy: 55% -> 35%; that is why
-pre-training is short.)"""
+split kept at seed 0, as on any machine). Greedy held-out accuracy on the 40 held-out sums
+(min / mean / max): pre-trained 0 / 0 / 0%, SFT 5 / 27 / 42.5%, after GRPO 15 / 39 / 57.5%;
+GRPO's change over SFT -5 / +12 / +30 points greedy, so held-out accuracy is not asserted to rise
+under RL (at seed 1 it falls 40% -> 35%). The rollout reward on the training prompts rises in
+every run: first 0.20-0.46, last 0.46-0.75 (means of 10 steps), the share of the room left that
+it closed, (last - first) / (1 - first), 0.33 / 0.47 / 0.55 (seed 0 at one thread: 27.5% ->
+57.5%, reward 0.41 -> 0.67, gain 0.44). Margins, about half the measured minimum: SFT +2.5
+points over pre-training (one problem of 40; measured minimum +5, seed 2) and GRPO reward gain
+0.2 (the minimum 0.33 at seed 2; the reward of a model that does not learn drifts by about
+0.07-0.09 of the room, tests/train/test_rl_learns.py). About 60 s at one thread on idle cores,
+several minutes when shared. Earlier spreads, and why pre-training is short: docs/performance.md."""
 
 from __future__ import annotations
 
