@@ -6,7 +6,10 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import io
+import os
 import re
+import subprocess
+import sys
 import typing
 
 import pytest
@@ -164,3 +167,29 @@ def test_train_help_lists_every_config_field_by_section_with_type_and_default() 
             assert cells[1] == type_name(hints[f.name]), rows[f.name]
             assert run_config.yaml.safe_load(cells[2]) == default, rows[f.name]
     assert "restore the full training state" in " ".join(blocks["train"])  # the field's comment is its meaning
+
+
+@pytest.mark.parametrize("args", [["--help"], ["eval", "--model", "MODEL", "--data", "DATA"]])
+def test_output_into_a_closed_pipe_ends_quietly(args, addition_model_dir, addition_task_dir):
+    args = [str(addition_model_dir) if a == "MODEL" else str(addition_task_dir / "data" / "eval.jsonl") if a == "DATA" else a
+            for a in args]
+    read_end, write_end = os.pipe()
+    os.close(read_end)  # the reader is gone before the command writes a byte: `| head` that already quit
+    try:
+        done = subprocess.run([sys.executable, "-m", "astrai", *args], stdout=write_end, stderr=subprocess.PIPE,
+                              text=True, env={**os.environ, "HF_HUB_OFFLINE": "1"}, timeout=300)
+    finally:
+        os.close(write_end)
+    assert done.returncode == 141 and "Traceback" not in done.stderr and "BrokenPipe" not in done.stderr, done.stderr
+
+
+@pytest.mark.parametrize("module, argv, nearest", [
+    ("astrai.infer.generate", ["--model", "m", "--prompt", "hi", "--max_tokns", "5"], "--max_tokens"),
+    ("astrai.serve.cli", ["--model", "m", "--prot", "8000"], "--port"),
+])
+def test_serve_and_generate_suggest_the_nearest_flag(module, argv, nearest, capsys):
+    import importlib
+
+    with pytest.raises(SystemExit):
+        importlib.import_module(module).build_parser().parse_args(argv)
+    assert f"did you mean {nearest}?" in capsys.readouterr().err

@@ -8,6 +8,7 @@ Importers take a name from the module that defines it. Only src/astrai is checke
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -241,3 +242,50 @@ def test_the_re_export_and_private_rules_find_what_they_name(tmp_path: Path) -> 
     assert not private_imports(clean, "astrai.x.d")
     init = module("__init__.py", "from astrai.x.d import g\n__all__ = ['g']\n")
     assert not only_reexports(init, "astrai.x") and not reexported_names(init, "astrai.x")
+
+TESTS = ROOT / "tests"
+USER_CODE_PATH = re.compile(r"^(tests(?:\.\w+)+):\w+$")  # how a run names user code: rewards, tools, environments
+
+
+def taken_from_test_modules(source: str, own: str) -> list[str]:
+    """The test modules (`test_*`) other than `own` (a dotted name, `tests.train.test_rl`) that
+    `source` takes from: imports of any form, anywhere, and the user-code paths
+    (`"tests.train.test_x:reward"`) that a run it starts would import."""
+    package = own.rpartition(".")[0].split(".")
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:  # relative: from the package `level - 1` above this module's own
+                base = ".".join([*package[: len(package) - node.level + 1], *filter(None, [base])])
+            names = [base, *(f"{base}.{a.name}" for a in node.names)]
+        elif isinstance(node, ast.Constant) and isinstance(node.value, str) and USER_CODE_PATH.match(node.value):
+            names = [node.value.partition(":")[0]]
+        else:
+            continue
+        found += [n for n in names if n.rpartition(".")[2].startswith("test_") and n != own]
+    return found
+
+
+def test_no_test_imports_another_test_module() -> None:
+    """Shared fixtures live in a conftest.py and shared helpers in plain modules (STYLE.md 22):
+    no test module imports another, nor names another's user code in the runs it starts."""
+    found = {}
+    for path in sorted(TESTS.rglob("*.py")):
+        own = ".".join(path.relative_to(ROOT).with_suffix("").parts)
+        if "__pycache__" not in path.parts and (names := taken_from_test_modules(path.read_text(), own)):
+            found[path.relative_to(ROOT).as_posix()] = names
+    assert not found, f"test modules that take from other test modules (move what they share): {found}"
+
+
+def test_the_test_module_check_sees_every_form() -> None:
+    own = "tests.train.test_probe"
+    for form in ["from tests.train.test_rl import write_rl_run", "import tests.serve.test_tools",
+                 "from tests.train import test_rl", "from .test_rl import x", "from ..serve.test_tools import ASK",
+                 "def f():\n    from tests.a.test_b import c", 'REWARD = "tests.train.test_rl:bad_reward"']:
+        assert taken_from_test_modules(form + "\n", own), form
+    for clean in ["from tests.train.rl_runs import write_rl_run", 'SELF = "tests.train.test_probe:reward"',
+                  "import pytest", "from tests.serve.conftest import API_KEY", "from . import rl_runs"]:
+        assert not taken_from_test_modules(clean + "\n", own), clean

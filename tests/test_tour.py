@@ -11,14 +11,13 @@ has its own tests) are skipped. A line's comment states what to expect, and the 
   `-> TEXT`        the command printed TEXT
 and every accuracy after the first (the pre-trained model's) must clearly beat it.
 
-The tour trains as `astrai demo` does at its defaults (seed 0, one thread), and a seeded run
-takes another path on another CPU. Measured across 5 demo runs (seed 0 at 1 and 2 threads,
-training seeds 1-3 at one thread; tests/test_demo.py): held-out accuracy pre-trained 0% always,
-after SFT 5 / 27 / 42.5% (min / mean / max), after GRPO 15 / 39 / 57.5% (remeasured 2026-12-04;
-on 2026-12-02 7.5 / 35 / 57.5% and 10 / 41 / 70%; before the chunked lm head and packed rollouts:
-10 / 27 / 40% and 12.5 / 33 / 47.5%). So a single figure with +-10 points holds on one machine
-only; a range (`accuracy 5-60%`) states what a user can expect, and the gain over the pre-trained
-model (measured minimum +5 points) is asserted at +2.5 (one problem of 40).
+The tour trains as `astrai demo` does at its defaults (seed 0, one thread), and a seeded run takes
+another path on another CPU. Measured across 5 demo runs (seed 0 at 1 and 2 threads, training seeds
+1-3 at one thread; tests/test_demo.py): held-out accuracy pre-trained 0% always, after SFT 5 / 27 /
+42.5% (min / mean / max), after GRPO 15 / 39 / 57.5% (earlier spreads: docs/performance.md). So a
+single figure with +-10 points holds on one machine only; a range (`accuracy 5-60%`) states what a
+user can expect, and the gain over the pre-trained model (measured minimum +5 points) is asserted at
++2.5 (one problem of 40).
 
 The README's next bash block runs the same stages as separate commands on configs/*.yaml, which
 hold the demo's settings, so its runs must be the demo's runs: the test runs that block in the

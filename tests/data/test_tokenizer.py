@@ -7,7 +7,7 @@ import json
 import pytest
 
 from astrai.data.tokenizer import IM_END, load_tokenizer
-from astrai.data.tokenizer_training import main, train_tokenizer
+from astrai.data.tokenizer_training import CHAT_ROLE_TEXT, main, train_tokenizer
 
 CHATS = [
     [{"role": "user", "content": "12+7"}, {"role": "assistant", "content": "19"}],
@@ -139,3 +139,53 @@ def test_generation_config_adds_stop_ids(tok, tmp_path):
 def test_long_single_line_text_is_text_not_a_path():
     tok = train_tokenizer(["word " * 400, "another line"], 270)
     assert tok.decode(tok.encode("word word")) == "word word"
+
+
+# ---------------------------------------------------------------------------- a vocabulary smaller than asked
+
+def test_a_corpus_of_digits_has_nothing_to_merge_and_the_warning_says_so(addition_task_dir, tmp_path, capsys):
+    corpus = addition_task_dir / "data" / "corpus.jsonl"
+    assert main(["train", "--input", str(corpus), "--vocab_size", "300", "--out", str(tmp_path / "t")]) == 0
+    err = capsys.readouterr().err
+    assert "259 tokens, not the 300 asked: after 0 merges every piece the pre-tokenizer cut" in err
+    assert "neither more of the same text nor a lower --min_frequency adds a token" in err
+    assert "--chat_roles" in err and "train on more text" not in err  # the old advice was false here
+
+
+def test_chat_roles_shorten_a_chat_record_as_the_demo_tokenizer_does(addition_task_dir, tmp_path, capsys):
+    corpus = addition_task_dir / "data" / "corpus.jsonl"
+    assert main(["train", "--input", str(corpus), "--chat_roles", "--vocab_size", "300",
+                           "--out", str(tmp_path / "t")]) == 0
+    assert "--chat_roles adds" not in capsys.readouterr().err  # already given: not advised again
+    tok = load_tokenizer(tmp_path / "t")
+    assert tok.encode("user") == tok.convert_tokens_to_ids(["user"]) and len(tok.encode("assistant")) == 2
+    plain = train_tokenizer([corpus], 300)
+    chat = [{"role": "user", "content": "3+4"}, {"role": "assistant", "content": "7"}]
+    assert (len(tok.apply_chat_template(chat)), len(plain.apply_chat_template(chat))) == (15, 25)
+    # the demo's own recipe (texts, then the role names five times) gives the same tokenizer
+    texts = [json.loads(line)["text"] for line in corpus.read_text().splitlines()]
+    demo = train_tokenizer(texts + [CHAT_ROLE_TEXT] * 5, 300)
+    assert tok.backend.get_vocab() == demo.backend.get_vocab()
+
+
+def test_a_pair_below_min_frequency_keeps_the_more_text_advice(capsys):
+    train_tokenizer(["hello world", "hello there"], 512)
+    err = capsys.readouterr().err
+    assert "no pair of tokens occurs 2 or more times" in err and "lower --min_frequency" in err
+
+
+def test_a_vocabulary_smaller_than_asked_says_so_with_the_numbers(tmp_path, capsys):
+    corpus = tmp_path / "tiny.txt"
+    corpus.write_text("hello world\nhello there\n")
+    assert main(["train", "--input", str(corpus), "--vocab-size", "512", "--out", str(tmp_path / "tok")]) == 0
+    out, err = capsys.readouterr()
+    # 256 bytes + 3 special tokens + the merges: "he", "hel", "hell", "hello" occur twice, nothing else does
+    assert "vocab_size=263 (asked 512; see the warning above)" in out
+    assert ("warning: the trained vocabulary has 263 tokens, not the 512 asked: after 4 merges no pair of tokens "
+            "occurs 2 or more times (min_frequency) in the corpus of 2 texts, 24 characters; train on more text "
+            "or lower --min_frequency") in err
+
+
+def test_a_vocabulary_of_the_asked_size_prints_no_warning(tmp_path, capsys):
+    train_tokenizer(["hello world hello there"] * 4, vocab_size=261)
+    assert "warning" not in capsys.readouterr().err

@@ -107,3 +107,48 @@ def test_the_core_package_does_not_import_lm_eval():
     code = ("import sys, astrai, astrai.cli, astrai.eval, astrai.eval.cli, astrai.eval.perplexity; "
             "assert 'lm_eval' not in sys.modules, 'lm_eval imported'")
     assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True).returncode == 0
+
+
+def _eval(args: list[str], capsys) -> tuple[int, str, str]:
+    from astrai.eval.cli import main as eval_main
+
+    code = eval_main(args)
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_eval_of_a_damaged_model_is_one_line(addition_model_dir, tmp_path, capsys, addition_task_dir):
+    import shutil
+
+    damaged = tmp_path / "damaged"
+    shutil.copytree(addition_model_dir, damaged)
+    size = (damaged / "model.safetensors").stat().st_size
+    (damaged / "manifest.json").write_text(json.dumps({
+        "format": "astrai-checkpoint", "version": 1, "step": 1,
+        "files": {"model.safetensors": {"size": size + 7, "sha256": "0" * 64}}}))
+    code, _, err = _eval(["--model", str(damaged), "--data", str(addition_task_dir / "data" / "eval.jsonl")], capsys)
+    assert code == 2 and err.count("\n") == 1 and "model.safetensors" in err and "Traceback" not in err
+
+
+def test_eval_skips_and_counts_an_over_long_prompt(addition_model_dir, tmp_path, capsys, addition_task_dir):
+    records = [json.loads(line) for line in (addition_task_dir / "data" / "eval.jsonl").read_text().splitlines()][:3]
+    records[1]["messages"][-1]["content"] = "1+2 " * 40  # longer than max_model_len 32
+    data = tmp_path / "eval.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in records))
+    code, out, err = _eval(["--model", str(addition_model_dir), "--data", str(data), "--max_tokens", "4"], capsys)
+    assert code == 0, err
+    result = json.loads(out)
+    assert result["num_total"] == 3 and result["num_skipped"] == 1 and len(result["samples"]) == 2
+    assert "skipped 1 of 3 prompts" in err and "max_model_len 32" in err
+
+
+def test_eval_names_the_file_and_line_of_broken_json(addition_model_dir, tmp_path, capsys, addition_task_dir):
+    good = (addition_task_dir / "data" / "eval.jsonl").read_text().splitlines()[0]
+    data = tmp_path / "eval.jsonl"
+    data.write_text(f"{good}\n\n{{\"messages\": [\n")
+    code, _, err = _eval(["--model", str(addition_model_dir), "--data", str(data)], capsys)
+    assert code == 2 and f"{data}:3: not valid JSON" in err and err.count("\n") == 1
+    docs = tmp_path / "docs.jsonl"
+    docs.write_text('{"text": "1+1=2"}\n{"text": \n')
+    code, _, err = _eval(["--model", str(addition_model_dir), "--perplexity", str(docs)], capsys)
+    assert code == 2 and f"{docs}:2: not valid JSON" in err

@@ -17,7 +17,7 @@ from astrai.model.config import ModelConfig
 from astrai.model.hf import load_model, save_model
 from astrai.model.hf_config import HFFormatError
 from astrai.model.hf_dir import check_device
-from astrai.model.manifest import MANIFEST, ManifestError, check_model_dir
+from astrai.model.manifest import MANIFEST, ManifestError, check_model_dir, resolve_model_dir
 from astrai.model.transformer import CausalLM
 
 TEXTS = ["the quick brown fox jumps over the lazy dog", "hello world and more words"] * 10
@@ -134,3 +134,68 @@ def test_ckpt_list_verify_marks_a_checksum_damaged_checkpoint(model_dir, tmp_pat
     rows = {line.split()[0]: line for line in capsys.readouterr().out.splitlines() if line.startswith("step_")}
     assert rows["step_00000005"].endswith("DAMAGED (checksum)")
     assert rows["step_00000003"].endswith("complete, verified")
+
+
+# ---------------------------------------------------------------------------- `--model` takes a run's ckpt_dir
+
+def test_a_mistyped_local_path_is_missing_not_a_hub_id(tmp_path, monkeypatch):
+    from astrai.model import hub
+    from astrai.model.manifest import model_argument
+
+    (tmp_path / "out").mkdir()
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(hub, "_offline", lambda: pytest.fail("looked up on the Hub"))
+    with pytest.raises(FileNotFoundError, match="'out/ckptt' does not exist: there is a local folder 'out'"):
+        model_argument("out/ckptt", "astrai eval")
+    assert hub.is_hub_id("org/name")  # a Hub id whose org is no local folder is still one
+
+
+TINY_CKPT = dict(vocab_size=300, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+            max_position_embeddings=64)
+
+
+def _checkpoints(tmp_path: Path, steps: list[int]) -> Path:
+    from astrai.train.publish import publish
+
+    model = CausalLM(ModelConfig(**TINY_CKPT), seed=0)
+    tok = train_tokenizer(["hello world hello there"] * 4, vocab_size=261)
+    for step in steps:
+        publish(tmp_path / "ckpt", step, lambda d: save_model(model, d, tokenizer=tok))
+    return tmp_path / "ckpt"
+
+
+def test_a_runs_ckpt_dir_stands_for_its_newest_complete_checkpoint(tmp_path):
+    ckpt_dir = _checkpoints(tmp_path, [1, 2, 3])
+    assert resolve_model_dir(ckpt_dir) == ckpt_dir / "step_00000003"
+    (ckpt_dir / "step_00000003" / "model.safetensors").write_bytes(b"truncated")  # damaged: skipped
+    assert resolve_model_dir(ckpt_dir) == ckpt_dir / "step_00000002"
+    assert resolve_model_dir(ckpt_dir / "step_00000001") == ckpt_dir / "step_00000001"  # a checkpoint as it is
+    assert resolve_model_dir(tmp_path / "nothing") == tmp_path / "nothing"  # the loader reports it
+    for step in (1, 2):
+        (ckpt_dir / f"step_{step:08d}" / "manifest.json").unlink()
+    with pytest.raises(ManifestError, match="holds checkpoints but none is complete"):
+        resolve_model_dir(ckpt_dir)
+
+
+def test_generate_takes_a_runs_ckpt_dir(tmp_path, capsys):
+    from astrai.infer.generate import main as generate_main
+
+    ckpt_dir = _checkpoints(tmp_path, [1, 2])
+    assert generate_main(["--model", str(ckpt_dir), "--prompt", "x", "--max-tokens", "2", "--temperature", "0",
+                          "--device", "cpu"]) == 0
+    err = capsys.readouterr().err
+    assert f"using its newest complete checkpoint {ckpt_dir / 'step_00000002'}" in err
+
+
+@pytest.mark.parametrize("command", ["serve", "chat", "eval"])
+def test_other_commands_resolve_a_runs_ckpt_dir_too(tmp_path, capsys, command):
+    """Each command reports the checkpoint it picked (then fails later on purpose: no data, no server)."""
+    ckpt_dir = _checkpoints(tmp_path, [4])
+    for step in [4]:
+        (ckpt_dir / f"step_{step:08d}" / "manifest.json").unlink()  # none complete: a clear error
+    argv = {"serve": ["--model", str(ckpt_dir)], "chat": ["--model", str(ckpt_dir)],
+            "eval": ["--model", str(ckpt_dir), "--data", str(tmp_path / "missing.jsonl")]}[command]
+    from astrai.cli import main
+
+    assert main([command, *argv]) != 0
+    assert f"{ckpt_dir} holds checkpoints but none is complete" in capsys.readouterr().err

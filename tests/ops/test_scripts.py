@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import subprocess
+from pathlib import Path
 
 import pytest
 
@@ -227,3 +228,20 @@ def test_scripts_are_executable():
     for p in [*(REPO / "scripts").glob("[a-z]*.sh"), REPO / "docker" / "entrypoint.sh"]:
         if p.name != "lib.sh":
             assert os.access(p, os.X_OK), f"{p} is not executable"
+
+
+def test_serve_sh_says_when_the_compose_plugin_is_missing(tmp_path):
+    from tests.ops.fakes import base_env, calls, run_script
+
+    env = base_env(tmp_path)
+    docker = Path(env["PATH"].split(os.pathsep)[0]) / "docker"
+    docker.write_text(docker.read_text() + (
+        "if sys.argv[1:2] == ['compose']:\n"
+        "    print(\"unknown shorthand flag: 'f' in -f\", file=sys.stderr)\n"
+        "    sys.exit(125)\n"))
+    model = tmp_path / "m"
+    model.mkdir()
+    (model / "config.json").write_text("{}")
+    r = run_script("serve.sh", ["--model", str(model), "up"], env, tmp_path)
+    assert r.returncode == 1 and "the Compose plugin is missing" in r.stderr and "shorthand" not in r.stderr
+    assert [c["argv"][:2] for c in calls(tmp_path)] == [["compose", "version"]]  # never `compose -f ... up`

@@ -18,7 +18,7 @@ import pytest
 
 from astrai.data.tokenizer import load_tokenizer
 from tests.serve.conftest import API_KEY
-from tests.serve.test_tools import ASK, CALL_TEXT, TIME, WEATHER, _check_weather_args, scripted_app
+from tests.serve.scripted_tools import ASK, CALL_TEXT, TIME, WEATHER, check_weather_args, scripted_app
 
 
 def _anthropic(tool: dict) -> dict:
@@ -148,7 +148,7 @@ def test_a_named_tool_is_called(random_claude):
     calls = [b for b in out.content if b.type == "tool_use"]
     assert out.stop_reason == "tool_use" and calls and calls[0].name == "get_weather"
     for call in calls:
-        _check_weather_args(json.dumps(call.input))
+        check_weather_args(json.dumps(call.input))
 
 
 def test_bad_tool_definitions_get_anthropics_error_body(server):

@@ -13,72 +13,13 @@ import socket
 import threading
 import time
 from pathlib import Path
-from typing import Any
 
 import httpx
 import pytest
 
-from astrai.serve.app import ServeConfig, create_app
-from astrai.serve.cli import uvicorn_config
-from tests.serve.conftest import API_KEY, free_port
+from tests.serve.live import AUTH, GUARD_S, LiveServer, serve_config
 
-GUARD_S = 30.0  # a bound against a hang, never a measured duration
-AUTH = {"Authorization": f"Bearer {API_KEY}"}
 CHAT = {"model": "tiny-model", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
-ENGINE = {"max_model_len": 64, "kv_cache_tokens": 2048, "long_prefill_token_threshold": 0}
-
-
-class LiveServer:
-    """`create_app` under `astrai serve`'s uvicorn settings, in a thread, on a free port."""
-
-    def __init__(self, config: ServeConfig, **settings: Any):
-        import uvicorn
-
-        self.port = free_port()
-        self.base = f"http://127.0.0.1:{self.port}"
-        self.app = create_app(config)
-        self.server = uvicorn.Server(uvicorn_config(self.app, host="127.0.0.1", port=self.port,
-                                                    log_level="warning", log_config=None, **settings))
-        self.thread = threading.Thread(target=self.server.run, daemon=True)
-
-    def __enter__(self) -> LiveServer:
-        self.thread.start()
-        deadline = time.monotonic() + 60  # guard only
-        state = self.app.state.serve
-        while (not self.server.started or state.status == "loading") and time.monotonic() < deadline:
-            time.sleep(0.02)
-        assert self.server.started and state.status == "ready", state.error
-        return self
-
-    def connect(self, head: bytes | None = None) -> socket.socket:
-        """A connection; with `head`, one whose request is already in the server's socket buffer
-        when the server first sees the connection: the server's event loop is held while the
-        client connects and sends, so a short header deadline can never fire on a client that is
-        merely slow to be scheduled (an event, not a race against the clock)."""
-        if head is None:
-            return socket.create_connection(("127.0.0.1", self.port), timeout=GUARD_S)
-        held, release = threading.Event(), threading.Event()
-
-        def hold() -> None:  # runs on the server's loop: nothing there runs until released
-            held.set()
-            release.wait(GUARD_S)
-
-        self.server.servers[0].get_loop().call_soon_threadsafe(hold)
-        assert held.wait(GUARD_S), "the server's event loop never ran the hold (guard)"
-        try:
-            sock = socket.create_connection(("127.0.0.1", self.port), timeout=GUARD_S)  # the kernel's backlog
-            sock.sendall(head)
-        finally:
-            release.set()
-        return sock
-
-    def __exit__(self, *exc: Any) -> None:
-        self.server.should_exit = True
-        self.thread.join(30)
-
-
-def serve_config(model_dir: Path, **fields: Any) -> ServeConfig:
-    return ServeConfig(str(model_dir), api_key=API_KEY, engine_kwargs=dict(ENGINE), **fields)
 
 
 def read_until_closed(sock: socket.socket) -> bytes:

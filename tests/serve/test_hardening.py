@@ -19,46 +19,14 @@ import httpx
 import pytest
 
 from astrai.serve import cli as serve_app
-from astrai.serve.app import ServeConfig, create_app, load_engine
+from astrai.serve.app import ServeConfig, load_engine
 from astrai.serve.protocol import MAX_STOP_CHARS, MAX_STOP_STRINGS
 from astrai.serve.render import sse
-from tests.serve.conftest import API_KEY, free_port
+from tests.serve.conftest import API_KEY
+from tests.serve.live import AUTH, LiveApp
 
-AUTH = {"Authorization": f"Bearer {API_KEY}"}
 CHAT = {"model": "tiny-model", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
 ENGINE = {"max_model_len": 64, "kv_cache_tokens": 2048}
-
-
-class LiveApp:
-    """`create_app` on uvicorn in a thread of this process (so tests can hook the loader)."""
-
-    def __init__(self, config: ServeConfig, loader=load_engine):
-        import uvicorn
-
-        self.port = free_port()
-        self.base = f"http://127.0.0.1:{self.port}"
-        self.app = create_app(config, loader)
-        self.server = uvicorn.Server(uvicorn.Config(self.app, host="127.0.0.1", port=self.port,
-                                                    log_level="warning", log_config=None))
-        self.thread = threading.Thread(target=self.server.run, daemon=True)
-
-    def __enter__(self) -> LiveApp:
-        self.thread.start()
-        deadline = time.monotonic() + 30  # guard only
-        while not self.server.started and time.monotonic() < deadline:
-            time.sleep(0.02)
-        return self
-
-    def wait_status(self, status: str) -> None:
-        state = self.app.state.serve
-        deadline = time.monotonic() + 60  # guard only
-        while state.status != status and time.monotonic() < deadline:
-            time.sleep(0.02)
-        assert state.status == status, state.error
-
-    def __exit__(self, *exc: Any) -> None:
-        self.server.should_exit = True
-        self.thread.join(30)
 
 
 def _post(base: str, path: str, headers=AUTH, **kwargs) -> httpx.Response:

@@ -19,8 +19,8 @@ import pytest
 from astrai.serve.app import ServeConfig, load_engine
 from astrai.serve.protocol import MAX_FIELD_NAME_CHARS, MAX_STOP_CHARS, MAX_STOP_STRINGS
 from tests.serve.conftest import API_KEY
-from tests.serve.test_hardening import LiveApp
-from tests.serve.test_tools import ASK
+from tests.serve.live import LiveApp
+from tests.serve.scripted_tools import ASK
 
 AUTH = {"Authorization": f"Bearer {API_KEY}", "Content-Type": "application/json"}
 ENGINE = {"max_model_len": 64, "kv_cache_tokens": 2048}

@@ -19,7 +19,7 @@ import pytest
 
 from astrai.data.tokenizer import load_tokenizer
 from astrai.infer.guided import GuideCompiler
-from tests.serve.test_connections import AUTH, GUARD_S, LiveServer, serve_config
+from tests.serve.live import AUTH, GUARD_S, LiveServer, serve_config
 
 SCHEMA = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"],
           "additionalProperties": False}

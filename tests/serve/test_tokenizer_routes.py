@@ -14,7 +14,7 @@ import torch
 from astrai.data.tokenizer import load_tokenizer
 from astrai.serve.app import ServeConfig
 from tests.serve.conftest import API_KEY
-from tests.serve.test_hardening import LiveApp
+from tests.serve.live import LiveApp
 
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
 MAX_MODEL_LEN = 256

@@ -8,31 +8,16 @@ and match their schema whatever the weights say.
 
 from __future__ import annotations
 
-import contextlib
 import json
 
 import httpx
 import openai
 import pytest
-import torch
 
 from astrai.data.tokenizer import load_tokenizer
 from astrai.data.tool_calls import ToolCallStream, parse_tool_calls
-from astrai.infer.sampling import SamplerOutput
-from astrai.serve.app import ServeConfig, load_engine
 from tests.serve.conftest import API_KEY
-from tests.serve.test_hardening import LiveApp
-
-WEATHER = {"type": "function", "function": {
-    "name": "get_weather", "description": "current weather of a city",
-    "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 12},
-                                                     "unit": {"enum": ["celsius", "fahrenheit"]}},
-                   "required": ["city", "unit"], "additionalProperties": False}}}
-TIME = {"type": "function", "function": {
-    "name": "get_time", "parameters": {"type": "object", "properties": {"zone": {"enum": ["utc", "cet"]}},
-                                       "required": ["zone"], "additionalProperties": False}}}
-ASK = [{"role": "user", "content": "weather in paris?"}]
-CALL_TEXT = 'Let me check.\n<tool_call>{"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}}</tool_call>'
+from tests.serve.scripted_tools import ASK, CALL_TEXT, TIME, WEATHER, check_weather_args, scripted_app
 
 
 # ------------------------------------------------------------------------------ parsing
@@ -71,34 +56,6 @@ def test_stream_holds_back_a_split_tag_and_releases_whole_calls():
 
 
 # ------------------------------------------------------------------------------ scripted model
-class ScriptedSampler:
-    """Every sequence emits `script` token by token, whatever the logits."""
-
-    def __init__(self, script: list[int]):
-        self.script = script
-
-    def sample(self, logits: torch.Tensor, rows: list) -> SamplerOutput:
-        tokens = [self.script[min(len(r.output_token_ids), len(self.script) - 1)] for r in rows]
-        zeros = torch.zeros(len(rows))
-        return SamplerOutput(token_ids=tokens, logprobs=zeros, raw_logprobs=zeros)
-
-
-@contextlib.contextmanager
-def scripted_app(model_dir):
-    """A live app whose model answers with CALL_TEXT (then end of turn); shared with the Anthropic tests."""
-    tok = load_tokenizer(model_dir)
-    script = tok.encode(CALL_TEXT) + [tok.convert_tokens_to_ids(["<|im_end|>"])[0]]
-
-    def loader(config):
-        engine, tokenizer = load_engine(config)
-        engine.sampler = ScriptedSampler(script)
-        return engine, tokenizer
-
-    config = ServeConfig(str(model_dir), served_model_name="tiny-model", api_key=API_KEY,
-                         engine_kwargs={"max_model_len": 1024, "kv_cache_tokens": 8192})
-    with LiveApp(config, loader) as live:
-        live.wait_status("ready")
-        yield live
 
 
 @pytest.fixture(scope="module")
@@ -159,10 +116,6 @@ def test_unknown_function_and_tool_choice_none_stay_content(scripted):
 
 
 # ------------------------------------------------------------------------------ constrained decoding
-def _check_weather_args(arguments: str) -> None:
-    args = json.loads(arguments)
-    assert set(args) == {"city", "unit"} and isinstance(args["city"], str) and len(args["city"]) <= 12
-    assert args["unit"] in ("celsius", "fahrenheit")
 
 
 @pytest.mark.parametrize("stream", [False, True])
@@ -178,7 +131,7 @@ def test_required_tool_choice_forces_a_valid_call(client, stream):
                  for c in out.choices[0].message.tool_calls]
     assert finish == "tool_calls" and len(calls) == 1
     if calls[0]["name"] == "get_weather":
-        _check_weather_args(calls[0]["arguments"])
+        check_weather_args(calls[0]["arguments"])
     else:
         assert calls[0]["name"] == "get_time" and json.loads(calls[0]["arguments"])["zone"] in ("utc", "cet")
 
@@ -191,7 +144,7 @@ def test_named_tool_choice_calls_that_function(client):
         assert choice.finish_reason == "tool_calls"
         assert [c.function.name for c in choice.message.tool_calls][:1] == ["get_weather"]
         for call in choice.message.tool_calls:
-            _check_weather_args(call.function.arguments)
+            check_weather_args(call.function.arguments)
 
 
 PERSON = {"type": "object", "properties": {

@@ -1,4 +1,5 @@
-"""Run directories for end-to-end checkpoint/resume tests: a tiny tokenizer, JSONL data, a YAML config.
+"""Run directories for end-to-end checkpoint/resume tests: a tiny tokenizer, JSONL data, a YAML config;
+and `astrai train` run in this process with a SIGTERM at a chosen micro-batch.
 
 Shared by the resume, kill-fuzz and multi-rank tests. Everything is small enough that a run of
 `astrai train` over it takes a second or two of compute on a 2-core CPU.
@@ -7,11 +8,16 @@ Shared by the resume, kill-fuzz and multi-rank tests. Everything is small enough
 from __future__ import annotations
 
 import json
+import os
 import random
+import signal
 from pathlib import Path
 
+from astrai.cli import main as astrai_main
 from astrai.data.tasks import corpus_records, dpo_record, generate_items, sft_record
 from astrai.data.tokenizer_training import train_tokenizer
+from astrai.train import build as trainer_mod  # the builder of every loop's callbacks
+from astrai.train import signals
 
 MODEL = {
     "vocab_size": 320, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
@@ -63,3 +69,29 @@ def write_run(run_dir: Path, tok_dir: Path, train_type: str, num_records: int = 
 def read_metrics(run_dir: Path) -> list[dict]:
     lines = (run_dir / "log" / "metrics.jsonl").read_text().splitlines()
     return [m for m in map(json.loads, lines) if m.get("split", "train") == "train"]
+
+
+class SigtermAt:
+    """A callback that sends SIGTERM to this process at the start of micro-batch number `at`
+    (0-based), so a stop goes through the real signal handler and lands at a known place."""
+
+    def __init__(self, at: int):
+        self.at, self.seen = at, 0
+
+    def on_batch_begin(self, trainer, batch) -> None:
+        if self.seen == self.at:
+            os.kill(os.getpid(), signal.SIGTERM)
+        self.seen += 1
+
+
+def train_in_process(config, *flags, kill_at=None, monkeypatch=None) -> int:
+    """`astrai train --config config *flags` in this process; with `kill_at`, SIGTERM at that
+    micro-batch (`monkeypatch` adds the callback to every loop's defaults, then is undone)."""
+    if kill_at is not None:
+        original = trainer_mod.default_callbacks
+        monkeypatch.setattr(trainer_mod, "default_callbacks", lambda t: [*original(t), SigtermAt(kill_at)])
+    try:
+        return astrai_main(["train", "--config", str(config), *flags])
+    finally:
+        monkeypatch.undo()
+        signals.uninstall_signal_handlers()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from types import SimpleNamespace
 
 from astrai.train.callbacks import EarlyStopping, MetricsLogger
 from astrai.train.context import TrainContext
@@ -101,6 +102,47 @@ def test_background_checkpoints_are_complete_when_training_returns(tmp_path):
     assert latest_checkpoint(tmp_path / "ckpt").name == "step_00000004"
 
 
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def _loop(step: int = 0, is_main: bool = True, **metrics: float) -> SimpleNamespace:
+    return SimpleNamespace(is_main=is_main, ctx=SimpleNamespace(step=step), step_metrics=metrics)
+
+
+def test_progress_lines_every_tenth_of_the_run_and_after_a_silent_minute(capsys):
+    from astrai.train.callbacks import ProgressBar
+
+    clock = FakeClock()
+    bar = ProgressBar(100, bar=False, clock=clock)
+    loop = _loop(0, loss=1.0, lr=1e-3, tokens_per_s=4912.0)
+    bar.on_train_begin(loop)
+    for step in range(1, 101):
+        clock.now += 1.0 if step != 55 else 61.0  # one slow step: a line although 55 is no tenth
+        loop.ctx.step = step
+        bar.after_optimizer_step(loop)
+    lines = capsys.readouterr().err.splitlines()
+    assert [int(line.split()[1].split("/")[0]) for line in lines] == [10, 20, 30, 40, 50, 55, 60, 70, 80, 90, 100]
+    assert lines[0] == "step 10/100 (10%): loss 1.0000, 4,912 tok/s, 0:10 elapsed, eta 1:30"
+
+
+def test_progress_lines_show_the_reward_and_only_rank_0_prints(capsys):
+    from astrai.train.callbacks import ProgressBar
+
+    bar = ProgressBar(4, bar=False, clock=FakeClock())
+    for rank0 in (False, True):
+        loop = _loop(0, is_main=rank0, loss=0.5, lr=1e-4, reward_mean=0.516, rollout_tokens_per_s=900.0)
+        bar.on_train_begin(loop)
+        loop.ctx.step = 4
+        bar.after_optimizer_step(loop)
+    assert capsys.readouterr().err.splitlines() == [
+        "step 4/4 (100%): loss 0.5000, reward 0.516, 900 rollout tok/s, 0:00 elapsed"]
+
+
 def same_score(prompt, completion, record):
     """A reward that cannot tell samples apart (as a verifier that parses no answer scores 0)."""
     return 0.0
@@ -110,7 +152,7 @@ def test_rollouts_without_signal_for_long_are_one_warning_naming_the_rewards(tmp
     from astrai.train.callbacks import FLAT_REWARD_ROLLOUTS
     from astrai.train.cli import main
     from tests.train.resume_data import write_tokenizer
-    from tests.train.test_rl import write_rl_run
+    from tests.train.rl_runs import write_rl_run
 
     reward = "tests.train.test_callbacks:same_score"
     config = write_rl_run(tmp_path, write_tokenizer(tmp_path / "tok"), rewards=[reward], rollout_max_tokens=2)

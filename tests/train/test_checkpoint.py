@@ -268,3 +268,11 @@ def test_each_caller_asks_the_one_finder_at_its_level(tmp_path, capsys):
     ]
     assert ckpt_main(["latest", str(tmp_path)]) == 0
     assert capsys.readouterr().out.strip() == str(tmp_path / "step_00000001")
+
+
+def test_ckpt_latest_of_an_empty_folder_says_no_checkpoint(tmp_path, capsys):
+    from astrai.train.ckpt_cli import main as ckpt_main
+
+    assert ckpt_main(["latest", str(tmp_path)]) == 1
+    err = capsys.readouterr().err
+    assert f"no checkpoint in {tmp_path} (no step_* directory in it)" in err and "--resume" not in err

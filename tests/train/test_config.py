@@ -161,3 +161,14 @@ def test_malformed_list_flags_show_the_accepted_forms(args, message):
     with pytest.raises(ConfigError, match=message) as err:
         load_config(None, args)
     assert "\n" not in str(err.value)
+
+
+def test_a_misplaced_optimizer_section_suggests_optim(tmp_path):
+    from astrai.config import ConfigError, load_config
+
+    path = tmp_path / "run.yaml"
+    path.write_text("optimizer:\n  max_lr: 1.0e-3\n")
+    with pytest.raises(ConfigError, match=r"unknown config section 'optimizer'; did you mean 'optim'\?"):
+        load_config(str(path), [])
+    path.write_text("optimizer: muon\n")  # the flat key at the top level still works
+    assert load_config(str(path), []).optim.optimizer == "muon"

@@ -68,13 +68,6 @@ def _assert_close(a, b, atol=1e-5):
         torch.testing.assert_close(a[k], b[k], atol=atol, rtol=1e-4, msg=k)
 
 
-@pytest.fixture(scope="module")
-def tok_dir(tmp_path_factory):
-    from tests.train.resume_data import write_tokenizer
-
-    return write_tokenizer(tmp_path_factory.mktemp("tok"))
-
-
 @pytest.mark.slow
 def test_sigterm_to_launcher_then_resume_with_1_and_2_ranks(tmp_path, tok_dir):
     from astrai.train.publish import list_checkpoints, verify_checkpoint

@@ -14,7 +14,7 @@ from astrai.train.callbacks import EarlyStopping
 from astrai.train.cli import main
 from astrai.train.context import TrainContext
 from astrai.train.step import GradientStep, NonFiniteError
-from tests.train.resume_data import write_run, write_tokenizer
+from tests.train.resume_data import write_run
 
 
 class _Schedule:
@@ -64,11 +64,6 @@ def test_consecutive_nonfinite_steps_stop_the_run():
     _micro_batch(w, step, float("inf"))
     with pytest.raises(NonFiniteError, match="2 optimizer steps in a row"):
         step.step(2)
-
-
-@pytest.fixture(scope="module")
-def tok_dir(tmp_path_factory):
-    return write_tokenizer(tmp_path_factory.mktemp("tok"))
 
 
 def test_a_diverging_run_fails_and_never_publishes_nonfinite_weights(tmp_path, tok_dir, capsys):

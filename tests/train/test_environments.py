@@ -15,8 +15,8 @@ from astrai.train.rl.rewards import RewardSet
 from astrai.train.rl.runner import Draw, EpisodeRunner
 from astrai.train.rl.tools import ToolBox
 from tests.train.resume_data import write_tokenizer
+from tests.train.rl_runs import write_rl_run
 from tests.train.samplers import ScriptedSampler, fake_turn
-from tests.train.test_rl import write_rl_run
 
 HERE = "tests.train.test_environments"
 

@@ -12,39 +12,15 @@ import pytest
 import yaml
 
 from astrai.config import ConfigError, load_config
-from astrai.data.tasks import SCORERS, generate_items, prompt_record, sft_record
+from astrai.data.tasks import SCORERS, generate_items, sft_record
 from astrai.train.cli import main
 from astrai.train.publish import latest_checkpoint
-from tests.train.resume_data import MODEL, write_tokenizer
-from tests.train.test_rl import sigterm_after_step, write_rl_run
+from tests.train.resume_data import MODEL
+from tests.train.rl_runs import eval_file, eval_rows, sigterm_after_step, with_eval, write_rl_run
 
 EVAL_KEYS = {"eval/accuracy", "eval/greedy_reward_mean", "eval/reward_mean", "eval/sampled_accuracy",
              "eval/response_length", "eval/truncated_fraction", "eval/num_prompts", "eval/skipped_prompts",
              "eval/seconds"}
-
-
-@pytest.fixture(scope="module")
-def tok_dir(tmp_path_factory):
-    return write_tokenizer(tmp_path_factory.mktemp("tok"))
-
-
-def eval_file(path: Path, num: int = 6) -> Path:
-    items = generate_items(num, ["add"], digits=2, seed=7)  # another seed than the training prompts
-    path.write_text("".join(json.dumps(prompt_record(it)) + "\n" for it in items))
-    return path
-
-
-def with_eval(config: Path, eval_path: Path, **train) -> Path:
-    cfg = yaml.safe_load(config.read_text())
-    cfg["data"]["eval_data_path"] = str(eval_path)
-    cfg["train"].update({"eval_interval": 2, "eval_num_samples": 2, **train})
-    config.write_text(yaml.safe_dump(cfg, sort_keys=False))
-    return config
-
-
-def eval_rows(run_dir: Path) -> list[dict]:
-    lines = (run_dir / "log" / "metrics.jsonl").read_text().splitlines()
-    return [m for m in map(json.loads, lines) if m.get("split") == "eval"]
 
 
 def greedy_accuracy(model_dir: Path, eval_path: Path, max_tokens: int) -> float:

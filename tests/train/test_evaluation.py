@@ -12,11 +12,9 @@ from astrai.train.evaluation import answer
 from astrai.train.rl.rewards import RewardSet
 from astrai.train.rl.runner import Draw, EpisodeRunner
 from tests.train.resume_data import write_tokenizer
+from tests.train.rl_runs import eval_file, eval_rows, with_eval, write_rl_run
+from tests.train.rl_user_code import USER_CODE
 from tests.train.samplers import ScriptedSampler, fake_turn
-from tests.train.test_eval_during_training import eval_file, eval_rows, with_eval
-from tests.train.test_rl import write_rl_run
-
-HERE = "tests.train.test_rl_multiturn"
 
 
 def test_an_environment_run_evaluates_with_its_environment(tmp_path):
@@ -24,7 +22,7 @@ def test_an_environment_run_evaluates_with_its_environment(tmp_path):
     whatever the model says; the eval rows see that reward, greedy and sampled, and the length of
     all three turns (a single-turn evaluation saw one turn and no environment reward)."""
     tok_dir = write_tokenizer(tmp_path / "tok")
-    config = write_rl_run(tmp_path, tok_dir, environment=f"{HERE}:ScriptedEnv", rewards=["exact_match"],
+    config = write_rl_run(tmp_path, tok_dir, environment=f"{USER_CODE}:ScriptedEnv", rewards=["exact_match"],
                           rollout_max_tokens=4)
     with_eval(config, eval_file(tmp_path / "eval.jsonl"))
     assert main(["--config", str(config), "--max_steps", "2"]) == 0

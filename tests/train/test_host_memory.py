@@ -123,7 +123,7 @@ def test_the_online_loop_applies_the_setting_before_the_model(tmp_path, monkeypa
     import astrai.train.rl.loop as loop_mod
     from astrai.train.rl.loop import OnlineLoop
     from tests.train.resume_data import write_tokenizer
-    from tests.train.test_rl import write_rl_run
+    from tests.train.rl_runs import write_rl_run
 
     calls = []
     real_build = loop_mod.build_run
@@ -144,7 +144,7 @@ def test_the_online_loop_decodes_every_rollout_inside_the_kept_heap(tmp_path, mo
     import astrai.train.rl.loop as loop_mod
     from astrai.train.rl.loop import OnlineLoop
     from tests.train.resume_data import write_tokenizer
-    from tests.train.test_rl import write_rl_run
+    from tests.train.rl_runs import write_rl_run
 
     events = []
 

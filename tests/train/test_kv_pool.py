@@ -19,17 +19,11 @@ from astrai.train.cli import main
 from astrai.train.rl.engine_sampler import engine_runner
 from astrai.train.rl.rewards import RewardSet
 from astrai.train.rl.runner import EpisodeRunner
-from tests.train.resume_data import MODEL, write_tokenizer
-from tests.train.test_eval_during_training import eval_file, with_eval
-from tests.train.test_rl import write_rl_run
-from tests.train.test_rl_multiturn import HERE, prompt_batch
+from tests.train.resume_data import MODEL
+from tests.train.rl_runs import eval_file, prompt_batch, with_eval, write_rl_run
+from tests.train.rl_user_code import USER_CODE
 
 TIMING = ("seconds", "_per_s", "time_share")  # wall-clock metrics differ from run to run
-
-
-@pytest.fixture(scope="module")
-def tok_dir(tmp_path_factory):
-    return write_tokenizer(tmp_path_factory.mktemp("tok"))
 
 
 def _runner(tok_dir, keep: bool, **rl) -> EpisodeRunner:
@@ -57,7 +51,7 @@ def _same_rollouts(a, b) -> None:
         assert torch.equal(getattr(a, name), getattr(b, name)), name
 
 
-@pytest.mark.parametrize("environment", [None, f"{HERE}:ScriptedEnv"], ids=["single_turn", "multi_turn"])
+@pytest.mark.parametrize("environment", [None, f"{USER_CODE}:ScriptedEnv"], ids=["single_turn", "multi_turn"])
 def test_a_released_pool_gives_the_kept_pools_rollouts(tok_dir, environment):
     kept, released = _runner(tok_dir, True, environment=environment), _runner(tok_dir, False, environment=environment)
     assert kept.sampler.engine.has_kv_cache and not released.sampler.engine.has_kv_cache  # freed from the start

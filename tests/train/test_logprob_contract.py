@@ -13,7 +13,7 @@ import torch
 from astrai.model.logprobs import truncated_token_logps
 from astrai.train.cli import main
 from tests.train.resume_data import read_metrics
-from tests.train.test_rl import tok_dir, write_rl_run  # noqa: F401 - the module-scoped tokenizer fixture
+from tests.train.rl_runs import write_rl_run
 
 PROBS = torch.tensor([0.4, 0.3, 0.15, 0.1, 0.05])  # a 5-token vocabulary, most likely first
 

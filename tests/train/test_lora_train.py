@@ -19,14 +19,8 @@ from astrai.model.lora import ADAPTER_CONFIG, ADAPTER_WEIGHTS, AdapterDisabled, 
 from astrai.model.transformer import CausalLM
 from astrai.train import signals
 from astrai.train.publish import latest_checkpoint, verify_checkpoint
-from tests.train.resume_data import MODEL, read_metrics, write_run, write_tokenizer
-from tests.train.test_resume_exact import _train
-from tests.train.test_rl import write_rl_run
-
-
-@pytest.fixture(scope="module")
-def tok_dir(tmp_path_factory):
-    return write_tokenizer(tmp_path_factory.mktemp("tok"))
+from tests.train.resume_data import MODEL, read_metrics, train_in_process, write_run
+from tests.train.rl_runs import write_rl_run
 
 
 @pytest.fixture(scope="module")
@@ -149,17 +143,12 @@ def test_dpo_lora_run(tmp_path, tok_dir, base_dir):
     assert (latest_checkpoint(tmp_path / "ckpt") / ADAPTER_WEIGHTS).is_file()
 
 
-def varied_reward(prompt, completion, record):
-    """Rewards that differ within a group, so the first step moves the adapters."""
-    return float(len(completion) % 3)
-
-
 @pytest.mark.parametrize("train_type", ["online_grpo", "online_ppo"])
 def test_online_rl_under_lora_uses_the_adapter_disabled_reference(tmp_path, tok_dir, base_dir, train_type):
     from astrai.train.rl.loop import OnlineLoop
 
     config = lora_run(write_rl_run(tmp_path, tok_dir, train_type=train_type, kl_coef=0.1,
-                                    rewards=["tests.train.test_lora_train:varied_reward"]), base_dir)
+                                    rewards=["tests.train.rl_user_code:varied_reward"]), base_dir)
     loop = OnlineLoop(load_config(config, ["--max_steps", "2"]))
     assert isinstance(loop.objective.reference, AdapterDisabled)
     assert any(isinstance(m, LoraLinear) for m in loop.raw_model.modules())  # the engine runs the LoRA module
@@ -205,10 +194,10 @@ def test_lora_sigterm_resume_is_exact(tmp_path, tok_dir, base_dir, monkeypatch):
     flags = {"grad_accum_steps": 2, "batch_per_device": 2}
     straight = lora_run(write_run(tmp_path / "straight", tok_dir, "sft", **flags), base_dir, lora_dropout=0.1)
     stopped = lora_run(write_run(tmp_path / "stopped", tok_dir, "sft", **flags), base_dir, lora_dropout=0.1)
-    assert _train(straight, monkeypatch=monkeypatch) == 0
-    assert _train(stopped, kill_at=6, monkeypatch=monkeypatch) == 0
+    assert train_in_process(straight, monkeypatch=monkeypatch) == 0
+    assert train_in_process(stopped, kill_at=6, monkeypatch=monkeypatch) == 0
     assert latest_checkpoint(tmp_path / "stopped" / "ckpt").name == "step_00000003"
-    assert _train(stopped, "--resume", monkeypatch=monkeypatch) == 0
+    assert train_in_process(stopped, "--resume", monkeypatch=monkeypatch) == 0
     keys = ("step", "epoch", "lr", "loss", "grad_norm")
     got = [{k: m[k] for k in keys} for m in read_metrics(tmp_path / "stopped")]
     assert got == [{k: m[k] for k in keys} for m in read_metrics(tmp_path / "straight")]
@@ -223,7 +212,7 @@ def test_online_rl_runs_lora_without_dropout_so_a_fresh_rollout_has_ratio_one(tm
     and the adapter config keeps the configured dropout."""
     import json
 
-    config = lora_run(write_rl_run(tmp_path, tok_dir, rewards=["tests.train.test_lora_train:varied_reward"]),
+    config = lora_run(write_rl_run(tmp_path, tok_dir, rewards=["tests.train.rl_user_code:varied_reward"]),
                       base_dir, lora_dropout=0.5)
     assert astrai_main(["train", "--config", str(config), "--max_steps", "2"]) == 0
     fresh = [m["sampler_logp_diff"] for m in read_metrics(tmp_path) if "sampler_logp_diff" in m]

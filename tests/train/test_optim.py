@@ -82,3 +82,11 @@ def test_schedule_steps_and_restores():
     again = LRSchedule(build_optimizer(model, cfg), cfg, total_steps=10)
     again.load_state_dict(sched.state_dict())
     assert again.get_last_lr() == sched.get_last_lr()
+
+
+def test_warmup_warning_only_past_the_run():
+    from astrai.config import OptimConfig
+    from astrai.train.optim import warmup_warning
+
+    assert warmup_warning(OptimConfig(warmup_steps=10), 10) is None
+    assert "ends at 50% of max_lr" in warmup_warning(OptimConfig(warmup_steps=20), 10)

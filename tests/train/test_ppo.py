@@ -16,15 +16,10 @@ from safetensors.torch import load_file
 from astrai.train import losses as L
 from astrai.train.cli import main
 from astrai.train.publish import latest_checkpoint
-from tests.train.resume_data import read_metrics, write_tokenizer
-from tests.train.test_rl import sigterm_after_step, write_rl_run
+from tests.train.resume_data import read_metrics
+from tests.train.rl_runs import sigterm_after_step, write_rl_run
 
 REPO = Path(__file__).resolve().parents[2]
-
-
-@pytest.fixture(scope="module")
-def tok_dir(tmp_path_factory):
-    return write_tokenizer(tmp_path_factory.mktemp("tok"))
 
 
 def test_gae_with_gamma_lambda_one_and_zero_values_gives_the_terminal_reward_everywhere():

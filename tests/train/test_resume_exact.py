@@ -8,54 +8,21 @@ dropped and redone after the resume).
 
 from __future__ import annotations
 
-import os
-import signal
-
 import pytest
 import torch
 from safetensors.torch import load_file
 
-from astrai.cli import main as astrai_main
-from astrai.train import build as trainer_mod  # the builder of every loop's callbacks
 from astrai.train import signals
 from astrai.train.publish import latest_checkpoint, verify_checkpoint
-from tests.train.resume_data import read_metrics, write_run, write_tokenizer
+from tests.train.resume_data import read_metrics, train_in_process, write_run
 
 COMPARED = ("step", "epoch", "lr", "loss", "grad_norm", "num_loss_units")
-
-
-@pytest.fixture(scope="module")
-def tok_dir(tmp_path_factory):
-    return write_tokenizer(tmp_path_factory.mktemp("tok"))
 
 
 @pytest.fixture(autouse=True)
 def _restore_signal_handlers():
     yield
     signals.uninstall_signal_handlers()
-
-
-class SigtermAt:
-    """Sends SIGTERM to this process at the start of micro-batch number `at` (0-based)."""
-
-    def __init__(self, at: int):
-        self.at, self.seen = at, 0
-
-    def on_batch_begin(self, trainer, batch) -> None:
-        if self.seen == self.at:
-            os.kill(os.getpid(), signal.SIGTERM)
-        self.seen += 1
-
-
-def _train(config, *flags, kill_at=None, monkeypatch=None) -> int:
-    if kill_at is not None:
-        original = trainer_mod.default_callbacks
-        monkeypatch.setattr(trainer_mod, "default_callbacks", lambda t: [*original(t), SigtermAt(kill_at)])
-    try:
-        return astrai_main(["train", "--config", str(config), *flags])
-    finally:
-        monkeypatch.undo()
-        signals.uninstall_signal_handlers()
 
 
 def _weights(ckpt):
@@ -78,11 +45,11 @@ def test_sigterm_resume_is_exact(tmp_path, tok_dir, monkeypatch, train_type, kil
         for path in (straight, stopped):
             path.write_text(path.read_text().replace("data:\n", "data:\n  " + extra[0][2:] + ": " + extra[1] + "\n", 1))
 
-    assert _train(straight, monkeypatch=monkeypatch) == 0
+    assert train_in_process(straight, monkeypatch=monkeypatch) == 0
     full = read_metrics(tmp_path / "straight")
     total = full[-1]["step"]
 
-    assert _train(stopped, kill_at=kill_at, monkeypatch=monkeypatch) == 0
+    assert train_in_process(stopped, kill_at=kill_at, monkeypatch=monkeypatch) == 0
     first = latest_checkpoint(tmp_path / "stopped" / "ckpt")
     verify_checkpoint(first)
     # the signal came during micro-batch `kill_at`: that micro-batch finished, the next did not run
@@ -92,7 +59,7 @@ def test_sigterm_resume_is_exact(tmp_path, tok_dir, monkeypatch, train_type, kil
     assert 0 < stop_step < total // 2  # mid-epoch (2 epochs)
     assert [m["step"] for m in read_metrics(tmp_path / "stopped")] == list(range(1, stop_step + 1))
 
-    assert _train(stopped, "--resume", monkeypatch=monkeypatch) == 0
+    assert train_in_process(stopped, "--resume", monkeypatch=monkeypatch) == 0
     resumed = read_metrics(tmp_path / "stopped")
     assert [{k: m[k] for k in COMPARED} for m in resumed] == [{k: m[k] for k in COMPARED} for m in full]
     a = _weights(latest_checkpoint(tmp_path / "straight" / "ckpt"))
@@ -109,11 +76,11 @@ def test_resume_across_epoch_boundary_is_exact(tmp_path, tok_dir, monkeypatch):
     flags = {"grad_accum_steps": 4, "batch_per_device": 4}
     straight = write_run(tmp_path / "straight", tok_dir, "sft", **flags)
     stopped = write_run(tmp_path / "stopped", tok_dir, "sft", **flags)
-    assert _train(straight, monkeypatch=monkeypatch) == 0
+    assert train_in_process(straight, monkeypatch=monkeypatch) == 0
     full = read_metrics(tmp_path / "straight")
-    assert _train(stopped, kill_at=6, monkeypatch=monkeypatch) == 0
+    assert train_in_process(stopped, kill_at=6, monkeypatch=monkeypatch) == 0
     assert latest_checkpoint(tmp_path / "stopped" / "ckpt").name == "step_00000001"
-    assert _train(stopped, "--resume", monkeypatch=monkeypatch) == 0
+    assert train_in_process(stopped, "--resume", monkeypatch=monkeypatch) == 0
     resumed = read_metrics(tmp_path / "stopped")
     assert [{k: m[k] for k in COMPARED} for m in resumed] == [{k: m[k] for k in COMPARED} for m in full]
     a = _weights(latest_checkpoint(tmp_path / "straight" / "ckpt"))

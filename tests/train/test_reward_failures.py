@@ -6,7 +6,6 @@ here waits on an Event nobody sets: the timeout or the stop is what ends it, nev
 from __future__ import annotations
 
 import asyncio
-import sys
 import threading
 
 import numpy as np
@@ -39,10 +38,6 @@ def raises_runtime(prompt, completion, record):
 
 def raises_keyerror(prompt, completion, record):
     return float(record["no_such_column"])
-
-
-def exits_zero(prompt, completion, record):
-    sys.exit(0)
 
 
 def keyboard_interrupt(completions, **kwargs):  # TRL-style: one call for the rollout
@@ -104,7 +99,7 @@ def test_an_exception_is_one_line_naming_the_function_and_the_prompt():
 
 def test_sys_exit_and_keyboard_interrupt_from_a_reward_are_errors_of_that_reward():
     with pytest.raises(ValueError, match=r"exits_zero' called sys.exit\(0\) on completion 0 of prompt 0"):
-        score([MOD + "exits_zero"])
+        score(["tests.train.rl_user_code:exits_zero"])
     with pytest.raises(ValueError, match=r"keyboard_interrupt' raised KeyboardInterrupt on its one call for the "
                                          r"rollout's 2 prompts"):
         score([MOD + "keyboard_interrupt"])

@@ -28,7 +28,7 @@ from astrai.model.transformer import CausalLM
 from astrai.train.launch import launch
 from astrai.train.rl.rewards import RewardModel, RewardSet, same_tokenizer
 from tests.train.resume_data import MODEL, read_metrics, write_tokenizer
-from tests.train.test_rl import write_rl_run
+from tests.train.rl_runs import write_rl_run
 
 MYMOD = "def fn(prompt, completion, record):\n    return 0.25\n"
 

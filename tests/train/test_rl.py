@@ -4,16 +4,11 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
 import sys
-import time
-from pathlib import Path
 
 import pytest
-import torch
 import yaml
-from safetensors.torch import load_file
 
 from astrai.config import ConfigError, RLConfig, load_config
 from astrai.data.tasks import generate_items, prompt_record
@@ -21,35 +16,8 @@ from astrai.train.cli import main
 from astrai.train.publish import latest_checkpoint, verify_checkpoint
 from astrai.train.rl.loop import check_policy_lag
 from astrai.train.rl.rewards import RewardSet
-from tests.train.resume_data import MODEL, read_metrics, write_tokenizer
-
-REPO = Path(__file__).resolve().parents[2]
-
-
-@pytest.fixture(scope="module")
-def tok_dir(tmp_path_factory):
-    return write_tokenizer(tmp_path_factory.mktemp("tok"))
-
-
-def write_rl_run(run_dir: Path, tok_dir: Path, train_type: str = "online_grpo", num_prompts: int = 16,
-                 records: list[dict] | None = None, **rl) -> Path:
-    run_dir.mkdir(parents=True, exist_ok=True)
-    items = generate_items(num_prompts, ["add"], digits=2, seed=1)
-    records = records if records is not None else [prompt_record(it) for it in items]
-    (run_dir / "prompts.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
-    cfg = {
-        "model": MODEL,
-        "data": {"train_type": train_type, "data_path": str(run_dir / "prompts.jsonl"), "tokenizer_path": str(tok_dir)},
-        "train": {"max_steps": 4, "batch_per_device": 4, "grad_accum_steps": 2, "device": "cpu", "random_seed": 0},
-        "optim": {"max_lr": 1e-2, "warmup_steps": 0},
-        "rl": {"group_size": 4, "rollout_max_tokens": 6, "rewards": ["exact_match", "format"], **rl},
-        "ckpt": {"ckpt_dir": str(run_dir / "ckpt"), "ckpt_interval": 0},
-        "log": {"log_dir": str(run_dir / "log"), "progress": False},
-    }
-    path = run_dir / "run.yaml"
-    path.write_text(yaml.safe_dump(cfg, sort_keys=False))
-    return path
-
+from tests.train.resume_data import MODEL, read_metrics
+from tests.train.rl_runs import REPO, checkpoint_weights, sigterm_after_step, write_rl_run
 
 # ------------------------------------------------------------------------------ rewards
 
@@ -69,7 +37,7 @@ def test_reward_errors_name_the_function_and_prompt():
         rewards(["p"] * 2, ["c"] * 2, [{}, {}], [[1]] * 2, group_size=2)
 
 
-def test_builtin_rewards_and_weights():
+def test_builtin_rewards_andcheckpoint_weights():
     cfg = RLConfig(rewards=["exact_match", "format", "length"], reward_weights=[1.0, 0.5, 2.0], length_target=4)
     total, terms = RewardSet(cfg)(["p", "p"], [" 12 ", "twelve and more"], [{"answer": "12"}] * 2, [[1], [1]], 2)
     assert terms["exact_match"].tolist() == [1.0, 0.0]
@@ -193,25 +161,6 @@ def test_prefix_cache_never_serves_kv_across_a_policy_update():
 # ------------------------------------------------------------------------------ exact resume
 
 
-def sigterm_after_step(config: Path, step: int, tmp_path: Path) -> None:
-    """Run `astrai train` in a subprocess that pauses after optimizer `step` (the test hook),
-    SIGTERM it there, and check that it stopped gracefully at that step."""
-    env = {**os.environ, "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
-           "ASTRAI_PAUSE_AT": f"step:{step}", "ASTRAI_PAUSE_FILE": str(tmp_path / "paused")}
-    proc = subprocess.Popen([sys.executable, "-m", "astrai", "train", "--config", str(config)], env=env,
-                            stderr=subprocess.PIPE, text=True)
-    deadline = time.monotonic() + 300  # a guard against a hung run, not the property under test
-    while not list(tmp_path.glob("paused.*")) and proc.poll() is None and time.monotonic() < deadline:
-        time.sleep(0.05)
-    proc.send_signal(signal.SIGTERM)
-    _, err = proc.communicate(timeout=300)
-    assert proc.returncode == 0 and f"stopped at step {step}" in err, err[-2000:]
-
-
-def _weights(run_dir: Path) -> dict[str, torch.Tensor]:
-    return load_file(str(latest_checkpoint(run_dir / "ckpt") / "model.safetensors"))
-
-
 @pytest.mark.slow
 def test_sigterm_and_resume_equals_the_uninterrupted_run(tmp_path, tok_dir):
     """A stop after step 3 (inside a rollout reused for two steps) resumes bit for bit."""
@@ -229,7 +178,7 @@ def test_sigterm_and_resume_equals_the_uninterrupted_run(tmp_path, tok_dir):
     got = [{k: m.get(k) for k in keys} for m in read_metrics(tmp_path / "stopped")]
     want = [{k: m.get(k) for k in keys} for m in read_metrics(tmp_path / "straight")]
     assert got == want
-    a, b = _weights(tmp_path / "stopped"), _weights(tmp_path / "straight")
+    a, b = checkpoint_weights(tmp_path / "stopped"), checkpoint_weights(tmp_path / "straight")
     assert a.keys() == b.keys() and all(a[k].equal(b[k]) for k in a)
 
 

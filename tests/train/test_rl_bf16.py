@@ -9,7 +9,7 @@ from astrai.model import CausalLM, ModelConfig
 from astrai.train.cli import main
 from astrai.train.rl import engine_sampler
 from tests.train.resume_data import MODEL, read_metrics
-from tests.train.test_rl import tok_dir, write_rl_run  # noqa: F401 - the module-scoped tokenizer fixture
+from tests.train.rl_runs import write_rl_run
 
 # sampler_logp_diff of this run's two fresh rollouts, measured over random_seed 0-5 with 1 and 2
 # torch threads: bf16 engine 1.8e-5 to 7.4e-5, fp32 engine (rollouts on the fp32 master weights)

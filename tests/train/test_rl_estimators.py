@@ -14,7 +14,7 @@ from astrai.train import losses as L
 from astrai.train.build import check_config
 from astrai.train.cli import main
 from tests.train.resume_data import read_metrics
-from tests.train.test_rl import tok_dir, write_rl_run  # noqa: F401 - the module-scoped tokenizer fixture
+from tests.train.rl_runs import write_rl_run
 
 
 def test_rloo_advantages_by_hand():
@@ -97,7 +97,7 @@ def test_masked_truncated_completions_carry_no_loss(tmp_path, tok_dir):  # noqa:
     for mask in (True, False):
         run = tmp_path / str(mask)
         config = write_rl_run(run, tok_dir, rollout_max_tokens=2, mask_truncated_completions=mask,
-                              rewards=["tests.train.test_lora_train:varied_reward"])
+                              rewards=["tests.train.rl_user_code:varied_reward"])
         assert main(["--config", str(config), "--max_steps", "1"]) == 0
         results[mask] = (read_metrics(run)[0], load_file(str(latest_checkpoint(run / "ckpt") / "model.safetensors")))
     masked, plain = results[True][0], results[False][0]
@@ -145,7 +145,7 @@ def test_dynamic_sampling_resumes_exactly(tmp_path, tok_dir):  # noqa: F811
     from safetensors.torch import load_file
 
     from astrai.train.publish import latest_checkpoint
-    from tests.train.test_rl import sigterm_after_step
+    from tests.train.rl_runs import sigterm_after_step
 
     straight, stopped = (_dynamic_run(tmp_path / name, tok_dir, 6) for name in ("straight", "stopped"))
     assert main(["--config", str(straight)]) == 0

@@ -20,15 +20,10 @@ from astrai.train.cli import main
 from astrai.train.publish import latest_checkpoint
 from astrai.train.rl import loop as loop_module
 from astrai.train.rl.runner import EpisodeRunner
-from tests.train.resume_data import read_metrics, write_tokenizer
-from tests.train.test_rl import write_rl_run
+from tests.train.resume_data import read_metrics
+from tests.train.rl_runs import write_rl_run
 
 LONG = "what is " + "1 + " * 15 + "1?"  # over max_prompt_len=48, within the model's 122 tokens of room
-
-
-@pytest.fixture(scope="module")
-def tok_dir(tmp_path_factory):
-    return write_tokenizer(tmp_path_factory.mktemp("tok"))
 
 
 def records(num: int, num_short: int) -> list[dict]:
@@ -200,7 +195,7 @@ def test_a_stop_during_a_hanging_reward_stops_the_run_with_a_checkpoint(tmp_path
 
 
 def test_a_reward_that_exits_ends_the_run_with_an_error_not_exit_0(tmp_path, tok_dir, capsys):
-    config = write_rl_run(tmp_path, tok_dir, rewards=["tests.train.test_reward_failures:exits_zero"])
+    config = write_rl_run(tmp_path, tok_dir, rewards=["tests.train.rl_user_code:exits_zero"])
     assert main(["--config", str(config)]) == 1
-    assert "reward 'tests.train.test_reward_failures:exits_zero' called sys.exit(0) on completion 0 of prompt 0" \
+    assert "reward 'tests.train.rl_user_code:exits_zero' called sys.exit(0) on completion 0 of prompt 0" \
         in capsys.readouterr().err

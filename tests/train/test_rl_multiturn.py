@@ -7,7 +7,6 @@ from __future__ import annotations
 import asyncio
 import os
 import random
-import signal
 import subprocess
 import sys
 from typing import Literal
@@ -23,99 +22,14 @@ from astrai.model.transformer import CausalLM
 from astrai.train.cli import main
 from astrai.train.losses import IGNORE_INDEX
 from astrai.train.rl.engine_sampler import engine_runner
-from astrai.train.rl.environments import EnvStep
 from astrai.train.rl.episode import Conversation
 from astrai.train.rl.rewards import RewardSet
 from astrai.train.rl.runner import Draw, EpisodeRunner
 from astrai.train.rl.tools import ToolBox
-from tests.train.resume_data import MODEL, read_metrics, write_tokenizer
+from tests.train.resume_data import MODEL, read_metrics
+from tests.train.rl_runs import REPO, checkpoint_weights, prompt_batch, sigterm_after_step, write_rl_run
+from tests.train.rl_user_code import USER_CODE, BarrierEnv, broken, multiply
 from tests.train.samplers import ScriptedSampler, fake_turn
-from tests.train.test_rl import REPO, sigterm_after_step, write_rl_run
-
-HERE = "tests.train.test_rl_multiturn"
-
-
-@pytest.fixture(scope="module")
-def tok_dir(tmp_path_factory):
-    return write_tokenizer(tmp_path_factory.mktemp("tok"))
-
-
-# ------------------------------------------------------------------------------ user code the runs name
-
-
-def multiply(a: int, b: int) -> int:
-    """Multiply two integers.
-
-    Args:
-        a: the first factor
-        b (int): the second factor
-    """
-    return a * b
-
-
-def broken(x: str) -> str:
-    """Always fails."""
-    raise RuntimeError(f"cannot handle {x}")
-
-
-class ScriptedEnv:
-    """Three assistant turns: two user follow-ups, then done with reward 1 (0.5 per follow-up)."""
-
-    def reset(self, record):
-        self.turn = 0
-        return [{"role": "system", "content": "be brief"}, *record["messages"]]
-
-    def step(self, messages):
-        assert messages[-1]["role"] == "assistant"
-        self.turn += 1
-        if self.turn < 3:
-            return EnvStep(messages=[{"role": "user", "content": f"again {self.turn}"}], reward=0.5)
-        return EnvStep(reward=1.0, done=True)
-
-
-class StoppingEnv(ScriptedEnv):
-    """ScriptedEnv that, with ASTRAI_TEST_SIGTERM_AT_CALL=N, sends its own process a SIGTERM at
-    the N-th step call: a stop request that lands while a rollout's episodes are in flight."""
-
-    num_calls = 0
-
-    def step(self, messages):
-        StoppingEnv.num_calls += 1
-        if StoppingEnv.num_calls == int(os.environ.get("ASTRAI_TEST_SIGTERM_AT_CALL", "0")):
-            os.kill(os.getpid(), signal.SIGTERM)
-        return super().step(messages)
-
-
-class EndlessEnv:
-    """Never done: every episode runs into max_turns."""
-
-    def step(self, messages):
-        return EnvStep(messages=[{"role": "user", "content": "more"}])
-
-
-class FailingEnv:
-    def step(self, messages):
-        raise KeyError("score")
-
-
-class BarrierEnv:
-    """Async: each step waits until every episode of the rollout has entered one, which only
-    happens when the steps are awaited together (one at a time, the first would wait forever)."""
-
-    expected = 0
-    arrived: list[int] = []
-    event: asyncio.Event | None = None
-
-    async def step(self, messages):
-        cls = type(self)
-        if cls.event is None or not cls.arrived:
-            cls.event = asyncio.Event()
-        cls.arrived.append(1)
-        if len(cls.arrived) == cls.expected:
-            cls.event.set()
-        await asyncio.wait_for(cls.event.wait(), timeout=60)
-        return EnvStep(reward=float(len(cls.arrived)), done=True)
-
 
 # ------------------------------------------------------------------------------ tools
 
@@ -169,12 +83,6 @@ def runner_for(tok_dir, group_size: int = 2, **rl) -> EpisodeRunner:
     return engine_runner(model, tokenizer, cfg, 2 * group_size, RewardSet(cfg, tokenizer=tokenizer))
 
 
-def prompt_batch(tokenizer, questions: list[str]) -> dict[str, list]:
-    messages = [[{"role": "user", "content": q}] for q in questions]
-    return {"prompt_ids": [tokenizer.apply_chat_template(m, add_generation_prompt=True) for m in messages],
-            "messages": messages, "answer": ["7"] * len(questions), "metadata": [None] * len(questions)}
-
-
 def labelled_spans(labels: torch.Tensor) -> list[tuple[int, int]]:
     """[start, end) row positions of the sampled tokens (the label at p - 1 is the token at p)."""
     at = (labels != IGNORE_INDEX).nonzero().squeeze(1).tolist()
@@ -192,7 +100,7 @@ def test_three_turn_episode_labels_only_the_models_tokens(tok_dir):
     conversation, each labelled span starts exactly where the template's generation prompt
     ends, tool/user/system text and role markers carry no label, and the trainer's log-probs on
     the row equal the sampler's (the exact-RL contract across turns)."""
-    runner = runner_for(tok_dir, environment=f"{HERE}:ScriptedEnv", rewards=["exact_match"])
+    runner = runner_for(tok_dir, environment=f"{USER_CODE}:ScriptedEnv", rewards=["exact_match"])
     tok = runner.tokenizer
     rollout = runner.rollout(prompt_batch(tok, ["3+4", "10+2"]), step=0, policy_version=0)
     assert rollout.stats["turns_per_episode"] == 3 and rollout.stats["truncated_episodes"] == 0
@@ -232,7 +140,7 @@ def test_three_turn_episode_labels_only_the_models_tokens(tok_dir):
 def test_turns_reuse_the_prefix_cache(tok_dir):
     """Each turn's prompt is the row so far: the engine serves the earlier turns' KV from the
     prefix cache, so an episode's prefill is about one final length, not the sum of its prompts."""
-    runner = runner_for(tok_dir, environment=f"{HERE}:ScriptedEnv", rewards=["exact_match"])
+    runner = runner_for(tok_dir, environment=f"{USER_CODE}:ScriptedEnv", rewards=["exact_match"])
     rollout = runner.rollout(prompt_batch(runner.tokenizer, ["3+4", "10+2"]), step=0, policy_version=0)
     stats = rollout.stats
     final_len = rollout.attention_mask.sum(1).float().mean().item()
@@ -245,7 +153,7 @@ def test_turns_reuse_the_prefix_cache(tok_dir):
 def test_an_environment_alone_may_reward(tok_dir):
     from astrai.config import ConfigError, load_config
 
-    runner = runner_for(tok_dir, environment=f"{HERE}:ScriptedEnv", rewards=[])
+    runner = runner_for(tok_dir, environment=f"{USER_CODE}:ScriptedEnv", rewards=[])
     rollout = runner.rollout(prompt_batch(runner.tokenizer, ["3+4", "10+2"]), step=0, policy_version=0)
     assert rollout.rewards.eq(2.0).all() and set(rollout.reward_terms) == {"environment"}
     with pytest.raises(ConfigError, match="rewards is empty"):
@@ -253,7 +161,7 @@ def test_an_environment_alone_may_reward(tok_dir):
 
 
 def test_endless_episodes_end_truncated_at_max_turns(tok_dir):
-    runner = runner_for(tok_dir, environment=f"{HERE}:EndlessEnv", max_turns=2, rewards=["exact_match"])
+    runner = runner_for(tok_dir, environment=f"{USER_CODE}:EndlessEnv", max_turns=2, rewards=["exact_match"])
     # an episode's room (and the KV pool's): the prompt, and per turn its tokens and a prompt's worth of messages
     assert runner.sampler.max_model_len == 32 + 2 * (4 + 32) < MODEL["max_position_embeddings"]
     rollout = runner.rollout(prompt_batch(runner.tokenizer, ["3+4", "10+2"]), step=0, policy_version=0)
@@ -267,11 +175,11 @@ def test_an_episode_that_would_outgrow_the_positions_ends_truncated_within_them(
     length stays within max_model_len, the result never enters it) and the episode is truncated."""
     tok = load_tokenizer(tok_dir)
     records = [{"messages": [{"role": "user", "content": "12*34"}]}]
-    opening = Conversation(tok, None, [f"{HERE}:multiply"], 8, 10_000).open(records, [], 1)[0].ids
+    opening = Conversation(tok, None, [f"{USER_CODE}:multiply"], 8, 10_000).open(records, [], 1)[0].ids
     call = '<tool_call>{"name": "multiply", "arguments": {"a": 12, "b": 34}}</tool_call>'
     room = len(opening) + len(fake_turn(tok, call).token_ids) + 8 + 3  # room: 3 more ids
     episodes, _ = scripted_episodes(tok, lambda turn: fake_turn(tok, call), records, room, 8,
-                                    tools=[f"{HERE}:multiply"])
+                                    tools=[f"{USER_CODE}:multiply"])
     e = episodes[0]
     assert e.truncated and not e.done and e.num_turns == 1 and e.num_tool_calls == 1
     assert len(e.ids) == len(e.logps) <= room and e.logps[-1] is not None  # ends on the sampled turn
@@ -279,13 +187,13 @@ def test_an_episode_that_would_outgrow_the_positions_ends_truncated_within_them(
 
 def test_async_environment_steps_are_awaited_together(tok_dir):
     BarrierEnv.expected, BarrierEnv.arrived, BarrierEnv.event = 4, [], None
-    runner = runner_for(tok_dir, environment=f"{HERE}:BarrierEnv", rewards=["exact_match"])
+    runner = runner_for(tok_dir, environment=f"{USER_CODE}:BarrierEnv", rewards=["exact_match"])
     rollout = runner.rollout(prompt_batch(runner.tokenizer, ["3+4", "10+2"]), step=0, policy_version=0)
     assert sorted(rollout.reward_terms["environment"].flatten().tolist()) == [4.0] * 4
 
 
 def test_an_environment_that_raises_is_one_line_naming_it(tok_dir):
-    runner = runner_for(tok_dir, environment=f"{HERE}:FailingEnv", rewards=["exact_match"])
+    runner = runner_for(tok_dir, environment=f"{USER_CODE}:FailingEnv", rewards=["exact_match"])
     with pytest.raises(ValueError, match=r"environment FailingEnv.step raised KeyError: 'score' \(prompt 0, sample 0, "
                                          r"after 1 turn\(s\)\)"):
         runner.rollout(prompt_batch(runner.tokenizer, ["3+4", "10+2"]), step=0, policy_version=0)
@@ -312,7 +220,7 @@ def test_tool_calls_become_tool_messages_and_errors_are_counted(tok_dir):
               '<tool_call>{"name": "broken", "arguments": {"x": "q"}}</tool_call>', "408"]
     episodes, sampler = scripted_episodes(tok, lambda turn: fake_turn(tok, script[turn]),
                                           [{"messages": [{"role": "user", "content": "12*34"}]}], 4096, 64,
-                                          tools=[f"{HERE}:multiply", f"{HERE}:broken"])
+                                          tools=[f"{USER_CODE}:multiply", f"{USER_CODE}:broken"])
     e, sampled = episodes[0], sampler.sampled
     opening = e.ids[:e.num_prompt_ids]
     assert '"name": "multiply"' in tok.decode(opening, skip_special_tokens=False)  # offered via the template
@@ -367,13 +275,11 @@ def test_config_checks_multi_turn_fields():
 def assert_stopped_run_equals_straight(tmp_path) -> None:
     """The resumed run in tmp_path/stopped logged the metrics and reached the weights of the
     uninterrupted one in tmp_path/straight, bit for bit."""
-    from tests.train.test_rl import _weights
-
     keys = ("step", "policy_version", "loss", "grad_norm", "reward_mean", "turns_per_episode")
     got = [{k: m.get(k) for k in keys} for m in read_metrics(tmp_path / "stopped")]
     want = [{k: m.get(k) for k in keys} for m in read_metrics(tmp_path / "straight")]
     assert got == want
-    a, b = _weights(tmp_path / "stopped"), _weights(tmp_path / "straight")
+    a, b = checkpoint_weights(tmp_path / "stopped"), checkpoint_weights(tmp_path / "straight")
     assert a.keys() == b.keys() and all(a[k].equal(b[k]) for k in a)
 
 
@@ -384,7 +290,7 @@ def test_sigterm_and_resume_of_a_multi_turn_run_equals_the_uninterrupted_run(tmp
     runs = {}
     for name in ("straight", "stopped"):
         runs[name] = write_rl_run(tmp_path / name, tok_dir, rollout_interval=2,
-                                  environment=f"{HERE}:ScriptedEnv")
+                                  environment=f"{USER_CODE}:ScriptedEnv")
         runs[name].write_text(runs[name].read_text().replace("max_steps: 4", "max_steps: 6"))
     assert main(["--config", str(runs["straight"])]) == 0
     sigterm_after_step(runs["stopped"], 3, tmp_path)
@@ -448,7 +354,7 @@ def test_a_stop_while_episodes_are_in_flight_redraws_them_on_resume(tmp_path, to
 
     runs = {}
     for name in ("straight", "stopped"):
-        runs[name] = write_rl_run(tmp_path / name, tok_dir, rollout_interval=2, environment=f"{HERE}:StoppingEnv")
+        runs[name] = write_rl_run(tmp_path / name, tok_dir, rollout_interval=2, environment=f"{USER_CODE}:StoppingEnv")
         runs[name].write_text(runs[name].read_text().replace("max_steps: 4", "max_steps: 6"))
     assert main(["--config", str(runs["straight"])]) == 0
     env = {**os.environ, "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",

@@ -19,7 +19,7 @@ from astrai.train import losses, reporters
 from astrai.train.cli import main
 from astrai.train.objectives import OBJECTIVES
 from astrai.train.optim import LRSchedule, build_optimizer
-from tests.train.test_rl import tok_dir, write_rl_run  # noqa: F401 - the module-scoped tokenizer fixture
+from tests.train.rl_runs import write_rl_run
 from tests.train.trainer_utils import tiny_model
 
 

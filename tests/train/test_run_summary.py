@@ -18,18 +18,13 @@ from astrai.train import signals
 from astrai.train.cli import main
 from astrai.train.context import TrainContext
 from astrai.train.summary import RunReport, RunSummary, format_duration, format_summary, resume_command
-from tests.train.resume_data import MODEL, write_tokenizer
+from tests.train.resume_data import MODEL
 
 
 @pytest.fixture(autouse=True)
 def _restore_signal_handlers():
     yield
     signals.uninstall_signal_handlers()
-
-
-@pytest.fixture(scope="module")
-def tok_dir(tmp_path_factory):
-    return write_tokenizer(tmp_path_factory.mktemp("tok"))
 
 
 def write_run(run_dir: Path, tok_dir: Path, train_type: str = "sft", **train) -> Path:

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
+import torch
 import yaml
 
 from astrai.train import signals
@@ -156,3 +158,70 @@ def test_resume_uses_param_path_only_when_it_is_a_training_checkpoint(tmp_path):
     assert resume_path(cfg) == explicit  # a named checkpoint is resumed as asked
     cfg = load_config(None, ["--param_path", str(prev_run), "--ckpt_dir", str(ckpt_dir)])
     assert resume_path(cfg) == ckpt_dir / "step_00000005"  # a chained stage's init: resume this run
+
+
+# ---------------------------------------------------------------------------- threads and progress lines
+
+TINY_MODEL = ["--vocab_size", "300", "--hidden_size", "16", "--intermediate_size", "32", "--num_hidden_layers", "1",
+              "--num_attention_heads", "2", "--num_key_value_heads", "1", "--max_position_embeddings", "64"]
+
+
+def _tiny_sft(addition_task_dir: Path, tmp_path: Path, *extra: str) -> tuple[list[str], object]:
+    from astrai.train.cli import main as train_main
+
+    return ["--train_type", "sft", "--data_path", str(addition_task_dir / "data" / "sft.jsonl"), "--tokenizer_path",
+            str(addition_task_dir / "tok"), "--max_seq_len", "32", "--batch_per_device", "4", "--ckpt_dir",
+            str(tmp_path / "ckpt"), "--log_dir", str(tmp_path), "--ckpt_interval", "0", *TINY_MODEL, *extra], train_main
+
+
+def test_train_sets_threads_before_the_build_prints_them_and_restores_the_callers(addition_task_dir, tmp_path, capsys):
+    argv, train_main = _tiny_sft(addition_task_dir, tmp_path, "--max_steps", "4", "--warmup_steps", "10",
+                                 "--progress", "false", "--threads", "1")
+    before = torch.get_num_threads()
+    seen = []
+    import astrai.train.cli as cli
+
+    real_run = cli.run
+
+    def spy(cfg, ctx, threads_line=""):
+        seen.append(torch.get_num_threads())  # what the model is built with
+        return real_run(cfg, ctx, threads_line)
+
+    cli.run = spy
+    try:
+        assert train_main(argv) == 0
+    finally:
+        cli.run = real_run
+    err = capsys.readouterr().err
+    assert seen == [1] and torch.get_num_threads() == before
+    assert "threads: 1 (torch intra-op per rank; --num_threads)" in err
+    # warmup past the run: one line at the start
+    assert err.count("warning: warmup_steps 10 is more than the run's 4 optimizer steps") == 1
+    # --progress false: periodic lines with step, loss, speed and an ETA, the last at the end
+    lines = [line for line in err.splitlines() if line.startswith("step ")]
+    assert lines[0].startswith("step 1/4 (25%): loss ") and "tok/s" in lines[0] and "eta " in lines[0]
+    assert lines[-1].startswith("step 4/4 (100%): loss ") and "eta" not in lines[-1]
+
+
+def test_the_cpu_default_is_one_thread_and_the_flag_has_one_spelling_everywhere(monkeypatch):
+    from astrai.config import Config
+    from astrai.train import cli
+
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+
+    before = torch.get_num_threads()
+    try:
+        assert cli.set_threads(Config(), None).startswith(f"threads: {cli.DEFAULT_CPU_THREADS} (")
+        assert torch.get_num_threads() == cli.DEFAULT_CPU_THREADS
+        monkeypatch.setenv("OMP_NUM_THREADS", "2")  # the local launcher's share of the cores for a rank
+        assert cli.set_threads(Config(), None).startswith("threads: 2 (torch intra-op per rank; OMP_NUM_THREADS")
+    finally:
+        torch.set_num_threads(before)
+    assert cli.main(["--num_threads", "0"]) == 2
+    from astrai.serve.cli import build_parser as serve_parser
+
+    assert serve_parser().parse_args(["--model", "m", "--threads", "1"]).num_threads == 1
+    from astrai.demo import main as demo_main
+
+    with pytest.raises(SystemExit):
+        demo_main(["--threads", "0"])  # the alias answers, the error names the canonical spelling

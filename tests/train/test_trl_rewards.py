@@ -17,7 +17,7 @@ from astrai.config import RLConfig
 from astrai.train.cli import main
 from astrai.train.rl.rewards import RewardSet
 from tests.train.resume_data import read_metrics, write_tokenizer
-from tests.train.test_rl import write_rl_run
+from tests.train.rl_runs import write_rl_run
 
 THINK = "trl.rewards:think_format_reward"
 ACCURACY = "trl.rewards:accuracy_reward"
