@@ -15,7 +15,16 @@ import math
 import typing
 from typing import TYPE_CHECKING
 
-from astrai.config_values import CHOICES, REPORTERS, TRAIN_TYPES, ConfigError, did_you_mean, missing_package
+from astrai.config_values import (
+    ALGORITHMS,
+    CHOICES,
+    REPORTERS,
+    TRAIN_TYPES,
+    ConfigError,
+    algorithm_flags,
+    did_you_mean,
+    missing_package,
+)
 from astrai.flags import is_optional
 
 if TYPE_CHECKING:
@@ -25,6 +34,10 @@ if TYPE_CHECKING:
 def validate(cfg: Config) -> None:
     """Choices and ranges that a type alone does not capture."""
     flat = cfg.flat()
+    if flat["train_type"] in ALGORITHMS:  # an algorithm's name where a train type goes: say which settings give it
+        name = flat["train_type"]
+        raise ConfigError(f"train_type={name!r} names an algorithm, not a train type: {name} is "
+                          f"{algorithm_flags(name)} (a ready run: configs/{name}.yaml)")
     for name, allowed in CHOICES.items():
         if flat[name] not in allowed:
             raise ConfigError(f"{name}={flat[name]!r} is not one of {', '.join(allowed)}")

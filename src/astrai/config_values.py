@@ -40,6 +40,25 @@ TRAIN_TYPES: dict[str, str] = {
     "online_ppo": "prompt",
 }
 
+# the RL algorithms users know by name -> the settings that give each (train_type and rl fields);
+# configs/<name>.yaml is a ready run of each, and a --train_type of one of these names says so
+ALGORITHMS: dict[str, dict[str, Any]] = {
+    "gspo": {"train_type": "online_grpo", "importance_sampling_level": "sequence", "clip_eps": 3.0e-4,
+             "clip_eps_high": 4.0e-4},
+    "rloo": {"train_type": "online_grpo", "advantage_estimator": "rloo"},
+    "dapo": {"train_type": "online_grpo", "clip_eps_high": 0.28, "rl_loss_agg": "token_mean",
+             "mask_truncated_completions": True, "dynamic_sampling": True},
+    "dr_grpo": {"train_type": "online_grpo", "scale_rewards": "none", "rl_loss_agg": "seq_mean_token_sum_norm"},
+    "reinforce_pp": {"train_type": "online_grpo", "advantage_estimator": "reinforce_pp", "kl_coef": 0.01},
+    "ppo": {"train_type": "online_ppo"},
+}
+
+
+def algorithm_flags(name: str) -> str:
+    """The command-line flags that give algorithm `name` (``ALGORITHMS``)."""
+    return " ".join(f"--{k} {str(v).lower() if isinstance(v, bool) else v}" for k, v in ALGORITHMS[name].items())
+
+
 # report_to's names -> (the module a run imports, the package that provides it)
 REPORTERS: dict[str, tuple[str, str]] = {
     "tensorboard": ("torch.utils.tensorboard", "tensorboard"),

@@ -160,3 +160,28 @@ def test_lengths_are_the_tokens_of_each_sample(tok, files, train_type, pack):
         else:
             expected = len(sample["input_ids"])
         assert lengths[i] == expected
+
+
+@pytest.mark.parametrize("num, count", [(2000, 20), (5, 5)])
+def test_records_of_another_kind_are_named_after_a_few_not_thousands(tmp_path, tok, num, count, capsys):
+    """Prompt records given where recorded responses are read (offline `grpo`): the error names
+    what the records are after KIND_CHECK_RECORDS failures (or all, when fewer), with no skip warning."""
+    from astrai.data.datasets import KIND_CHECK_RECORDS
+    from astrai.data.records import RecordKindError
+
+    assert KIND_CHECK_RECORDS == 20
+    path = tmp_path / "prompts.jsonl"
+    path.write_text("".join(json.dumps(prompt_record(it)) + "\n" for it in generate_items(num, ["add"], seed=0)))
+    with pytest.raises(RecordKindError, match=rf"the first {count} records of .*prompts.jsonl are prompt records "
+                                              r"\('messages' to answer, with an 'answer'\), not rollout records") as e:
+        build_dataset("rollout", path, tok, 64)
+    assert (e.value.found, e.value.expected) == ("prompt", "rollout")
+    assert "skipped" not in capsys.readouterr().err
+
+
+def test_bad_records_of_mixed_forms_keep_the_plain_error(tmp_path, tok):
+    path = tmp_path / "mixed.jsonl"
+    path.write_text(json.dumps({"text": "a"}) + "\n" + json.dumps({"chosen": "a", "rejected": "b"}) + "\n")
+    with pytest.raises(ValueError, match="no usable rollout records") as e:
+        build_dataset("rollout", path, tok, 64)
+    assert type(e.value) is ValueError

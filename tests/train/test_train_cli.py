@@ -125,6 +125,26 @@ def test_example_configs_resolve(name, capsys):
     assert out["data"]["train_type"] == {"pretrain": "seq", "sft": "sft", "dpo": "dpo"}[name]
 
 
+@pytest.mark.parametrize("name", ["gspo", "rloo", "dapo", "dr_grpo", "reinforce_pp", "ppo"])
+def test_an_algorithm_named_as_train_type_gives_its_settings_and_its_config_runs_them(name, capsys):
+    """`--train_type gspo` (a name TRL users know) is not a train type: the one error line gives the
+    flags that make it, the same as configs/<name>.yaml, which resolves to exactly those settings."""
+    from pathlib import Path
+
+    from astrai.config_values import ALGORITHMS, algorithm_flags
+
+    assert main(["--train_type", name, "--dry_run"]) == 2
+    errors = [line for line in capsys.readouterr().err.splitlines() if "error" in line]
+    assert errors == [f"astrai train: error: train_type={name!r} names an algorithm, not a train type: {name} is "
+                      f"{algorithm_flags(name)} (a ready run: configs/{name}.yaml)"]
+    root = Path(__file__).resolve().parents[2]
+    assert main(["--config", str(root / "configs" / f"{name}.yaml"), "--dry_run"]) == 0
+    resolved = yaml.safe_load(capsys.readouterr().out)
+    flat = {k: v for section in resolved.values() if isinstance(section, dict) for k, v in section.items()}
+    assert {k: flat[k] for k in ALGORITHMS[name]} == ALGORITHMS[name]
+    assert main(algorithm_flags(name).split() + ["--dry_run"]) == 0  # the flags as printed are a valid run
+
+
 def test_resume_from_truncated_optimizer_names_the_file(workdir, tmp_path, capsys):
     import shutil
 
@@ -225,3 +245,19 @@ def test_the_cpu_default_is_one_thread_and_the_flag_has_one_spelling_everywhere(
 
     with pytest.raises(SystemExit):
         demo_main(["--threads", "0"])  # the alias answers, the error names the canonical spelling
+
+
+def test_prompt_records_under_offline_grpo_name_the_online_train_types(tmp_path, tok_dir, capsys):
+    """A TRL user's first try: `--train_type grpo` on prompt records. One error line, at the start,
+    naming online_grpo; no line per skipped record."""
+    from tests.train.rl_runs import write_rl_run
+
+    config = write_rl_run(tmp_path, tok_dir, num_prompts=200)
+    assert main(["--config", str(config), "--train_type", "grpo"]) == 1
+    err = capsys.readouterr().err
+    errors = [line for line in err.splitlines() if "error" in line]
+    assert errors == [f"astrai train: error: --train_type grpo does not read these records: the first 20 records of "
+                      f"{tmp_path / 'prompts.jsonl'} are prompt records ('messages' to answer, with an 'answer'), not "
+                      "rollout records ('responses' with their 'rewards'); for prompt records use --train_type "
+                      "online_grpo or online_dpo or online_ppo"]
+    assert "skipped" not in err

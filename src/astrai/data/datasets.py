@@ -22,7 +22,14 @@ import torch
 from torch.utils.data import Dataset
 
 from astrai.data.hf_datasets import iter_dataset, parse_dataset_path, rename_columns
-from astrai.data.records import RECORD_KINDS, RecordError, encode_record, iter_jsonl
+from astrai.data.records import (
+    RECORD_KINDS,
+    RecordError,
+    RecordKindError,
+    encode_record,
+    iter_jsonl,
+    record_form,
+)
 from astrai.data.shards import RecordStore
 from astrai.data.tokenizer import Tokenizer
 
@@ -282,6 +289,9 @@ class RolloutDataset(Dataset):
         return batch
 
 
+KIND_CHECK_RECORDS = 20  # failed records in a row, none usable, after which a file of another kind is named
+
+
 def encode_jsonl(paths: list[Path], kind: str, tokenizer: Tokenizer, max_seq_len: int,
                  truncation: str = "keep_start", strict: bool = False,
                  columns: dict[str, str] | None = None) -> RecordStore:
@@ -295,7 +305,7 @@ def encode_rows(rows: Iterable[tuple[str, Any]], names: str, kind: str, tokenize
                 columns: dict[str, str] | None = None) -> RecordStore:
     """("where", record) rows (JSONL lines, dataset rows) -> an in-memory store; each record's
     columns renamed by `columns` first (record field -> column), bad ones skipped and counted."""
-    records, bad = [], []
+    records, bad, forms = [], [], []
     for where, record in rows:
         try:
             if isinstance(record, RecordError):
@@ -306,12 +316,24 @@ def encode_rows(rows: Iterable[tuple[str, Any]], names: str, kind: str, tokenize
             if strict:
                 raise RecordError(f"{where}: {e}") from e
             bad.append(f"{where}: {e}")
+            if not records:  # only failures so far: records of another kind? Said after a few, not thousands
+                forms.append(record_form(record))
+                if len(forms) == KIND_CHECK_RECORDS:
+                    _check_kind(forms, kind, names)
+    if not records:
+        _check_kind(forms, kind, names)
     if bad:
         print(f"warning: skipped {len(bad)} bad record(s); first: {'; '.join(bad[:3])}", file=sys.stderr)
     if not records:
         raise ValueError(f"no usable {kind} records in {names}" + (f" ({len(bad)} bad)" if bad else
                                                                          " (empty input)"))
     return RecordStore.from_records(records, tokenizer.vocab_size, {"train_type": kind})
+
+
+def _check_kind(forms: list[str | None], kind: str, names: str) -> None:
+    """Raise RecordKindError when every one of the (failed) records has the fields of one other kind."""
+    if forms and len(set(forms)) == 1 and forms[0] not in (None, kind):
+        raise RecordKindError(forms[0], kind, names, len(forms))
 
 
 def _open_store(kind: str, data_path: str | Path | list, tokenizer: Tokenizer | None, max_seq_len: int,

@@ -39,6 +39,39 @@ class RecordError(ValueError):
     """A record that cannot be used; the message says which field is wrong and how to fix it."""
 
 
+# what a record of each kind holds, in words (errors that name the kind a file's records are)
+KIND_SHAPES = {"seq": "'text'", "sft": "'messages' ending with the assistant's reply",
+               "dpo": "'prompt', 'chosen', 'rejected'", "prompt": "'messages' to answer, with an 'answer'",
+               "rollout": "'responses' with their 'rewards'"}
+
+
+class RecordKindError(ValueError):
+    """The records read for one kind all have the fields of another (`found`): a run given the
+    wrong data, or the wrong train type for its data."""
+
+    def __init__(self, found: str, expected: str, names: str, count: int):
+        self.found, self.expected = found, expected
+        super().__init__(f"the first {count} records of {names} are {found} records ({KIND_SHAPES[found]}), not "
+                         f"{expected} records ({KIND_SHAPES[expected]})")
+
+
+def record_form(record: Any) -> str | None:
+    """The record kind a record's fields look like, None when they fit none (for naming what a
+    file holds when its records fail as another kind)."""
+    if not isinstance(record, dict):
+        return None
+    if "responses" in record:
+        return "rollout"
+    if "chosen" in record and "rejected" in record:
+        return "dpo"
+    if "text" in record:
+        return "seq"
+    messages = record.get("messages")
+    if isinstance(messages, list) and messages and isinstance(messages[-1], dict):
+        return "sft" if messages[-1].get("role") == "assistant" else "prompt"
+    return None
+
+
 def iter_jsonl(paths: Iterable[str | Path]) -> Iterator[tuple[str, Any]]:
     """Yield ("file:line", record) per non-empty line; a line that is not JSON yields a RecordError."""
     for path in paths:

@@ -138,6 +138,7 @@ def build_datasets(cfg: Config, tokenizer: Any) -> tuple[Any, Any]:
     """(train, val) datasets; val from val_data_path, else a seeded val_split of data_path, else None."""
     from astrai.data.datasets import build_dataset
     from astrai.data.hf_datasets import parse_dataset_path
+    from astrai.data.records import RecordKindError
     d = cfg.data
     for name in ("data_path", "val_data_path"):
         path = getattr(d, name)
@@ -157,7 +158,12 @@ def build_datasets(cfg: Config, tokenizer: Any) -> tuple[Any, Any]:
         max_len = 1 << 30 if kind == "prompt" else d.max_seq_len
         return build_dataset(kind, path, tokenizer, max_len, pack=d.pack, stride=d.seq_stride, columns=d.data_columns)
 
-    train = build(d.data_path)
+    try:
+        train = build(d.data_path)
+    except RecordKindError as e:  # say which train types read what the file holds
+        readers = [t for t, k in TRAIN_TYPES.items() if k == e.found]
+        raise ValueError(f"--train_type {d.train_type} does not read these records: {e}; for {e.found} records use "
+                         f"--train_type {' or '.join(readers)}") from None
     if d.val_data_path is not None:
         return train, build(d.val_data_path)
     if d.val_split > 0:
