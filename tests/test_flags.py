@@ -138,3 +138,17 @@ def test_a_knob_range_is_enforced_alike_by_sampling_params_the_server_and_the_co
         SamplingParams(top_p=1.5)
     with pytest.raises(APIError, match="less than or equal to 1"):
         request(top_p=1.5)
+
+
+def test_a_typo_of_a_required_flag_names_the_flag_it_meant(capsys):
+    from astrai.flags import ArgumentParser
+
+    parser = ArgumentParser(prog="astrai probe")
+    group = parser.add_mutually_exclusive_group(required=True)
+    group.add_argument("--prompt")
+    group.add_argument("--input_jsonl")
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--promt", "hi"])
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert err == ("astrai probe: error: one of the arguments --prompt --input_jsonl/--input-jsonl is required; "
+                   "--promt: did you mean --prompt?")

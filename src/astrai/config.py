@@ -34,7 +34,7 @@ from astrai.flags import knob
 
 @dataclass
 class DataConfig:
-    train_type: str = "sft"  # a key of config_values.TRAIN_TYPES (seq | sft | dpo | ...)
+    train_type: str = "sft"  # seq | sft | dpo | grpo (recorded samples) | online_grpo | online_dpo | online_ppo
     data_path: str | None = None  # JSONL file, preprocessed shard dir, or a dataset: hf:NAME[@SPLIT] or a save_to_disk dir
     data_columns: dict[str, str] | None = None  # record field -> column of the rows (datasets and JSONL)
     tokenizer_path: str | None = None  # defaults to param_path

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import sys
 import types
 import typing
 from collections.abc import Callable
@@ -148,10 +149,19 @@ class ArgumentParser(argparse.ArgumentParser):
         self.register("action", "store_true", BoolFlag)
         self.register("action", "bool", BoolSetting)
 
+    def parse_known_args(self, args: Any = None, namespace: Any = None) -> Any:
+        self._argv = list(sys.argv[1:] if args is None else args)  # for error(): a required flag's typo
+        return super().parse_known_args(args, namespace)
+
     def error(self, message: str) -> NoReturn:
-        """argparse's usage error, plus the nearest flag for each unrecognized one (as `astrai train`)."""
+        """argparse's usage error, plus the nearest flag for each unrecognized one (as `astrai train`);
+        a missing required flag also names the nearest flag of what was given instead (`--promt`)."""
         if message.startswith("unrecognized arguments: "):
             message += "".join(self._nearest_flag(arg) for arg in message.split(": ", 1)[1].split())
+        elif "required" in message:
+            known = {o for action in self._actions for o in action.option_strings}
+            given = [a for a in getattr(self, "_argv", []) if a.startswith("--") and a.split("=", 1)[0] not in known]
+            message += "".join(self._nearest_flag(arg) for arg in given)
         super().error(message)
 
     def _nearest_flag(self, arg: str) -> str:

@@ -45,6 +45,13 @@ def test_unknown_task_is_one_line_naming_include_path(model_dir, task_dir, capsy
     assert "no_such_task_xyz" in err and "--include_path" in err and "Tasks not found" in err
 
 
+def test_a_misspelled_task_names_the_nearest_one(model_dir, task_dir, capsys):
+    code = astrai_main(["eval", "--model", str(model_dir), "--tasks", "tiny_mcc", "--include_path", str(task_dir)])
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and "\n" not in err
+    assert "Tasks not found: tiny_mcc" in err and "tiny_mcc: did you mean tiny_mc?" in err
+
+
 def test_without_lm_eval_the_message_says_how_to_install_it(model_dir, monkeypatch, capsys):
     real_import = builtins.__import__
 

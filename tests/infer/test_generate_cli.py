@@ -55,3 +55,10 @@ def test_scheduling_and_compile_flags():
     args = build_parser().parse_args(base + ["--compile", "--long_prefill_token_threshold", "32"])
     assert args.compile is True and args.long_prefill_token_threshold == 32 and args.max_num_batched_tokens is None
     assert build_parser().parse_args(base + ["--compile", "false"]).compile is False
+
+
+def test_a_misspelled_model_directory_names_the_nearest_one(model_dir, capsys):
+    typo = model_dir.parent / (model_dir.name + "x")
+    assert main(["--model", str(typo), "--prompt", "hi"]) != 0
+    err = capsys.readouterr().err
+    assert f"--model '{typo}' is not a model directory (no config.json); did you mean {model_dir}?" in err

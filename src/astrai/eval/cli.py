@@ -10,6 +10,7 @@ are typed by `astrai.flags`' one rule (`--limit` is `int | float`: a count, or a
 
 from __future__ import annotations
 
+import difflib
 import json
 import sys
 from typing import Any
@@ -163,8 +164,11 @@ def _task_manager(task_names: list[str], include_path: str | None) -> Any:
     missing = _missing(manager, task_names)
     if missing:
         hint = ("" if include_path is None else f" (nor in --include_path {include_path})")
-        raise ValueError(f"Tasks not found: {', '.join(missing)}{hint}; for tasks of your own, point "
-                         f"--include_path at a folder of task YAMLs that defines them")
+        known = list(manager.all_tasks)
+        close = [f"{name}: did you mean {m[0]}?" for name in missing
+                 if (m := difflib.get_close_matches(name, known, n=1, cutoff=0.75))]
+        raise ValueError(f"Tasks not found: {', '.join(missing)}{hint}; " + "".join(c + " " for c in close)
+                         + "for tasks of your own, point --include_path at a folder of task YAMLs that defines them")
     return manager
 
 

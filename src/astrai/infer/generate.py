@@ -25,7 +25,7 @@ from astrai.infer.sampling import SamplingParams
 from astrai.infer.sampling_flags import add_sampling_arguments, sampling_params_from_args
 from astrai.model.hf_dir import check_device
 from astrai.model.lora import split_adapter
-from astrai.model.manifest import VERIFY_HELP, check_model_dir, model_argument
+from astrai.model.manifest import VERIFY_HELP, check_model_dir, model_argument, nearest_model_dir
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -66,7 +66,8 @@ def main(argv: list[str] | None = None) -> int:
         args.model = model_argument(args.model, "astrai generate")
         args.model, args.lora = split_adapter(args.model, args.lora, "astrai generate")  # a LoRA checkpoint
         if not (Path(args.model) / "config.json").is_file():
-            raise FileNotFoundError(f"--model '{args.model}' is not a model directory (no config.json)")
+            raise FileNotFoundError(f"--model '{args.model}' is not a model directory (no config.json)"
+                                    f"{nearest_model_dir(args.model)}")
         defaults = generation_defaults(args.model, args.generation_config)
         if defaults:
             print(f"astrai generate: {describe(defaults)}", file=sys.stderr)

@@ -214,6 +214,20 @@ def resolve_model_dir(path: str | os.PathLike) -> Path:
     return latest
 
 
+def nearest_model_dir(path: str | os.PathLike) -> str:
+    """'; did you mean DIR?' for a `--model` that is no model directory, DIR the closest-named
+    model or checkpoint folder beside it (a typo in the last part of the path), else ''."""
+    import difflib
+
+    p = Path(path)
+    parent = p.parent if p.parent.is_dir() else None
+    if parent is None or not p.name:
+        return ""
+    candidates = [c.name for c in parent.iterdir() if c.is_dir() and ((c / "config.json").exists() or step_dirs(c))]
+    close = difflib.get_close_matches(p.name, candidates, n=1, cutoff=0.6)
+    return f"; did you mean {parent / close[0]}?" if close else ""
+
+
 def model_argument(value: str, prog: str) -> str:
     """A command's `--model` value as a local directory (`astrai generate`, `chat`, `serve`, `eval`):
     a Hugging Face Hub id -> its cached snapshot (`hub.resolve_model_path`), a run's ckpt_dir -> its

@@ -126,7 +126,7 @@ def _check_args(args: argparse.Namespace) -> str | None:
     from astrai.model.hf_dir import check_device
     from astrai.model.hub import is_hub_id
     from astrai.model.lora import read_adapter, split_adapter
-    from astrai.model.manifest import check_model_dir, model_argument
+    from astrai.model.manifest import check_model_dir, model_argument, nearest_model_dir
 
     if is_hub_id(args.model):  # clients name the model as the user did, not by its snapshot hash
         args.served_model_name = args.served_model_name or args.model
@@ -144,7 +144,7 @@ def _check_args(args: argparse.Namespace) -> str | None:
     model_dir = Path(args.model)
     if not (model_dir / "config.json").is_file():
         return (f"--model '{args.model}' is not a model directory (no config.json); point it at a "
-                "directory written by astrai.save_model or a training checkpoint")
+                f"directory written by astrai.save_model or a training checkpoint{nearest_model_dir(args.model)}")
     for name, minimum in (("max_waiting", 0), ("body_timeout", 1e-9), ("header_timeout", 1e-9),
                           ("limit_concurrency", 1), ("max_guide_bytes", 1)):
         value = getattr(args, name)
