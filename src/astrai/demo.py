@@ -169,7 +169,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.minutes <= 0:
         parser.error(f"--minutes must be positive, got {args.minutes}")
     if args.quick and args.algo != "tools":
-        parser.error("--quick is a setting of --algo tools")
+        parser.error(f"--quick is a setting of --algo tools, not of --algo {args.algo}; drop --quick or add --algo tools")
     if args.threads < 1:
         parser.error(f"--num_threads must be >= 1, got {args.threads}")
     import torch
