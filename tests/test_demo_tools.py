@@ -12,8 +12,8 @@ on the 100 held-out problems, sampled at temperature 1 (4 episodes per problem),
   rollout reward (first / last 2 steps)  0.555 -> 0.586, 0.547 -> 0.758, 0.234 -> 0.367
 Copying the tool's result, which the accuracy needs, emerged between SFT steps 700 and 950 in these
 runs. Margins, about half the measured minimum: tool use +7 points, accuracy +3 points; the
-rollout reward must rise. About 95 s on 2 idle cores (114-127 s measured while another job used
-one of them). The full demo's figures: docs/training.md, "The calculator demo".
+rollout reward must rise. About 100 s on 2 nearly idle cores (114-127 s per run while another job
+used one of them). The full demo's figures: docs/training.md, "The calculator demo".
 """
 
 from __future__ import annotations
