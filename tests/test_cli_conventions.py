@@ -1,5 +1,6 @@
-"""Command-line conventions (issue 21 item 6): kebab-case flags, `--no-X` booleans, `astrai train --help`
-listing the config fields, a misspelled YAML section suggesting the right one."""
+"""Command-line conventions: kebab-case flags, `--no-X` booleans, `astrai train --help` listing the
+config fields, a misspelled YAML section or flag suggesting the right one, output into a closed pipe
+ending quietly."""
 
 from __future__ import annotations
 

@@ -84,3 +84,9 @@ def test_the_reports_budget_line_is_not_a_run_time(tmp_path):
     stages["rl-grpo"] = {"eval": ev, "seconds": 1.0}
     text = write_report(tmp_path, stages, 8.0, "grpo").read_text()
     assert "Step budget: --minutes 8 (scales the training steps" in text and "Budget: 8.0 min" not in text
+
+
+def test_quick_is_a_setting_of_the_tools_demo(capsys):
+    with pytest.raises(SystemExit):
+        demo_main(["--quick", "--algo", "ppo"])
+    assert "--quick is a setting of --algo tools, not of --algo ppo" in capsys.readouterr().err

@@ -158,6 +158,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--algo", choices=[*ALGOS, "tools"], default="grpo",
                         help="the RL stage: online GRPO (default), PPO with a critic, or online DPO; `tools`: "
                              "another demo, a calculator tool learned by multi-turn online GRPO")
+    parser.add_argument("--quick", action="store_true",
+                        help="with --algo tools: the shortened configuration the test suite runs (fewer SFT and RL "
+                             "steps at a higher SFT learning rate; smaller gains than the default)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--num_threads", "--threads", type=int, default=1, dest="threads",
                         help="torch intra-op threads (default 1: this tiny model runs fastest, and the same, on one)")
@@ -165,6 +168,8 @@ def main(argv: list[str] | None = None) -> int:
     args.out = args.out or ("out/demo-tools" if args.algo == "tools" else "out/demo")
     if args.minutes <= 0:
         parser.error(f"--minutes must be positive, got {args.minutes}")
+    if args.quick and args.algo != "tools":
+        parser.error(f"--quick is a setting of --algo tools, not of --algo {args.algo}; drop --quick or add --algo tools")
     if args.threads < 1:
         parser.error(f"--num_threads must be >= 1, got {args.threads}")
     import torch

@@ -38,11 +38,20 @@ TASK = {"digits": 2, "num_traces": 1000, "tool_share": 0.7, "num_prompts": 3000,
 VOCAB_SIZE = 440  # what BPE reaches on the rendered conversations (fewer are kept if it stops earlier)
 BUDGET_MINUTES = 8.0  # the default --minutes; it scales the steps below
 # 3,000 SFT steps: copying the tool's result is learned abruptly, between steps 700 and 2,300 in 7
-# measured runs; 2,000 left some runs short of it (tests/test_demo_tools.py)
+# measured runs; 2,000 left some runs short of it (docs/performance.md, "The calculator demo")
 SFT = {"steps": 3000, "batch": 16, "max_seq_len": 256, "max_lr": 3e-3}
 RL = {"steps": 40, "prompts": 32, "group_size": 8, "rollout_interval": 2, "max_tokens": 40, "max_turns": 3,
       "max_lr": 5e-4, "warmup_steps": 3}
 EVAL = {"max_tokens": 40, "max_prompt_len": 160, "samples": 4}  # samples per prompt at temperature 1
+# `--quick`: the test suite's shortened configuration (tests/test_demo_tools.py), what differs from the
+# above: 1,500 SFT steps at a higher learning rate (copying the tool's result emerged between steps 700
+# and 950 in the measured runs; 1,200 left one run short of it) and 10 RL steps of 16 prompts
+QUICK = {"sft": {"steps": 1500, "max_lr": 1e-2}, "rl": {"steps": 10, "prompts": 16, "max_lr": 1e-3}}
+
+
+def demo_settings(quick: bool) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The (SFT, RL) settings of a run: the demo's, or with `quick` the shortened ones."""
+    return ({**SFT, **QUICK["sft"]}, {**RL, **QUICK["rl"]}) if quick else (SFT, RL)
 
 
 def data_stage(data_dir: Path, seed: int) -> dict[str, Any]:
@@ -100,13 +109,14 @@ def evaluate_both(model_dir: Path, eval_path: Path, seed: int) -> dict[str, Any]
             "sampled": episode_eval(model_dir, eval_path, 1.0, EVAL["samples"], seed)}
 
 
-def sft_config(out: Path, tok_dir: Path, vocab_size: int, steps: int, seed: int) -> dict[str, Any]:
+def sft_config(out: Path, tok_dir: Path, vocab_size: int, steps: int, seed: int,
+               sft: dict[str, Any] = SFT) -> dict[str, Any]:
     return {
         "model": dict(MODEL, vocab_size=vocab_size),
         "data": {"train_type": "sft", "data_path": str(out / "data" / "sft.jsonl"), "tokenizer_path": str(tok_dir),
-                 "max_seq_len": SFT["max_seq_len"]},
-        "train": {"max_steps": steps, "n_epoch": 1000, "batch_per_device": SFT["batch"], "random_seed": seed},
-        "optim": {"max_lr": SFT["max_lr"], "schedule": "cosine", "warmup_ratio": 0.05, "min_lr_ratio": 0.1,
+                 "max_seq_len": sft["max_seq_len"]},
+        "train": {"max_steps": steps, "n_epoch": 1000, "batch_per_device": sft["batch"], "random_seed": seed},
+        "optim": {"max_lr": sft["max_lr"], "schedule": "cosine", "warmup_ratio": 0.05, "min_lr_ratio": 0.1,
                   "weight_decay": 0.0},
         # an unfinished stage (no stage.json) reruns from scratch over what it left in its ckpt_dir
         "ckpt": {"ckpt_dir": str(out / "sft" / "ckpt"), "ckpt_interval": 0, "keep_last": 1, "overwrite_ckpt_dir": True},
@@ -114,26 +124,27 @@ def sft_config(out: Path, tok_dir: Path, vocab_size: int, steps: int, seed: int)
     }
 
 
-def rl_config(out: Path, tok_dir: Path, steps: int, seed: int) -> dict[str, Any]:
+def rl_config(out: Path, tok_dir: Path, steps: int, seed: int, rl: dict[str, Any] = RL) -> dict[str, Any]:
     stage = out / "rl-tools"
     return {
         "data": {"train_type": "online_grpo", "data_path": str(out / "data" / "prompts.jsonl"),
                  "tokenizer_path": str(tok_dir)},
-        "train": {"max_steps": steps, "n_epoch": 1000, "batch_per_device": RL["prompts"], "random_seed": seed,
+        "train": {"max_steps": steps, "n_epoch": 1000, "batch_per_device": rl["prompts"], "random_seed": seed,
                   "param_path": str(out / "sft" / "final")},
-        "optim": {"max_lr": RL["max_lr"], "schedule": "constant", "warmup_steps": RL["warmup_steps"], "weight_decay": 0.0},
-        "rl": {"group_size": RL["group_size"], "rollout_interval": RL["rollout_interval"],
-               "rollout_max_tokens": RL["max_tokens"], "rollout_temperature": 1.0,
+        "optim": {"max_lr": rl["max_lr"], "schedule": "constant", "warmup_steps": rl["warmup_steps"], "weight_decay": 0.0},
+        "rl": {"group_size": rl["group_size"], "rollout_interval": rl["rollout_interval"],
+               "rollout_max_tokens": rl["max_tokens"], "rollout_temperature": 1.0,
                "max_prompt_len": EVAL["max_prompt_len"], "kl_coef": 0.0, "rewards": ["exact_match"],
-               "environment": ENVIRONMENT, "max_turns": RL["max_turns"]},
+               "environment": ENVIRONMENT, "max_turns": rl["max_turns"]},
         "ckpt": {"ckpt_dir": str(stage / "ckpt"), "ckpt_interval": 0, "keep_last": 1, "overwrite_ckpt_dir": True},
         "log": {"log_dir": str(stage)},
     }
 
 
 def run_tools_demo(args: argparse.Namespace) -> int:
-    """`astrai demo --algo tools` (args: out, minutes, seed; threads are set by the caller)."""
+    """`astrai demo --algo tools` (args: out, minutes, seed, quick; threads are set by the caller)."""
     out, scale = Path(args.out), args.minutes / BUDGET_MINUTES
+    sft_settings, rl_settings = demo_settings(args.quick)
     data_dir, tok_dir = out / "data", out / "tokenizer"
 
     def log(msg: str) -> None:
@@ -142,12 +153,13 @@ def run_tools_demo(args: argparse.Namespace) -> int:
     stages: dict[str, dict[str, Any]] = {}
     stages["data"] = run_stage("data", data_dir, lambda: data_stage(data_dir, args.seed), log)
     stages["tokenizer"] = run_stage("tokenizer", tok_dir, lambda: tokenizer_stage(data_dir, tok_dir), log)
-    sft = sft_config(out, tok_dir, stages["tokenizer"]["vocab_size"], max(50, int(SFT["steps"] * scale)), args.seed)
+    sft = sft_config(out, tok_dir, stages["tokenizer"]["vocab_size"], max(50, int(sft_settings["steps"] * scale)),
+                     args.seed, sft_settings)
     stages["sft"] = run_stage("sft", out / "sft", lambda: train_stage(out / "sft", sft), log)
     eval_path = data_dir / "eval.jsonl"
     stages["eval"] = run_stage("eval", out / "eval", lambda: evaluate_both(out / "sft" / "final", eval_path, args.seed),
                                log)
-    rl = rl_config(out, tok_dir, max(10, int(RL["steps"] * scale)), args.seed)
+    rl = rl_config(out, tok_dir, max(10, int(rl_settings["steps"] * scale)), args.seed, rl_settings)
 
     def rl_stage() -> dict[str, Any]:
         info = train_stage(out / "rl-tools", rl)
@@ -162,7 +174,7 @@ def run_tools_demo(args: argparse.Namespace) -> int:
         plot_main([str(out / name), "--out", str(out / name / "plots")])
     before, after = stages["eval"], stages["rl-tools"]["eval"]
     plot_accuracy(out, {"SFT": before["greedy"]["accuracy"], "RL (tools)": after["greedy"]["accuracy"]})
-    report = write_report(out, stages, args.minutes)
+    report = write_report(out, stages, args.minutes, args.quick)
     log("\n" + summary_line(before, after))
     log(f"report: {report}")
     log(f"serve it: astrai serve --model {out / 'rl-tools' / 'final'}")
@@ -176,7 +188,7 @@ def summary_line(before: dict[str, Any], after: dict[str, Any]) -> str:
             f"{s1['accuracy']:.1%}, tool use {s0['tool_use']:.0%} -> {s1['tool_use']:.0%}")
 
 
-def write_report(out: Path, stages: dict[str, dict[str, Any]], minutes: float) -> Path:
+def write_report(out: Path, stages: dict[str, dict[str, Any]], minutes: float, quick: bool = False) -> Path:
     before, rl = stages["eval"], stages["rl-tools"]
     after = rl["eval"]
     n = before["greedy"]["num_total"]
@@ -185,7 +197,8 @@ def write_report(out: Path, stages: dict[str, dict[str, Any]], minutes: float) -
         f"Task: {TASK['digits']}-digit multiplication with a `multiply` tool, exact match of the final answer on {n} "
         f"held-out problems, multi-turn episodes of up to {RL['max_turns']} turns through the engine. SFT on "
         f"{TASK['num_traces']} conversations, {TASK['tool_share']:.0%} of them calling the tool; RL: online GRPO with "
-        f"`{ENVIRONMENT}`. Step budget: --minutes {minutes:g} (default {BUDGET_MINUTES:g}).", "",
+        f"`{ENVIRONMENT}`. Step budget: --minutes {minutes:g} (default {BUDGET_MINUTES:g})"
+        f"{'; --quick: the shortened configuration of the test suite' if quick else ''}.", "",
         "![accuracy per stage](accuracy.png)", "",
         "| model | decoding | accuracy | tool use | tool calls / episode | tool errors |", "|---|---|---|---|---|---|",
     ]

@@ -1,4 +1,5 @@
-"""Tokenizer: training, files on disk, special tokens, parity with transformers' AutoTokenizer."""
+"""Tokenizer: training, files on disk, special tokens, parity with transformers' AutoTokenizer, and a
+vocabulary smaller than asked explained with its numbers and the advice that applies."""
 
 from __future__ import annotations
 

@@ -1,5 +1,7 @@
 """Loading a model directory for serving or generation: manifest sizes always, sha256 with verify,
-and a damaged config.json / model.safetensors / tokenizer.json named in one line."""
+and a damaged config.json / model.safetensors / tokenizer.json named in one line; `--model` takes a run's
+ckpt_dir (its newest complete checkpoint), and a mistyped local path is reported missing, not looked up
+as a Hub id."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""Built-in callbacks: metrics log lines (train + validation), resume truncation, early stopping."""
+"""Built-in callbacks: metrics log lines (train + validation), resume truncation, early stopping, and
+the progress lines without a bar (every tenth of the run, after a silent minute, rank 0 only)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""`astrai train` CLI: dry run, clear errors with non-zero exits, a tiny end-to-end run and resume."""
+"""`astrai train` CLI: dry run, clear errors with non-zero exits, a tiny end-to-end run and resume, the
+thread count set before the build (one by default on a CPU) and restored after."""
 
 from __future__ import annotations
 
