@@ -153,7 +153,7 @@ def pause_point(event: str) -> None:
     """
     if os.environ.get("ASTRAI_PAUSE_AT") != event:
         return
+    seen = _state.num_signals  # before the file: a test's signal sent once it sees the file must count
     Path(f"{os.environ['ASTRAI_PAUSE_FILE']}.{os.getpid()}").write_text(event)
-    seen = _state.num_signals
     while _state.num_signals == seen:
         time.sleep(0.01)
