@@ -20,7 +20,7 @@ lint: setup
 	$(VENV)/bin/ruff check src tests benchmarks
 
 test: setup lint
-	$(VENV)/bin/pytest -q -ra --durations=15
+	$(VENV)/bin/pytest -q -ra --durations=25
 
 bench: setup
 	$(PY) benchmarks/run_all.py
