@@ -36,7 +36,7 @@ def validate(cfg: Config) -> None:
     flat = cfg.flat()
     if flat["train_type"] in ALGORITHMS:  # an algorithm's name where a train type goes: say which settings give it
         name = flat["train_type"]
-        raise ConfigError(f"train_type={name!r} names an algorithm, not a train type: {name} is "
+        raise ConfigError(f"train_type={name!r} is not one of {', '.join(TRAIN_TYPES)}: it names an algorithm, "
                           f"{algorithm_flags(name)} (a ready run: configs/{name}.yaml)")
     for name, allowed in CHOICES.items():
         if flat[name] not in allowed:

@@ -136,8 +136,9 @@ def test_an_algorithm_named_as_train_type_gives_its_settings_and_its_config_runs
 
     assert main(["--train_type", name, "--dry_run"]) == 2
     errors = [line for line in capsys.readouterr().err.splitlines() if "error" in line]
-    assert errors == [f"astrai train: error: train_type={name!r} names an algorithm, not a train type: {name} is "
-                      f"{algorithm_flags(name)} (a ready run: configs/{name}.yaml)"]
+    assert errors == [f"astrai train: error: train_type={name!r} is not one of seq, sft, dpo, grpo, online_grpo, "
+                      f"online_dpo, online_ppo: it names an algorithm, {algorithm_flags(name)} (a ready run: "
+                      f"configs/{name}.yaml)"]
     root = Path(__file__).resolve().parents[2]
     assert main(["--config", str(root / "configs" / f"{name}.yaml"), "--dry_run"]) == 0
     resolved = yaml.safe_load(capsys.readouterr().out)
