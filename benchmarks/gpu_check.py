@@ -183,7 +183,10 @@ def _gen_prompts(args) -> list[list[int]]:
 
 
 def _timed(fn: Callable[[], object], device: str) -> float:
-    fn()  # warm-up: allocations, kernel choices, lazy graph capture
+    # warm-ups: allocations, kernel choices, lazy graph capture. In a fresh CUDA process the first
+    # two runs both pay one-off costs (an H200, 2026-12-04: 938, 2,628, then 10,477 tok/s)
+    for _ in range(2 if device.startswith("cuda") else 1):
+        fn()
     sync(device)
     start = time.perf_counter()
     fn()
@@ -241,7 +244,11 @@ def row_generate_cuda_graphs(args) -> dict:
 
 
 def row_generate_varlen(args) -> dict:
+    from astrai.model.kernels import paged_varlen_supported
+
     _cuda_only(args)
+    if not paged_varlen_supported():
+        raise Skip(f"torch {torch.__version__}'s varlen_attn takes no block table (paged_kernel='varlen' refuses it)")
     _, model = _gen_models(args)
     prompts = _gen_prompts(args)
     tokens = len(prompts) * args.new_tokens
@@ -408,7 +415,10 @@ def row_ddp_2(args) -> dict:
 
 # -- the suite's cuda-marked tests --------------------------------------------------------------
 def row_pytest_cuda(args) -> dict:
-    paths = ["tests/model/test_attention_paths.py", "tests/infer/test_cuda_graphs.py"] if args.quick else ["tests"]
+    # only the files that hold cuda-marked tests: collecting the whole suite would import peers
+    # (openai, anthropic, lm-eval, ...) that a bare GPU image lacks
+    paths = sorted(str(f.relative_to(ROOT)) for f in (ROOT / "tests").rglob("test_*.py")
+                   if "mark.cuda" in f.read_text(encoding="utf-8"))
     proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-m", "cuda", "-p", "no:cacheprovider", *paths],
                           cwd=ROOT, capture_output=True, text=True)
     tail = proc.stdout.strip().splitlines()[-1] if proc.stdout.strip() else proc.stderr[-300:]

@@ -75,13 +75,25 @@ def train_args(out: Path, *, steps: int, lr: float, warmup_steps: int = 0, seed:
     (0.9, 0.95) without weight decay at a constant rate after linear warmup, clipping at 1.0, one
     micro-batch per step, no activation checkpointing unless `checkpointing` (TRL turns it on by
     default, astrai's `gradient_checkpointing` is off), no saves, no logging in the timed steps."""
-    return dict(
-        output_dir=str(out), use_cpu=True, bf16=False, seed=seed, report_to="none", save_strategy="no",
-        logging_steps=max(steps, 1), disable_tqdm=True, max_steps=steps, learning_rate=lr,
-        lr_scheduler_type="constant_with_warmup" if warmup_steps else "constant", warmup_steps=warmup_steps,
-        weight_decay=0.0, adam_beta1=0.9, adam_beta2=0.95, max_grad_norm=1.0, gradient_accumulation_steps=1,
-        activation_checkpointing=checkpointing, dataloader_num_workers=0,
-    )
+    return {
+        "output_dir": str(out), "use_cpu": True, "bf16": False, "seed": seed, "report_to": "none",
+        "save_strategy": "no", "logging_steps": max(steps, 1), "disable_tqdm": True, "max_steps": steps,
+        "learning_rate": lr, "lr_scheduler_type": "constant_with_warmup" if warmup_steps else "constant",
+        "warmup_steps": warmup_steps, "weight_decay": 0.0, "adam_beta1": 0.9, "adam_beta2": 0.95,
+        "max_grad_norm": 1.0, "gradient_accumulation_steps": 1, "dataloader_num_workers": 0,
+        _checkpointing_field(): checkpointing,
+    }
+
+
+def _checkpointing_field() -> str:
+    """transformers renamed `gradient_checkpointing` to `activation_checkpointing` (5.2x); the
+    peer runs with whichever this install has (a GPU image may hold an older one)."""
+    from dataclasses import fields
+
+    from transformers import TrainingArguments
+
+    names = {f.name for f in fields(TrainingArguments)}
+    return "activation_checkpointing" if "activation_checkpointing" in names else "gradient_checkpointing"
 
 
 def rollout_args(*, prompts: int, group_size: int, max_tokens: int) -> dict[str, Any]:

@@ -19,6 +19,7 @@ class Row:
     prompt_token_ids: list[int] = field(default_factory=lambda: [1, 2, 2, 7])
     output_token_ids: list[int] = field(default_factory=lambda: [7, 7, 9, 3])
     generator: torch.Generator | None = None
+    uniform_block: list[float] = field(default_factory=list)
     min_tokens_stop_ids: list[int] = field(default_factory=lambda: [0, 5])
 
 
@@ -224,3 +225,22 @@ def test_a_seeded_row_draws_its_generator_stream_one_number_per_step():
         got.append(sampler.sample(batch, [row, *others]).token_ids[0])
     assert got == want
     assert len(set(got)) > 5  # it really samples
+
+
+def test_a_seeded_rows_stream_lives_on_the_row_not_in_the_sampler():
+    """The drawn-ahead block is the row's own: the sampler keeps nothing keyed by generator (a
+    CUDA generator takes no weak reference, which broke every seeded GPU rollout once), and a
+    finished row's generator is freed with it."""
+    import gc
+    import weakref
+
+    from astrai.infer.sampling import UNIFORM_BLOCK
+
+    sampler = Sampler(make_generator(0))
+    row = Row(SamplingParams(temperature=1.0, seed=3), generator=make_generator(3))
+    sampler.sample(torch.randn(1, V), [row])
+    assert len(row.uniform_block) == UNIFORM_BLOCK - 1
+    gone = weakref.ref(row.generator)
+    del row
+    gc.collect()
+    assert gone() is None

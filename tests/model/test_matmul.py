@@ -83,6 +83,27 @@ def test_mm_into_writes_a_onednn_product_into_the_callers_block(onednn) -> None:
     close(out, a.double() @ b.double())
 
 
+def test_products_off_the_cpu_never_reach_the_onednn_kernel(onednn) -> None:
+    """oneDNN's linear runs on CPU tensors only: the chunked head calls `mm_into` on the GPU too
+    (a device run failed there with 'Could not run mkldnn::_linear_pointwise ... CUDA'). Meta
+    tensors stand in for a device: the kernel has a meta form, so only the routing can keep them off."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Ops(TorchDispatchMode):
+        seen: set[str] = set()
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.seen.add(str(func))
+            return func(*args, **(kwargs or {}))
+
+    a, b = torch.empty(96, 256, device="meta"), torch.empty(256, 80, device="meta")
+    with Ops() as ops:
+        matmul.mm_into(a, b, torch.empty(96, 80, device="meta"))
+        torch.mm(a, b)
+        torch.nn.functional.linear(a, b.t())
+    assert ops.seen and not any("mkldnn" in op for op in ops.seen), ops.seen
+
+
 def test_out_and_inplace_forms_keep_pytorchs_kernels(onednn) -> None:
     g = torch.Generator().manual_seed(2)
     a, b, c = torch.randn(96, 256, generator=g), torch.randn(256, 80, generator=g), torch.randn(96, 80, generator=g)

@@ -37,7 +37,7 @@ class EngineConfig:
     autocast_dtype: str | None = None  # "bfloat16": forward passes under torch.autocast (a bf16 trainer's precision)
     kv_cache_dtype: str | None = None  # KV pool dtype; None: the autocast dtype if set, else the weights'
     cuda_graphs: bool = False  # CUDA only: decode steps replay graphs per batch bucket (runner.py); an error on CPU
-    paged_kernel: str = "gather"  # "varlen", CUDA only: decode reads KV blocks in place (no device run yet)
+    paged_kernel: str = "gather"  # "varlen", CUDA only: decode reads KV blocks in place (torch whose varlen_attn takes a block table)
 
 
 def make_engine_config(config: EngineConfig | None, overrides: dict[str, Any]) -> EngineConfig:

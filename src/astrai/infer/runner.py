@@ -29,7 +29,7 @@ from astrai.infer.outputs import logprob_entry
 from astrai.infer.precision import forward_precision
 from astrai.infer.sampling import top_alternatives
 from astrai.infer.scheduler import Sequence
-from astrai.model.kernels import to_device
+from astrai.model.kernels import paged_varlen_supported, to_device
 from astrai.model.paged_metadata import DecodeKVView, PagedAttentionMetadata
 
 
@@ -79,6 +79,10 @@ class ModelRunner:
             if on and self.device.type != "cuda":
                 raise ValueError(f"{name} needs a CUDA device but the model is on {self.device}; leave it off "
                                  f"on {self.device.type} (the default path is the tested one there)")
+        if paged_kernel == "varlen" and not paged_varlen_supported():
+            raise ValueError(f"paged_kernel='varlen' needs a torch whose varlen_attn reads a block table "
+                             f"(seqused_k, block_table); torch {torch.__version__} has none: upgrade torch "
+                             f"or leave paged_kernel at 'gather'")
         self.paged_kernel = paged_kernel
         self.dtype = dtype
         # decode steps read a kept dense copy of their context instead of gathering it every step

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import math
 import typing
-import weakref
 from dataclasses import dataclass, fields
 from typing import Protocol
 
@@ -141,6 +140,7 @@ class SamplingState(Protocol):
     prompt_token_ids: list[int]
     output_token_ids: list[int]
     generator: torch.Generator | None  # set for seeded requests
+    uniform_block: list[float]  # the seeded stream's numbers drawn ahead (the sampler refills it)
     min_tokens_stop_ids: list[int]  # tokens masked while fewer than min_tokens were generated
     guide_state: GuideState | None  # set when params.guide is
 
@@ -262,8 +262,6 @@ class Sampler:
 
     def __init__(self, generator: torch.Generator | None = None) -> None:
         self.generator = generator
-        # each seeded row's stream, drawn UNIFORM_BLOCK numbers at a time (reversed: pop takes the next)
-        self._blocks: weakref.WeakKeyDictionary[torch.Generator, list[float]] = weakref.WeakKeyDictionary()
 
     def sample(self, logits: Tensor, rows: list[SamplingState]) -> SamplerOutput:
         """logits (B, V) raw model logits, one row per entry of `rows`."""
@@ -303,7 +301,7 @@ class Sampler:
         if seeded:
             values = [0.0] * len(rows)  # greedy and unseeded rows: 0 here
             for i in seeded:
-                values[i] = self._next_uniform(rows[i].generator)
+                values[i] = next_uniform(rows[i])
             u = to_device(torch.tensor(values, dtype=torch.float64), device)  # (B,) one transfer
         else:
             u = torch.zeros(len(rows), dtype=torch.float64, device=device)
@@ -320,17 +318,19 @@ class Sampler:
             drawn = torch.where(is_greedy, _argmax(processed), drawn)
         return drawn, lse
 
-    def _next_uniform(self, generator: torch.Generator) -> float:
-        """The next number of a seeded row's uniform stream. Drawn UNIFORM_BLOCK at a time: a
-        generator call per row per step was the sampler's largest cost in a batch of small rows,
-        and on a CPU a block of n numbers is the same stream as n draws of one, so the tokens
-        are as before (on CUDA the stream is another, as reproducible)."""
-        block = self._blocks.get(generator)
-        if not block:
-            block = torch.rand(UNIFORM_BLOCK, dtype=torch.float64, generator=generator,
-                               device=generator.device).tolist()[::-1]
-            self._blocks[generator] = block
-        return block.pop()
+
+def next_uniform(row: SamplingState) -> float:
+    """The next number of a seeded row's uniform stream. Drawn UNIFORM_BLOCK at a time into the
+    row's own block (reversed: pop takes the next): a generator call per row per step was the
+    sampler's largest cost in a batch of small rows, and on a CPU a block of n numbers is the same
+    stream as n draws of one, so the tokens are as before (on CUDA the stream is another, as
+    reproducible). The block lives on the row, not in a table keyed by generator: CUDA generators
+    take no weak reference, and the block goes when the row does."""
+    if not row.uniform_block:
+        gen = row.generator
+        row.uniform_block = torch.rand(UNIFORM_BLOCK, dtype=torch.float64, generator=gen,
+                                       device=gen.device).tolist()[::-1]
+    return row.uniform_block.pop()
 
 
 UNIFORM_BLOCK = 64  # a seeded row's uniform numbers drawn per generator call

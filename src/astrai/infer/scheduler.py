@@ -64,6 +64,7 @@ class Sequence:
         self.params = params
         self.arrival_time = arrival_time
         self.generator = generator
+        self.uniform_block: list[float] = []  # the seeded stream's numbers drawn ahead (the sampler's)
         self.min_tokens_stop_ids = min_tokens_stop_ids or []
         self.guide_state = params.guide.new_state() if params.guide is not None else None  # own matcher
         self.prompt_token_ids = prompt_token_ids

@@ -3,14 +3,16 @@
 attention.py calls these where a CUDA device has a faster kernel than the dense SDPA forms that
 serve the CPU: packed training rows (several documents in one row, no padding) go through the
 flash varlen kernel with segment offsets instead of a (B, T, T) block-diagonal mask, and paged
-decode (`paged_kernel="varlen"`, opt-in until a device run has checked it) reads each sequence's
-KV blocks where they lie in the cache through the kernel's block-table form instead of gathering
-a dense copy. On CPU the same functions run a plain-SDPA reference with the same arguments, so
-the tables and offsets they are given are tested without a GPU.
+decode (`paged_kernel="varlen"`, opt-in, on a torch whose kernel takes a block table) reads each
+sequence's KV blocks where they lie in the cache through the kernel's block-table form instead of
+gathering a dense copy. On CPU the same functions run a plain-SDPA reference with the same
+arguments, so the tables and offsets they are given are tested without a GPU.
 """
 
 from __future__ import annotations
 
+import functools
+import inspect
 from dataclasses import dataclass
 
 import torch
@@ -28,6 +30,34 @@ def to_device(host: Tensor, device: torch.device | str) -> Tensor:
     if device.type == "cuda":
         return host.pin_memory().to(device, non_blocking=True)
     return host.to(device)
+
+
+@functools.cache
+def varlen_params() -> frozenset[str]:
+    """The keyword arguments this torch's `varlen_attn` takes: they grew between releases
+    (`enable_gqa`, `seqused_k` and `block_table` are newer than `window_size`)."""
+    from torch.nn.attention.varlen import varlen_attn
+
+    return frozenset(inspect.signature(varlen_attn).parameters)
+
+
+def paged_varlen_supported() -> bool:
+    """Whether `paged_kernel="varlen"` can run on this torch: its varlen kernel reads a block table."""
+    try:
+        return {"seqused_k", "block_table"} <= varlen_params()
+    except ImportError:
+        return False
+
+
+def _varlen(q: Tensor, k: Tensor, v: Tensor, *args, gqa: bool, **kwargs) -> Tensor:
+    """`varlen_attn` with the keywords this torch takes. Grouped-query attention passes the
+    fewer key/value heads as they are: the flash kernel reads them natively, and a torch whose
+    signature has `enable_gqa` is told so."""
+    from torch.nn.attention.varlen import varlen_attn
+
+    if gqa and "enable_gqa" in varlen_params():
+        kwargs["enable_gqa"] = True
+    return varlen_attn(q, k, v, *args, **kwargs)
 
 
 @dataclass
@@ -56,10 +86,8 @@ def packed_attention(q: Tensor, k: Tensor, v: Tensor, segs: PackedSegments, gqa:
     B, T, H, D = q.shape
     fq, fk, fv = q.reshape(B * T, H, D), k.reshape(B * T, -1, D), v.reshape(B * T, -1, D)
     if q.is_cuda:
-        from torch.nn.attention.varlen import varlen_attn
-
-        out = varlen_attn(fq, fk, fv, segs.cu_seqlens, segs.cu_seqlens, segs.max_seqlen, segs.max_seqlen,
-                          window_size=(-1, 0), enable_gqa=gqa)
+        out = _varlen(fq, fk, fv, segs.cu_seqlens, segs.cu_seqlens, segs.max_seqlen, segs.max_seqlen,
+                      window_size=(-1, 0), gqa=gqa)
         return out.view(B, T, H, D)
     out = torch.empty_like(fq)
     bounds = segs.cu_seqlens.tolist()
@@ -269,10 +297,8 @@ def paged_decode(q: Tensor, k_cache: Tensor, v_cache: Tensor, t: PagedDecodeTabl
     gqa = k_cache.size(2) != H
     qc = q.to(k_cache.dtype)
     if q.is_cuda:
-        from torch.nn.attention.varlen import varlen_attn
-
-        out = varlen_attn(qc, k_cache, v_cache, t.cu_seq_q, None, 1, t.max_k, enable_gqa=gqa,
-                          seqused_k=t.seqused_k, block_table=t.block_table)
+        out = _varlen(qc, k_cache, v_cache, t.cu_seq_q, None, 1, t.max_k, gqa=gqa,
+                      seqused_k=t.seqused_k, block_table=t.block_table)
         return out.to(q.dtype)
     blocks = t.block_table.long()
     L = blocks.size(1) * k_cache.size(1)

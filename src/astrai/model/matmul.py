@@ -70,10 +70,10 @@ def onednn_available() -> bool:
 
 # -- the kernels ---------------------------------------------------------------------------------
 def _takes(a: Tensor, b: Tensor) -> bool:
-    """a (M, K) @ b (K, N) goes to oneDNN: float32 matrices, large enough, plainly laid out (row-
+    """a (M, K) @ b (K, N) goes to oneDNN: float32 CPU matrices, large enough, plainly laid out (row-
     or column-major without gaps: a matrix or its transpose view). Called on every product, so
     written with the fewest tensor calls (mm and addmm take only 2-D matrices)."""
-    if a.dtype is not _FLOAT32 or b.dtype is not _FLOAT32:
+    if a.dtype is not _FLOAT32 or b.dtype is not _FLOAT32 or not a.is_cpu:
         return False
     m, k = a.shape
     n = b.shape[1]
