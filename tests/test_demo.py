@@ -69,10 +69,10 @@ def test_demo_sft_raises_accuracy_rl_raises_reward_and_stages_are_reused(tmp_pat
 
 
 def test_operations_doc_states_the_demos_real_flags_and_task():
-    from astrai.demo import BUDGET_MINUTES, TASK
+    from astrai.demo import TASK
 
     text = (ROOT / "docs" / "operations.md").read_text()
-    assert f"[--minutes {BUDGET_MINUTES:g}]" in text and f"({TASK['digits']}-digit addition)" in text
+    assert "[--scale 1]" in text and f"({TASK['digits']}-digit addition)" in text
 
 
 def test_the_reports_budget_line_is_not_a_run_time(tmp_path):
@@ -82,8 +82,18 @@ def test_the_reports_budget_line_is_not_a_run_time(tmp_path):
     stages = {name: {"seconds": 1.0} for name in ("data", "tokenizer", "pretrain", "sft")}
     stages["eval"] = {"pretrained": ev, "sft": ev, "seconds": 1.0}
     stages["rl-grpo"] = {"eval": ev, "seconds": 1.0}
-    text = write_report(tmp_path, stages, 8.0, "grpo").read_text()
-    assert "Step budget: --minutes 8 (scales the training steps" in text and "Budget: 8.0 min" not in text
+    text = write_report(tmp_path, stages, 1.0, "grpo").read_text()
+    assert "Steps: --scale 1 (multiplies every stage's steps" in text and "Budget: 8.0 min" not in text
+
+
+@pytest.mark.parametrize("argv, message", [(["--scale", "0"], "--scale must be positive, got 0"),
+                                           (["--minutes", "-1"], "--minutes must be positive")])
+def test_a_step_scale_that_is_not_positive_is_one_line(argv, message, capsys):
+    from astrai.demo import main
+
+    with pytest.raises(SystemExit):
+        main(argv)
+    assert message in capsys.readouterr().err
 
 
 def test_quick_is_a_setting_of_the_tools_demo(capsys):

@@ -167,6 +167,7 @@ class CkptConfig:
 class LogConfig:
     log_dir: str = "out"  # metrics.jsonl, plots
     progress: bool = True  # tqdm bar on rank 0
+    summary_hints: bool = True  # the run summary's "serve it" and "resume" lines (the demo's stages turn them off)
     tensorboard: bool = False  # the same as report_to: [tensorboard] (needs the tensorboard package)
     report_to: list[str] = field(default_factory=list)  # tensorboard | wandb | mlflow: the metrics.jsonl numbers
     report_project: str | None = None  # wandb project / mlflow experiment; None = $WANDB_PROJECT / $MLFLOW_EXPERIMENT_NAME, else astrai

@@ -36,7 +36,6 @@ MODEL = {  # ~150k parameters; 3 layers: with 2, copying the tool's result emerg
 # the result was not learned for some seeds)
 TASK = {"digits": 2, "num_traces": 1000, "tool_share": 0.7, "num_prompts": 3000, "num_eval": 100}
 VOCAB_SIZE = 440  # what BPE reaches on the rendered conversations (fewer are kept if it stops earlier)
-BUDGET_MINUTES = 8.0  # the default --minutes; it scales the steps below
 # 3,000 SFT steps: copying the tool's result is learned abruptly, between steps 700 and 2,300 in 7
 # measured runs; 2,000 left some runs short of it (docs/performance.md, "The calculator demo")
 SFT = {"steps": 3000, "batch": 16, "max_seq_len": 256, "max_lr": 3e-3}
@@ -120,7 +119,7 @@ def sft_config(out: Path, tok_dir: Path, vocab_size: int, steps: int, seed: int,
                   "weight_decay": 0.0},
         # an unfinished stage (no stage.json) reruns from scratch over what it left in its ckpt_dir
         "ckpt": {"ckpt_dir": str(out / "sft" / "ckpt"), "ckpt_interval": 0, "keep_last": 1, "overwrite_ckpt_dir": True},
-        "log": {"log_dir": str(out / "sft")},
+        "log": {"log_dir": str(out / "sft"), "summary_hints": False},
     }
 
 
@@ -137,13 +136,13 @@ def rl_config(out: Path, tok_dir: Path, steps: int, seed: int, rl: dict[str, Any
                "max_prompt_len": EVAL["max_prompt_len"], "kl_coef": 0.0, "rewards": ["exact_match"],
                "environment": ENVIRONMENT, "max_turns": rl["max_turns"]},
         "ckpt": {"ckpt_dir": str(stage / "ckpt"), "ckpt_interval": 0, "keep_last": 1, "overwrite_ckpt_dir": True},
-        "log": {"log_dir": str(stage)},
+        "log": {"log_dir": str(stage), "summary_hints": False},
     }
 
 
 def run_tools_demo(args: argparse.Namespace) -> int:
-    """`astrai demo --algo tools` (args: out, minutes, seed, quick; threads are set by the caller)."""
-    out, scale = Path(args.out), args.minutes / BUDGET_MINUTES
+    """`astrai demo --algo tools` (args: out, scale, seed, quick; threads are set by the caller)."""
+    out, scale = Path(args.out), args.scale
     sft_settings, rl_settings = demo_settings(args.quick)
     data_dir, tok_dir = out / "data", out / "tokenizer"
 
@@ -174,7 +173,7 @@ def run_tools_demo(args: argparse.Namespace) -> int:
         plot_main([str(out / name), "--out", str(out / name / "plots")])
     before, after = stages["eval"], stages["rl-tools"]["eval"]
     plot_accuracy(out, {"SFT": before["greedy"]["accuracy"], "RL (tools)": after["greedy"]["accuracy"]})
-    report = write_report(out, stages, args.minutes, args.quick)
+    report = write_report(out, stages, args.scale, args.quick)
     log("\n" + summary_line(before, after))
     log(f"report: {report}")
     log(f"serve it: astrai serve --model {out / 'rl-tools' / 'final'}")
@@ -188,7 +187,7 @@ def summary_line(before: dict[str, Any], after: dict[str, Any]) -> str:
             f"{s1['accuracy']:.1%}, tool use {s0['tool_use']:.0%} -> {s1['tool_use']:.0%}")
 
 
-def write_report(out: Path, stages: dict[str, dict[str, Any]], minutes: float, quick: bool = False) -> Path:
+def write_report(out: Path, stages: dict[str, dict[str, Any]], scale: float, quick: bool = False) -> Path:
     before, rl = stages["eval"], stages["rl-tools"]
     after = rl["eval"]
     n = before["greedy"]["num_total"]
@@ -197,7 +196,7 @@ def write_report(out: Path, stages: dict[str, dict[str, Any]], minutes: float, q
         f"Task: {TASK['digits']}-digit multiplication with a `multiply` tool, exact match of the final answer on {n} "
         f"held-out problems, multi-turn episodes of up to {RL['max_turns']} turns through the engine. SFT on "
         f"{TASK['num_traces']} conversations, {TASK['tool_share']:.0%} of them calling the tool; RL: online GRPO with "
-        f"`{ENVIRONMENT}`. Step budget: --minutes {minutes:g} (default {BUDGET_MINUTES:g})"
+        f"`{ENVIRONMENT}`. Steps: --scale {scale:g} (default 1)"
         f"{'; --quick: the shortened configuration of the test suite' if quick else ''}.", "",
         "![accuracy per stage](accuracy.png)", "",
         "| model | decoding | accuracy | tool use | tool calls / episode | tool errors |", "|---|---|---|---|---|---|",

@@ -115,6 +115,21 @@ def test_unknown_function_and_tool_choice_none_stay_content(scripted):
     assert off.choices[0].message.tool_calls is None and off.choices[0].message.content == CALL_TEXT
 
 
+def test_a_call_cut_by_max_tokens_comes_back_as_text_as_vllm_does(scripted, model_dir):
+    """A call cut by max_tokens is no call: the text comes back as content with finish_reason
+    "length", as vLLM's hermes parser answers when the JSON does not parse. Streamed, the
+    unfinished call is held back and released as text at the end, so both modes give one content
+    (vLLM streams the partial call's deltas instead: documented in docs/inference.md)."""
+    tok = load_tokenizer(model_dir)
+    cut = len(tok.encode(CALL_TEXT)) - 6  # inside the arguments' JSON
+    want = tok.decode(tok.encode(CALL_TEXT)[:cut])
+    assert "<tool_call>" in want and "</tool_call>" not in want
+    out = scripted.chat.completions.create(model="tiny-model", messages=ASK, tools=[WEATHER], max_tokens=cut)
+    assert out.choices[0].finish_reason == "length" and out.choices[0].message.tool_calls is None
+    assert out.choices[0].message.content == want
+    assert _streamed(scripted, messages=ASK, tools=[WEATHER], max_tokens=cut) == (want, [], "length")
+
+
 # ------------------------------------------------------------------------------ constrained decoding
 
 

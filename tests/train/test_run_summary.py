@@ -115,7 +115,7 @@ def test_the_online_loop_prints_the_same_summary_with_its_reward(tmp_path, tok_d
 
 def _fake_loop(tmp_path: Path, is_main: bool) -> SimpleNamespace:
     cfg = SimpleNamespace(ckpt=SimpleNamespace(ckpt_dir=str(tmp_path / "ckpt")),
-                          train=SimpleNamespace(resume=False, param_path=None))
+                          train=SimpleNamespace(resume=False, param_path=None), log=SimpleNamespace(summary_hints=True))
     return SimpleNamespace(ctx=TrainContext(), config=cfg, is_main=is_main, total_steps=2, step_metrics={})
 
 
@@ -147,6 +147,10 @@ def test_format_summary_by_hand():
         "  serve it:  astrai serve --model out/ckpt/step_00000057",
         "  resume:    astrai train --config run.yaml --resume",
     ]
+    from dataclasses import replace
+
+    # log.summary_hints false (the demo's stages): the facts stay, the two commands go
+    assert format_summary(replace(report, hints=False)).splitlines() == format_summary(report).splitlines()[:4]
     before_any_step = RunReport(step=0, total_steps=200, seconds=3.0, tokens=0, stop_reason="signal SIGINT")
     assert format_summary(before_any_step).splitlines()[0] == (
         "stopped at step 0 of 200 (signal SIGINT); no optimizer step completed, nothing to save")

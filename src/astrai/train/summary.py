@@ -39,6 +39,7 @@ class RunReport:
     num_evals: int = 0
     checkpoint: Path | None = None
     resume_command: str | None = None  # None: "rerun with --resume"
+    hints: bool = True  # the "serve it" and "resume" lines (log.summary_hints)
 
 
 def format_duration(seconds: float) -> str:
@@ -75,8 +76,9 @@ def format_summary(r: RunReport) -> str:
         lines.append("  last checkpoint: none")
     else:
         lines.append(f"  last checkpoint: {r.checkpoint}")
-        lines.append(f"  serve it:  astrai serve --model {shlex.quote(str(r.checkpoint))}")
-    if r.stop_reason is not None and r.step > 0:
+        if r.hints:
+            lines.append(f"  serve it:  astrai serve --model {shlex.quote(str(r.checkpoint))}")
+    if r.hints and r.stop_reason is not None and r.step > 0:
         lines.append(f"  resume:    {r.resume_command or 'run the same command with --resume'}")
     return "\n".join(lines)
 
@@ -156,5 +158,5 @@ class RunSummary:
             eval_accuracy=self._evals[-1][:2] if self._evals else None,
             eval_first_accuracy=self._evals[0][1] if self._evals else None,
             eval_seconds=sum(e[2] for e in self._evals), num_evals=len(self._evals),
-            resume_command=resume_command(self.command, cfg, checkpoint))
+            resume_command=resume_command(self.command, cfg, checkpoint), hints=cfg.log.summary_hints)
         print(format_summary(self.report), file=self.stream or sys.stderr, flush=True)
