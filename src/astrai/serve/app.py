@@ -63,7 +63,7 @@ from astrai.serve.state import ServeConfig, ServerState, load_engine
 
 logger = logging.getLogger("astrai.serve")
 ROUTES = ("/v1/chat/completions", "/v1/completions", "/v1/messages", "/v1/models", "/health", "/metrics",
-          "/tokenizer_info", "/tokenize", "/detokenize")
+          "/tokenizer_info", "/tokenize", "/detokenize", "/openapi.json")
 ANTHROPIC_ROUTES = ("/v1/messages",)  # errors there use Anthropic's body
 RETRY_AFTER_S = 1  # what a 429 tells the client to wait
 
@@ -98,6 +98,12 @@ async def models(request: Request) -> Response:
     card = {"id": state.model_name, "object": "model", "created": state.created, "owned_by": "astrai",
             "max_model_len": state.max_model_len or None}
     return JSONResponse({"object": "list", "data": [card]})
+
+
+@router.get("/openapi.json", include_in_schema=False)
+async def openapi(request: Request) -> Response:
+    _state(request).check_auth(request)
+    return JSONResponse(request.app.openapi())
 
 
 # ---- lm-eval's remote tokenizer (vLLM's routes and shapes) -------------------------------------
@@ -381,7 +387,8 @@ def create_app(config: ServeConfig, loader: Callable[[ServeConfig], tuple[Any, A
             await state.engine.shutdown()
         state.prep.shutdown(wait=False, cancel_futures=True)
 
-    app = FastAPI(title="astrai", lifespan=lifespan, docs_url=None, redoc_url=None)
+    # the schema is served by a route of ours (`openapi`), behind the key like every route but /health and /metrics
+    app = FastAPI(title="astrai", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.serve = state
     app.add_middleware(_AccessLog, metrics=state.metrics)
     app.add_exception_handler(APIError, _api_error)
