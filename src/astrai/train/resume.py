@@ -99,6 +99,8 @@ def check_model(asked: dict[str, Any], saved: dict[str, Any], ckpt: Path) -> Non
     diff = [k for k in new if new[k] != old.get(k)]
     if not diff:
         return
+    # the fields either section writes out; the derived ones (head_dim from hidden_size) only when nothing else differs
+    diff = [k for k in diff if k in asked or k in saved] or diff
     shapes = [{n: tuple(p.shape) for n, p in CausalLM(ModelConfig.from_dict(c), seed=None, device="meta")
                .named_parameters()} for c in (asked, saved)]
     fields = ", ".join(f"{k}={new[k]!r} (checkpoint: {old.get(k)!r})" for k in diff)
