@@ -105,3 +105,21 @@ def test_eval_fields_are_checked():
         load_config(None, ["--eval_num_samples", "-1"])
     with pytest.raises(ConfigError, match="eval_match"):
         load_config(None, ["--eval_match", "fuzzy"])
+
+
+def test_eval_records_whose_answers_are_all_empty_warn_that_nothing_can_be_scored(tmp_path, tok_dir, capsys):
+    items = generate_items(4, ["add"], digits=2, seed=1)
+    (tmp_path / "sft.jsonl").write_text("".join(json.dumps(sft_record(it)) + "\n" for it in items))
+    records = [json.loads(line) for line in eval_file(tmp_path / "eval.jsonl", num=2).read_text().splitlines()]
+    (tmp_path / "eval.jsonl").write_text("".join(json.dumps({**r, "answer": a}) + "\n" for r, a in zip(records, ["", " "])))
+    cfg = {"model": MODEL,
+           "data": {"train_type": "sft", "data_path": str(tmp_path / "sft.jsonl"), "tokenizer_path": str(tok_dir),
+                    "max_seq_len": 48, "eval_data_path": str(tmp_path / "eval.jsonl")},
+           "train": {"max_steps": 1, "batch_per_device": 4, "device": "cpu", "eval_interval": 1, "eval_num_samples": 0},
+           "rl": {"rollout_max_tokens": 2},
+           "ckpt": {"ckpt_dir": str(tmp_path / "ckpt"), "ckpt_interval": 0},
+           "log": {"log_dir": str(tmp_path / "log"), "progress": False}}
+    (tmp_path / "run.yaml").write_text(yaml.safe_dump(cfg))
+    assert main(["--config", str(tmp_path / "run.yaml")]) == 0
+    err = capsys.readouterr().err
+    assert "every 'answer' of the 2 records of eval_data_path" in err and "no reply can be scored" in err, err[-2000:]

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -62,7 +63,7 @@ from astrai.serve.state import ServeConfig, ServerState, load_engine
 
 logger = logging.getLogger("astrai.serve")
 ROUTES = ("/v1/chat/completions", "/v1/completions", "/v1/messages", "/v1/models", "/health", "/metrics",
-          "/tokenizer_info", "/tokenize", "/detokenize")
+          "/tokenizer_info", "/tokenize", "/detokenize", "/openapi.json")
 ANTHROPIC_ROUTES = ("/v1/messages",)  # errors there use Anthropic's body
 RETRY_AFTER_S = 1  # what a 429 tells the client to wait
 
@@ -97,6 +98,12 @@ async def models(request: Request) -> Response:
     card = {"id": state.model_name, "object": "model", "created": state.created, "owned_by": "astrai",
             "max_model_len": state.max_model_len or None}
     return JSONResponse({"object": "list", "data": [card]})
+
+
+@router.get("/openapi.json", include_in_schema=False)
+async def openapi(request: Request) -> Response:
+    _state(request).check_auth(request)
+    return JSONResponse(request.app.openapi())
 
 
 # ---- lm-eval's remote tokenizer (vLLM's routes and shapes) -------------------------------------
@@ -139,12 +146,31 @@ async def _tokenizer_request(request: Request, model: type) -> tuple[ServerState
 @router.post("/tokenize")
 async def tokenize(request: Request) -> Response:
     state, req = await _tokenizer_request(request, TokenizeRequest)
-    ids, strs = await state.off_loop(_tokenize, state, req)
-    return JSONResponse({"count": len(ids), "max_model_len": state.max_model_len, "tokens": ids, "token_strs": strs})
+    # a megabyte of text is a million ids: encoding them, their strings and the JSON body all run on
+    # the prep pool, each in a way that lets the loop in (see _tokenize and json_list)
+    return Response(await state.off_loop(_tokenize_body, state, req), media_type="application/json")
+
+
+def _tokenize_body(state: ServerState, req: TokenizeRequest) -> bytes:
+    """The /tokenize response as JSON bytes (vLLM's fields, in its order)."""
+    ids, strs = _tokenize(state, req)
+    return (f'{{"count":{len(ids)},"max_model_len":{json.dumps(state.max_model_len)},"tokens":{json_list(ids)},'
+            f'"token_strs":{"null" if strs is None else json_list(strs)}}}').encode()
+
+
+def json_list(items: list[Any], chunk: int = 16384) -> str:
+    """A JSON array of `items` as JSONResponse writes it, encoded a chunk at a time: the C encoder
+    holds the GIL for a whole call (0.1 s for a million token strings), and between chunks the
+    event loop's thread gets its turn."""
+    parts = (json.dumps(items[i : i + chunk], ensure_ascii=False, separators=(",", ":"))[1:-1]
+             for i in range(0, len(items), chunk))
+    return "[" + ",".join(parts) + "]"
 
 
 def _tokenize(state: ServerState, req: TokenizeRequest) -> tuple[list[int], list[str] | None]:
-    """vLLM's defaults: special tokens added to a prompt, not to a rendered chat (it has them)."""
+    """vLLM's defaults: special tokens added to a prompt, not to a rendered chat (it has them).
+    Encoded through `encode_batch`, which releases the GIL while the tokenizer works (a single
+    `encode` holds it: a second for a megabyte, with the event loop's thread waiting)."""
     tok, text = state.tokenizer, req.prompt
     if req.messages is not None:
         try:
@@ -153,7 +179,7 @@ def _tokenize(state: ServerState, req: TokenizeRequest) -> tuple[list[int], list
         except Exception as exc:  # noqa: BLE001 - template errors (e.g. role order) are the client's
             raise APIError(400, f"the chat template cannot render these messages: {exc}", param="messages") from None
     add_special = req.add_special_tokens if req.add_special_tokens is not None else req.messages is None
-    ids = tok.encode(text, add_special_tokens=add_special)
+    ids = tok.encode_batch([text], add_special_tokens=add_special)[0]
     return ids, [state.token_text(i) for i in ids] if req.return_token_strs else None
 
 
@@ -361,7 +387,8 @@ def create_app(config: ServeConfig, loader: Callable[[ServeConfig], tuple[Any, A
             await state.engine.shutdown()
         state.prep.shutdown(wait=False, cancel_futures=True)
 
-    app = FastAPI(title="astrai", lifespan=lifespan, docs_url=None, redoc_url=None)
+    # the schema is served by a route of ours (`openapi`), behind the key like every route but /health and /metrics
+    app = FastAPI(title="astrai", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.serve = state
     app.add_middleware(_AccessLog, metrics=state.metrics)
     app.add_exception_handler(APIError, _api_error)

@@ -3,7 +3,8 @@
 `main(argv)` is what `astrai serve` runs (src/astrai/cli.py's command table points here): it parses
 the server's flags plus one flag per `EngineConfig` field, refuses an unusable command line with
 one line on stderr (exit 2) before anything loads, builds the app of `app.py` and runs it on
-uvicorn. SIGTERM stops accepting connections, lets in-flight requests finish for
+uvicorn; a model that fails to load in the background (an engine that cannot be built) stops the
+server with that reason, exit 2. SIGTERM stops accepting connections, lets in-flight requests finish for
 `--shutdown_timeout` seconds, aborts the rest (each stream ends with finish_reason "abort") and
 exits 0. Connections are bounded too (`uvicorn_config`): one that has not sent a complete
 request head within `--header_timeout` seconds of connecting or of its previous response (idle,
@@ -94,7 +95,12 @@ def _graceful_server_class(state: ServerState) -> type:
     class GracefulServer(uvicorn.Server):
         """uvicorn stops accepting and waits `timeout_graceful_shutdown` for open connections, then
         cancels them mid-stream. Aborting the engine requests just before that deadline ends each
-        stream properly instead: a last chunk with finish_reason "abort", then [DONE]."""
+        stream properly instead: a last chunk with finish_reason "abort", then [DONE]. A model
+        whose engine cannot be built (the load runs after the socket is bound) stops the server,
+        as a damaged model stops it before: nothing could ever be served but 503s."""
+
+        async def on_tick(self, counter: int) -> bool:
+            return await super().on_tick(counter) or state.status == "failed"
 
         async def shutdown(self, sockets: Any = None) -> None:
             delay = max(0.0, (self.config.timeout_graceful_shutdown or 0.0) - 0.5)
@@ -198,4 +204,8 @@ def main(argv: list[str] | None = None) -> int:
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: None)
     server.run()
+    state = app.state.serve
+    if state.status == "failed":
+        print(f"astrai serve: error: the model could not be loaded: {state.error}", file=sys.stderr)
+        return 2
     return 0 if server.started else 1

@@ -31,7 +31,7 @@ import torch
 from torch import Tensor
 
 from astrai.config import Config
-from astrai.data.tasks import score_completions
+from astrai.data.tasks import no_answers_warning, score_completions
 from astrai.train import dist
 from astrai.train.rl.engine_sampler import engine_runner
 from astrai.train.rl.episode import Episode, episode_stats
@@ -109,6 +109,9 @@ class GenerationEval:
                              "with 'messages' (or 'instruction') and 'answer', or set --eval_interval 0")
         rank, world = trainer.dist.rank, trainer.dist.world_size
         self.records = [data[i] for i in range(rank, len(data), world)]
+        warning = no_answers_warning([data[i]["answer"] for i in range(len(data))], f"eval_data_path {cfg.data.eval_data_path!r}")
+        if warning is not None and trainer.is_main:
+            print(warning, file=sys.stderr)
         self.rewards = RewardSet(cfg.rl, trainer.device, tokenizer=trainer.tokenizer)
         too_long = sum(len(data[i]["prompt_ids"]) > cfg.rl.max_prompt_len for i in range(len(data)))
         if too_long == len(data):

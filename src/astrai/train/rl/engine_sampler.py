@@ -134,7 +134,7 @@ def unsharded_replica(policy: nn.Module) -> nn.Module:
     """A plain module of an FSDP-sharded policy's architecture for the engine to run: a ``CausalLM``
     of the policy's config with the same LoRA adapters (so its forward is the trainer's), on the
     policy's device, in eval mode, without gradients. Built on the meta device (no init, no RNG
-    drawn); ``EngineSampler.sync_weights`` fills its weights. Costs one full copy of the
+    drawn); ``EngineSampler.sync_weights`` fills its weights. A tied head stays tied. Costs one full copy of the
     weights per rank (4 bytes a parameter in fp32)."""
     from astrai.model.lora import LoraLinear, apply_lora
     from astrai.model.transformer import CausalLM
@@ -148,4 +148,8 @@ def unsharded_replica(policy: nn.Module) -> nn.Module:
         first = next(iter(adapters.values()))
         apply_lora(replica, first.r, first.alpha, 0.0, sorted({n.rsplit(".", 1)[-1] for n in adapters}))
     device = next(policy.parameters()).device
-    return replica.to_empty(device=device).eval().requires_grad_(False)
+    replica = replica.to_empty(device=device)
+    # to_empty gives each module its own new tensor, so a tied head comes back as a second
+    # parameter that the policy does not have (and copy_full_weights refuses); tie it again
+    replica.tie_weights()
+    return replica.eval().requires_grad_(False)
