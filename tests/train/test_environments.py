@@ -5,18 +5,27 @@ leaves no room for a turn names what bounds the episode (``rl/runner.py``)."""
 
 from __future__ import annotations
 
+import os
+import signal
+import subprocess
+import sys
+import time
+
 import pytest
 
 from astrai.config import RLConfig
 from astrai.data.tokenizer import load_tokenizer
 from astrai.train.cli import main
+from astrai.train.publish import latest_checkpoint
 from astrai.train.rl.environments import check_hooks
+from astrai.train.rl.guard import UserCodeInterrupted
 from astrai.train.rl.rewards import RewardSet
 from astrai.train.rl.runner import Draw, EpisodeRunner
 from astrai.train.rl.tools import ToolBox
 from tests.train.resume_data import write_tokenizer
-from tests.train.rl_runs import write_rl_run
-from tests.train.samplers import ScriptedSampler, fake_turn
+from tests.train.rl_runs import REPO, write_rl_run
+from tests.train.rl_user_code import HANGING, RELEASE, USER_CODE, HangingEnv
+from tests.train.samplers import ScriptedSampler, fake_turn, scripted_episodes
 
 HERE = "tests.train.test_environments"
 
@@ -85,3 +94,65 @@ def test_an_opening_prompt_without_room_names_what_bounds_the_episode(tmp_path, 
                                          rf"included\), more than the {max_model_len - 4} an episode of {max_model_len} "
                                          rf"tokens leaves beside rollout_max_tokens=4; {fix}"):
         runner.run(records, [], [Draw(runner.sampling, 1, lambda *a: 0)], policy_version=0)
+
+
+# ------------------------------------------------------------------------------ hanging environments
+
+
+@pytest.fixture
+def hangs(monkeypatch):
+    """HangingEnv's steps hang (from its first call) until the test ends."""
+    monkeypatch.delenv("ASTRAI_TEST_HANG_AT_CALL", raising=False)
+    HangingEnv.num_calls = 0
+    RELEASE.clear()
+    HANGING.clear()
+    yield
+    RELEASE.set()
+
+
+def scripted_env_episodes(tok_dir, environment: str, **kwargs):
+    tok = load_tokenizer(tok_dir)
+    return scripted_episodes(tok, lambda turn: fake_turn(tok, "1"), [{"messages": [{"role": "user", "content": "1+0"}],
+                                                                       "answer": "1"}], 4096, 8,
+                             environment=environment, **kwargs)[0]
+
+
+def test_an_environment_past_env_timeout_is_one_line_naming_it(tok_dir, hangs):
+    with pytest.raises(ValueError, match=r"^environment HangingEnv.step took longer than env_timeout=0.2s \(prompt 0, "
+                                         r"sample 0, after 1 turn\(s\)\); make it faster or raise --env_timeout "
+                                         r"\(0 = no limit\)$"):
+        scripted_env_episodes(tok_dir, f"{USER_CODE}:HangingEnv", env_timeout=0.2)
+
+
+def test_a_stop_request_abandons_a_turn_whose_environment_hangs(tok_dir, hangs):
+    with pytest.raises(UserCodeInterrupted, match=r"a stop request interrupted environment HangingEnv.step \(prompt 0, "
+                                                  r"sample 0, after 1 turn\(s\)\)"):
+        scripted_env_episodes(tok_dir, f"{USER_CODE}:HangingEnv", env_timeout=0.0, should_stop=HANGING.is_set)
+
+
+def test_a_run_whose_environment_hangs_ends_at_env_timeout_naming_it(tmp_path, tok_dir, hangs, capsys):
+    config = write_rl_run(tmp_path, tok_dir, environment=f"{USER_CODE}:HangingEnv", max_turns=2)
+    assert main(["--config", str(config), "--max_steps", "1", "--env_timeout", "0.5"]) == 1
+    errors = [line for line in capsys.readouterr().err.splitlines() if "error" in line]
+    assert len(errors) == 1 and "environment HangingEnv.step took longer than env_timeout=0.5s" in errors[0], errors
+
+
+@pytest.mark.slow
+def test_sigterm_while_an_environment_hangs_stops_the_run_with_a_checkpoint(tmp_path, tok_dir):
+    """The default env_timeout (600 s) never fires here: the environment hangs from the first step
+    call of the second rollout (16 episodes of up to 2 turns, so past call 32) and the test sends
+    SIGTERM once it hangs. The run drops that rollout, saves step 1 and exits 0."""
+    config = write_rl_run(tmp_path, tok_dir, environment=f"{USER_CODE}:HangingEnv", max_turns=2)
+    marker = tmp_path / "hanging"
+    env = {**os.environ, "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
+           "ASTRAI_TEST_HANG_AT_CALL": "33", "ASTRAI_TEST_HANG_FILE": str(marker)}
+    proc = subprocess.Popen([sys.executable, "-m", "astrai", "train", "--config", str(config)], env=env,
+                            stderr=subprocess.PIPE, text=True, cwd=REPO)
+    deadline = time.monotonic() + 300  # a guard against a hung test, not the property under test
+    while not marker.exists() and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=120)  # guard: the stop itself takes a slice of 0.05 s and a save
+    assert proc.returncode == 0, err[-2000:]
+    assert "a stop request interrupted environment HangingEnv.step" in err and "stopped at step 1" in err, err[-2000:]
+    assert latest_checkpoint(tmp_path / "ckpt").name == "step_00000001"

@@ -22,10 +22,12 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 from astrai.train.rl.environments import EnvStep, Message, env_call, environment_class, tool_functions
+from astrai.train.rl.guard import UserHooks
 from astrai.train.rl.sampler import SampledTurn
 from astrai.train.rl.tools import ToolBox
 
@@ -47,7 +49,8 @@ class Episode:
     reward: float = 0.0  # the environment's rewards, summed
     num_turns: int = 0
     num_tool_calls: int = 0
-    num_tool_errors: int = 0
+    num_tool_errors: int = 0  # tool calls answered with an error message (timeouts included)
+    num_tool_timeouts: int = 0  # tool calls abandoned at tool_timeout
     num_prefill_tokens: int = 0  # prompt tokens the sampler computed (not served from the prefix cache)
     num_prompt_tokens: int = 0  # prompt tokens sent over all turns (what a re-prefill per turn would cost)
     final_text: str = ""  # the last assistant turn's text (the configured rewards score it)
@@ -68,11 +71,16 @@ class Episode:
 
 class Conversation:
     """How every episode of a run opens and moves from turn to turn: its environment class, tool
-    functions and chat template; `max_tokens` and `max_model_len` bound the row."""
+    functions and chat template; `max_tokens` and `max_model_len` bound the row. The tools and the
+    environment run through `UserHooks` (``rl/guard.py``): each call bounded by `tool_timeout` or
+    `env_timeout` seconds (0 = no limit), a turn abandoned when `should_stop()` turns true."""
 
     def __init__(self, tokenizer: Any, environment: str | None, tools: list[str], max_tokens: int,
-                 max_model_len: int):
+                 max_model_len: int, tool_timeout: float = 0.0, env_timeout: float = 0.0,
+                 should_stop: Callable[[], bool] | None = None):
         self.tokenizer, self.max_tokens, self.max_model_len = tokenizer, max_tokens, max_model_len
+        self.tool_timeout, self.env_timeout = tool_timeout, env_timeout
+        self.hooks = UserHooks(should_stop)
         self.env_cls = environment_class(environment) if environment else None
         self.functions = tool_functions(tools)
         self.multi_turn = self.env_cls is not None or bool(self.functions)
@@ -89,23 +97,13 @@ class Conversation:
     def open(self, records: list[dict[str, Any]], prompt_ids: list[list[int]], group_size: int,
              draw: int = 0) -> list[Episode]:
         """One episode per sample (group_size per record), each with its own environment
-        instance, reset concurrently. Multi-turn: the opening prompt is the (reset) conversation
-        rendered with the episode's tools; single-turn: the record's `prompt_ids` as given."""
-        episodes = []
-        for i, record in enumerate(records):
-            for g in range(group_size):
-                env = self.env_cls() if self.env_cls else None
-                extra = list(getattr(env, "tools", None) or [])
-                episodes.append(Episode(record, i, g, draw, env, ToolBox(self.functions + extra)))
-
-        async def reset(e: Episode) -> list[Message]:
-            if e.env is not None and callable(getattr(e.env, "reset", None)):
-                return await env_call(e.env, "reset", e.record, e.where())
-            return e.record["messages"]
-
+        instance, made and reset concurrently. Multi-turn: the opening prompt is the (reset)
+        conversation rendered with the episode's tools; single-turn: the record's `prompt_ids` as given."""
+        episodes = [Episode(record, i, g, draw, None, ToolBox(self.functions))
+                    for i, record in enumerate(records) for g in range(group_size)]
         start = time.perf_counter()
-        opened = asyncio.run(gather([reset(e) for e in episodes])) if self.env_cls else [e.record["messages"]
-                                                                                         for e in episodes]
+        opened = (self.hooks.run(lambda: gather([self._start(e) for e in episodes])) if self.env_cls
+                  else [e.record["messages"] for e in episodes])
         self.stats["env_seconds"] += time.perf_counter() - start
         for e, messages in zip(episodes, opened):
             e.messages = [dict(m) for m in messages]
@@ -114,6 +112,15 @@ class Conversation:
             e.logps = [None] * len(e.ids)
             e.num_prompt_ids = len(e.ids)
         return episodes
+
+    async def _start(self, e: Episode) -> list[Message]:
+        """The episode's environment instance (its own tools added) and its opening messages."""
+        e.env = await env_call(self.hooks, self.env_cls, "__init__", (), e.where(), self.env_timeout)
+        if extra := list(getattr(e.env, "tools", None) or []):
+            e.tools = ToolBox(self.functions + extra)
+        if callable(getattr(e.env, "reset", None)):
+            return await env_call(self.hooks, e.env, "reset", (e.record,), e.where(), self.env_timeout)
+        return e.record["messages"]
 
     def _render(self, e: Episode, messages: list[Message], add_generation_prompt: bool = False) -> str:
         return self.tokenizer.render_chat(messages, add_generation_prompt=add_generation_prompt,
@@ -138,24 +145,34 @@ class Conversation:
             token_ids[:len(token_ids) - len(stop)], skip_special_tokens=False)})
         e.ended_with = self.tokenizer.decode(stop, skip_special_tokens=False)  # the closing the model sampled
 
+    def after_turns(self, episodes: list[Episode]) -> None:
+        """Every episode's `after_turn`, concurrently: one turn of user code, guarded (class docstring)."""
+        if not self.multi_turn:
+            for e in episodes:
+                e.done = True  # no tools, no environment: one turn
+            return
+        self.hooks.run(lambda: gather([self.after_turn(e) for e in episodes]))
+
     async def after_turn(self, e: Episode) -> None:
-        """The turn's tool calls, run (results as tool messages); a turn without any goes to the
-        environment (no environment: the episode is done)."""
+        """The turn's tool calls, run one after another (results as tool messages); a turn without
+        any goes to the environment (no environment: the episode is done)."""
         calls = e.tools.parse(e.messages[-1]["content"]) if e.tools else []
         if calls:
             start = time.perf_counter()
             for call in calls:
-                content, error = await e.tools.call(call)
+                content, outcome = await e.tools.call(call, self.hooks, self.tool_timeout)
                 e.messages.append({"role": "tool", "name": call.name, "content": content})
                 e.num_tool_calls += 1
-                e.num_tool_errors += int(error)
+                e.num_tool_errors += outcome != ""
+                e.num_tool_timeouts += outcome == "timeout"
             self.stats["tool_seconds"] += time.perf_counter() - start
             return
         if e.env is None:
             e.done = True
             return
         start = time.perf_counter()
-        result = await env_call(e.env, "step", [dict(m) for m in e.messages], e.where())
+        result = await env_call(self.hooks, e.env, "step", ([dict(m) for m in e.messages],), e.where(),
+                                self.env_timeout)
         self.stats["env_seconds"] += time.perf_counter() - start
         if not isinstance(result, EnvStep):
             raise TypeError(f"environment {type(e.env).__name__}.step returned {type(result).__name__}, not an EnvStep; "
@@ -195,6 +212,7 @@ def episode_stats(episodes: list[Episode], tool_seconds: float, env_seconds: flo
             "tool_calls_per_episode": sum(e.num_tool_calls for e in episodes) / n,
             "tool_use_rate": sum(e.num_tool_calls > 0 for e in episodes) / n,  # episodes with a tool call
             "tool_errors": float(sum(e.num_tool_errors for e in episodes)),
+            "tool_timeouts": float(sum(e.num_tool_timeouts for e in episodes)),
             "truncated_episodes": float(sum(e.truncated for e in episodes)),
             "prefill_tokens_per_episode": sum(e.num_prefill_tokens for e in episodes) / n,
             "prompt_tokens_per_episode": sum(e.num_prompt_tokens for e in episodes) / n,

@@ -227,7 +227,7 @@ class RewardSet:
     User functions (``module:function``) run on a worker thread, one call at a time, while the
     caller waits in short slices: a call longer than ``reward_timeout`` seconds is an error naming
     the function and the prompt, and ``should_stop()`` turning true (a SIGTERM's stop request)
-    raises ``RewardsInterrupted`` within a slice. Whatever a function raises, ``SystemExit`` and
+    raises ``UserCodeInterrupted`` within a slice. Whatever a function raises, ``SystemExit`` and
     ``KeyboardInterrupt`` from inside it included, is one ``ValueError`` naming it and the prompt.
     A thread that never returns is left behind as a daemon: it cannot keep the process alive."""
 
