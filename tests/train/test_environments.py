@@ -1,7 +1,10 @@
 """The environment and tool hooks a config names are checked before anything else of a run, and
 each mistake is one line naming the entry and the fix: a class given as a tool, a tool whose
 parameters have no type hints (``rl/environments.py``, ``rl/tools.py``); an opening prompt that
-leaves no room for a turn names what bounds the episode (``rl/runner.py``)."""
+leaves no room for a turn names what bounds the episode (``rl/runner.py``). While the episodes run,
+whatever an environment gets wrong (what it returns, raises, or a reward that is not a finite
+number) is one line naming it and the episode; a call past ``env_timeout`` stops the run, and a stop
+request ends a run whose environment hangs, with a checkpoint (the hanging steps wait on an event)."""
 
 from __future__ import annotations
 
@@ -17,7 +20,7 @@ from astrai.config import RLConfig
 from astrai.data.tokenizer import load_tokenizer
 from astrai.train.cli import main
 from astrai.train.publish import latest_checkpoint
-from astrai.train.rl.environments import check_hooks
+from astrai.train.rl.environments import EnvStep, check_hooks
 from astrai.train.rl.guard import UserCodeInterrupted
 from astrai.train.rl.rewards import RewardSet
 from astrai.train.rl.runner import Draw, EpisodeRunner
@@ -94,6 +97,107 @@ def test_an_opening_prompt_without_room_names_what_bounds_the_episode(tmp_path, 
                                          rf"included\), more than the {max_model_len - 4} an episode of {max_model_len} "
                                          rf"tokens leaves beside rollout_max_tokens=4; {fix}"):
         runner.run(records, [], [Draw(runner.sampling, 1, lambda *a: 0)], policy_version=0)
+
+
+# ------------------------------------------------------------------------------ environment mistakes
+
+
+class Opens:
+    """A base whose step ends the episode: each mistake below overrides one method."""
+
+    def step(self, messages):
+        return EnvStep(done=True)
+
+
+class StepReturnsDict(Opens):
+    def step(self, messages):
+        return {"done": True}
+
+
+class StepReturnsNone(Opens):
+    def step(self, messages):
+        return None
+
+
+class InitRaises(Opens):
+    def __init__(self):
+        raise RuntimeError("no sandbox")
+
+
+class ResetReturnsNone(Opens):
+    def reset(self, record):
+        return None
+
+
+class ResetReturnsStrings(Opens):
+    def reset(self, record):
+        return ["hello", "world"]
+
+
+class ResetReturnsNothing(Opens):
+    def reset(self, record):
+        return []
+
+
+class UnknownRole(Opens):
+    def reset(self, record):
+        return [{"role": "wizard", "content": "hi"}]
+
+
+class UnknownRoleInStep(Opens):
+    def step(self, messages):
+        return EnvStep(messages=[{"role": "wizard", "content": "again"}])
+
+
+class RewardText(Opens):
+    def step(self, messages):
+        return EnvStep(reward="abc", done=True)
+
+
+class ExitsThree(Opens):
+    def step(self, messages):
+        sys.exit(3)
+
+
+class NanReward(Opens):
+    def step(self, messages):
+        return EnvStep(reward=float("nan"), done=True)
+
+
+class InfReward(Opens):
+    def step(self, messages):
+        return EnvStep(reward=float("inf"), done=True)
+
+
+OPENING, STEP = r"\(prompt 0, sample 0, after 0 turn\(s\)\)", r"\(prompt 0, sample 0, after 1 turn\(s\)\)"
+
+
+@pytest.mark.parametrize("env, message", [
+    ("StepReturnsDict", rf"environment StepReturnsDict.step returned dict {{'done': True}} {STEP}, not an EnvStep; "
+                        r"return EnvStep\(messages=..., reward=..., done=...\)"),
+    ("StepReturnsNone", rf"environment StepReturnsNone.step returned NoneType None {STEP}, not an EnvStep"),
+    ("InitRaises", rf"environment InitRaises.__init__ raised RuntimeError: no sandbox {OPENING}; fix the environment"),
+    ("ResetReturnsNone", rf"environment ResetReturnsNone.reset returned NoneType None {OPENING}, not a list of "
+                         "messages"),
+    ("ResetReturnsStrings", rf"environment ResetReturnsStrings.reset returned str 'hello' as message 0 {OPENING}; a "
+                            "message is a dict with a str 'role' and a str 'content'"),
+    ("ResetReturnsNothing", rf"environment ResetReturnsNothing.reset returned no messages {OPENING}; return the "
+                            "opening conversation"),
+    ("UnknownRole", rf"the chat template cannot render the messages of environment UnknownRole.reset {OPENING}: "
+                    "unknown role wizard; expected system, user, assistant or tool; return messages the template "
+                    "accepts"),
+    ("UnknownRoleInStep", rf"the chat template cannot render the messages of environment UnknownRoleInStep.step {STEP}: "
+                          "unknown role wizard"),
+    ("RewardText", rf"environment RewardText.step returned reward='abc' {STEP}; a reward is None or a number finite "
+                   r"in float32 \(\|r\| <= 3.4e\+38\)"),
+    ("ExitsThree", rf"environment ExitsThree.step called sys.exit\(3\) {STEP}; fix the environment"),
+    ("NanReward", rf"environment NanReward.step returned reward=nan {STEP}; a reward is None or a number finite"),
+    ("InfReward", rf"environment InfReward.step returned reward=inf {STEP}; a reward is None or a number finite"),
+])
+def test_an_environment_mistake_is_one_line_naming_it(tok_dir, env, message):
+    with pytest.raises(ValueError, match=f"^{message}") as e:
+        scripted_env_episodes(tok_dir, f"{HERE}:{env}")
+    assert "\n" not in str(e.value)
 
 
 # ------------------------------------------------------------------------------ hanging environments

@@ -23,6 +23,7 @@ from typing import Any
 
 from astrai.data.tasks import multiply
 from astrai.train.rl.guard import UserHooks, raised
+from astrai.train.rl.rewards import F32_MAX, finite_number
 from astrai.train.rl.tools import tool_schema
 from astrai.train.rl.user_code import import_user_object
 
@@ -95,3 +96,43 @@ async def env_call(hooks: UserHooks, env: Any, method: str, args: tuple, where: 
         raise ValueError(f"{name} {raised(value)} ({where}); fix the environment (a tool's errors go to the model, "
                          "an environment's stop the run)") from value
     return value
+
+
+def checked_messages(messages: Any, name: str, where: str, empty_ok: bool = True) -> list[Message]:
+    """An environment's messages (`name`: "environment X.reset"), copied: a list of dicts, each with
+    a str ``role`` and a str ``content``; anything else is one line naming the environment, the
+    episode (`where`) and what was found. `empty_ok`: False for ``reset``, which opens the episode."""
+    if not isinstance(messages, list):
+        raise ValueError(f"{name} returned {type(messages).__name__} {_short(messages)} ({where}), not a list of "
+                         "messages; return [{'role': 'user', 'content': '...'}, ...]")
+    if not messages and not empty_ok:
+        raise ValueError(f"{name} returned no messages ({where}); return the opening conversation, at least "
+                         "[{'role': 'user', 'content': '...'}]")
+    for k, m in enumerate(messages):
+        if not (isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)):
+            raise ValueError(f"{name} returned {type(m).__name__} {_short(m)} as message {k} ({where}); a message is "
+                             "a dict with a str 'role' and a str 'content'")
+    return [dict(m) for m in messages]
+
+
+def checked_step(result: Any, name: str, where: str) -> tuple[list[Message], float]:
+    """An environment's ``step`` answer as (its messages, its reward): an ``EnvStep`` whose reward is
+    None or a number finite in float32; anything else is one line naming the environment."""
+    if not isinstance(result, EnvStep):
+        raise ValueError(f"{name} returned {type(result).__name__} {_short(result)} ({where}), not an EnvStep; "
+                         "return EnvStep(messages=..., reward=..., done=...)")
+    reward = 0.0 if result.reward is None else finite_number(result.reward)
+    if reward is None:
+        raise ValueError(f"{name} returned reward={_short(result.reward)} ({where}); a reward is None or a number "
+                         f"finite in float32 (|r| <= {F32_MAX:.3g})")
+    messages = [] if result.messages is None else checked_messages(result.messages, name, where)
+    return messages, reward
+
+
+def _short(value: Any) -> str:
+    """A value for an error line: its repr, one line, at most 80 characters."""
+    try:
+        text = " ".join(repr(value).split())
+    except Exception:  # a user object whose __repr__ raises
+        text = f"<{type(value).__name__}>"
+    return text if len(text) <= 80 else text[:77] + "..."

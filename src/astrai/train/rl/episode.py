@@ -26,7 +26,14 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from astrai.train.rl.environments import EnvStep, Message, env_call, environment_class, tool_functions
+from astrai.train.rl.environments import (
+    Message,
+    checked_messages,
+    checked_step,
+    env_call,
+    environment_class,
+    tool_functions,
+)
 from astrai.train.rl.guard import UserHooks
 from astrai.train.rl.sampler import SampledTurn
 from astrai.train.rl.tools import ToolBox
@@ -107,8 +114,8 @@ class Conversation:
         self.stats["env_seconds"] += time.perf_counter() - start
         for e, messages in zip(episodes, opened):
             e.messages = [dict(m) for m in messages]
-            e.ids = (self.tokenizer.encode(self._render(e, e.messages, add_generation_prompt=True)) if self.multi_turn
-                     else list(prompt_ids[e.prompt_index]))
+            e.ids = (self.tokenizer.encode(self._render(e, e.messages, add_generation_prompt=True, after=self._opener(e)))
+                     if self.multi_turn else list(prompt_ids[e.prompt_index]))
             e.logps = [None] * len(e.ids)
             e.num_prompt_ids = len(e.ids)
         return episodes
@@ -119,12 +126,27 @@ class Conversation:
         if extra := list(getattr(e.env, "tools", None) or []):
             e.tools = ToolBox(self.functions + extra)
         if callable(getattr(e.env, "reset", None)):
-            return await env_call(self.hooks, e.env, "reset", (e.record,), e.where(), self.env_timeout)
+            opened = await env_call(self.hooks, e.env, "reset", (e.record,), e.where(), self.env_timeout)
+            return checked_messages(opened, self._opener(e), e.where(), empty_ok=False)
         return e.record["messages"]
 
-    def _render(self, e: Episode, messages: list[Message], add_generation_prompt: bool = False) -> str:
-        return self.tokenizer.render_chat(messages, add_generation_prompt=add_generation_prompt,
-                                          tools=e.tools.schemas or None)
+    def _opener(self, e: Episode) -> str:
+        """Where an episode's opening messages came from, for an error line."""
+        reset = e.env is not None and callable(getattr(e.env, "reset", None))
+        return f"environment {type(e.env).__name__}.reset" if reset else "the prompt record"
+
+    def _render(self, e: Episode, messages: list[Message], add_generation_prompt: bool = False,
+                after: str = "") -> str:
+        """The conversation as the chat template writes it; with `after` (where the last messages came
+        from), a template error (an unknown role) is one line naming it and the episode."""
+        try:
+            return self.tokenizer.render_chat(messages, add_generation_prompt=add_generation_prompt,
+                                              tools=e.tools.schemas or None)
+        except Exception as exc:  # jinja's errors, and whatever the template raises
+            if not after:
+                raise
+            raise ValueError(f"the chat template cannot render the messages of {after} ({e.where()}): "
+                             f"{' '.join(str(exc).split())}; return messages the template accepts") from exc
 
     def add_turn(self, e: Episode, completion: SampledTurn, num_prefill: int, logprobs: bool = True) -> None:
         """The turn's sampled tokens onto the row (with their behaviour log-probs when `logprobs`)."""
@@ -174,11 +196,9 @@ class Conversation:
         result = await env_call(self.hooks, e.env, "step", ([dict(m) for m in e.messages],), e.where(),
                                 self.env_timeout)
         self.stats["env_seconds"] += time.perf_counter() - start
-        if not isinstance(result, EnvStep):
-            raise TypeError(f"environment {type(e.env).__name__}.step returned {type(result).__name__}, not an EnvStep; "
-                            "return EnvStep(messages=..., reward=..., done=...)")
-        e.messages += [dict(m) for m in result.messages or []]
-        e.reward += float(result.reward or 0.0)
+        messages, reward = checked_step(result, f"environment {type(e.env).__name__}.step", e.where())
+        e.messages += messages
+        e.reward += reward
         e.done = bool(result.done)
 
     def extend_to_next_prompt(self, e: Episode) -> None:
@@ -186,7 +206,8 @@ class Conversation:
         the assistant turn's closing, the new messages, the generation prompt (no labels)."""
         assistant_at = max(i for i, m in enumerate(e.messages) if m["role"] == "assistant")
         before = self._render(e, e.messages[:assistant_at + 1])
-        after = self._render(e, e.messages, add_generation_prompt=True)
+        source = "the tool results" if e.messages[-1]["role"] == "tool" else f"environment {type(e.env).__name__}.step"
+        after = self._render(e, e.messages, add_generation_prompt=True, after=source)
         if not after.startswith(before):
             raise ValueError("the chat template is not prefix-preserving across turns: the conversation rendered "
                              f"after turn {e.num_turns} does not start with its rendering up to that turn "
