@@ -200,6 +200,17 @@ def test_an_environment_mistake_is_one_line_naming_it(tok_dir, env, message):
     assert "\n" not in str(e.value)
 
 
+class LongFollowUp(Opens):
+    def step(self, messages):
+        return EnvStep(messages=[{"role": "user", "content": "xy " * 1_400_000}])  # about 4 MB
+
+
+def test_a_huge_environment_message_is_cut_to_what_the_row_can_hold(tok_dir):
+    [e] = scripted_env_episodes(tok_dir, f"{HERE}:LongFollowUp")
+    assert e.truncated and e.num_turns == 1 and len(e.ids) <= 4096
+    assert len(e.messages[-1]["content"]) < 4096 * 16  # (tokens left) x (longest token) + 1 characters
+
+
 # ------------------------------------------------------------------------------ hanging environments
 
 

@@ -2,7 +2,8 @@
 sync tools of different episodes run at once on worker threads; a call past ``tool_timeout``, and
 whatever a tool raises (``SystemExit`` and ``KeyboardInterrupt`` included) or returns that JSON
 cannot write, reach the model as an ``error: ...`` message, counted; a stop request abandons a turn
-whose tool hangs. The slow tools here wait on events (a barrier, an event the test sets at its
+whose tool hangs; a result is cut to what the row can hold before it is tokenized, and a call nested
+past the parser's depth is no call. The slow tools here wait on events (a barrier, an event the test sets at its
 end), never on the clock."""
 
 from __future__ import annotations
@@ -84,11 +85,12 @@ def hangs():
     RELEASE.set()
 
 
-def episodes_calling(tok_dir, first_turn: str, tools: list[str], group_size: int = 1, **kwargs):
+def episodes_calling(tok_dir, first_turn: str, tools: list[str], group_size: int = 1, max_model_len: int = 4096,
+                     **kwargs):
     tok = load_tokenizer(tok_dir)
     script = [first_turn, "1"]
     return scripted_episodes(tok, lambda turn: fake_turn(tok, script[turn]),
-                             [{"messages": [{"role": "user", "content": "1*1"}], "answer": "1"}], 4096, 64,
+                             [{"messages": [{"role": "user", "content": "1*1"}], "answer": "1"}], max_model_len, 64,
                              tools=tools, group_size=group_size, **kwargs)[0]
 
 
@@ -138,3 +140,55 @@ def test_a_tool_that_exits_does_not_end_the_episode(tok_dir):
 def test_a_stop_request_abandons_a_turn_whose_tool_hangs(tok_dir, hangs):
     with pytest.raises(UserCodeInterrupted, match=r"a stop request interrupted tool hanging_tool"):
         episodes_calling(tok_dir, call("hanging_tool"), [f"{USER_CODE}:hanging_tool"], should_stop=HANGING.is_set)
+
+
+# ------------------------------------------------------------------------------ what a tool costs
+
+
+def huge(x: int) -> str:
+    """About 9 MB of text."""
+    return "ab " * 3_000_000
+
+
+def long_text(x: int) -> str:
+    """Text a little longer than the row has room for (tokenized whole in reasonable time)."""
+    return "ab " * 2_000
+
+
+def surrogate(x: int) -> str:
+    """Text UTF-8 cannot write."""
+    return "a\ud800b"
+
+
+def test_a_huge_tool_result_is_cut_to_what_the_row_can_hold(tok_dir):
+    """The row has max_model_len - len(ids) - max_tokens tokens left; no token holds more
+    characters than the vocabulary's longest, so past that many characters (+1) nothing fits."""
+    [e] = episodes_calling(tok_dir, call("huge"), [f"{HERE}:huge"], max_model_len=512)
+    tok = load_tokenizer(tok_dir)
+    longest = max(map(len, tok.backend.get_vocab(with_added_tokens=True)))
+    [message] = [m["content"] for m in e.messages if m["role"] == "tool"]
+    assert len(message) == (512 - len(e.ids) - 64) * longest + 1
+    assert e.truncated and e.num_turns == 1 and len(e.ids) <= 512
+
+
+def test_cutting_a_tool_result_changes_no_episode(tok_dir, monkeypatch):
+    """The same episode with the result uncut: the same row, truncated the same way."""
+    from astrai.train.rl.episode import Conversation
+
+    [cut] = episodes_calling(tok_dir, call("long_text"), [f"{HERE}:long_text"], max_model_len=512)
+    monkeypatch.setattr(Conversation, "_bounded", lambda self, e, text: text)
+    [whole] = episodes_calling(tok_dir, call("long_text"), [f"{HERE}:long_text"], max_model_len=512)
+    assert cut.ids == whole.ids and cut.logps == whole.logps and cut.truncated and whole.truncated
+    assert len(cut.messages[-1]["content"]) < len(whole.messages[-1]["content"]) == 6_000
+
+
+def test_text_utf8_cannot_write_is_replaced_not_a_crash(tok_dir):
+    [e] = episodes_calling(tok_dir, call("surrogate"), [f"{HERE}:surrogate"])
+    assert [m["content"] for m in e.messages if m["role"] == "tool"] == ["a?b"] and e.done
+
+
+def test_a_call_nested_past_the_parsers_depth_is_no_call(tok_dir):
+    """The server's parser: the block is text, not a RecursionError; the episode (no environment) ends."""
+    deep = '<tool_call>{"name": "meet", "arguments": {"x": ' + "[" * 100_000 + "]" * 100_000 + "}}</tool_call>"
+    [e] = episodes_calling(tok_dir, deep, [f"{HERE}:meet"])
+    assert e.done and e.num_tool_calls == 0 and e.num_turns == 1

@@ -93,6 +93,9 @@ class Conversation:
         self.multi_turn = self.env_cls is not None or bool(self.functions)
         ToolBox(self.functions)  # names and schemas checked at start, not at the first rollout
         self.closing = self._closing_text() if self.multi_turn else ""
+        # no token covers more characters than the vocabulary's longest (a byte-level token's bytes)
+        self.max_token_chars = (max(map(len, tokenizer.backend.get_vocab(with_added_tokens=True)), default=1)
+                                if self.multi_turn else 1)
         self.stats = {"tool_seconds": 0.0, "env_seconds": 0.0}
 
     def _closing_text(self) -> str:
@@ -183,7 +186,7 @@ class Conversation:
             start = time.perf_counter()
             for call in calls:
                 content, outcome = await e.tools.call(call, self.hooks, self.tool_timeout)
-                e.messages.append({"role": "tool", "name": call.name, "content": content})
+                e.messages.append({"role": "tool", "name": call.name, "content": self._bounded(e, content)})
                 e.num_tool_calls += 1
                 e.num_tool_errors += outcome != ""
                 e.num_tool_timeouts += outcome == "timeout"
@@ -197,9 +200,22 @@ class Conversation:
                                 self.env_timeout)
         self.stats["env_seconds"] += time.perf_counter() - start
         messages, reward = checked_step(result, f"environment {type(e.env).__name__}.step", e.where())
-        e.messages += messages
+        e.messages += [{**m, "content": self._bounded(e, m["content"])} for m in messages]
         e.reward += reward
         e.done = bool(result.done)
+
+    def _bounded(self, e: Episode, text: str) -> str:
+        """A tool's or the environment's message text, cut to what the row can hold: text longer than
+        (tokens the row has left) x (characters of the longest token) + 1 characters cannot fit, so
+        the episode ends truncated either way, and the cut spares tokenizing the rest (a 10 MB tool
+        result). What UTF-8 cannot write (a lone surrogate) becomes "?": the tokenizer refuses it."""
+        room = max(self.max_model_len - len(e.ids) - self.max_tokens, 0)
+        text = text[:room * self.max_token_chars + 1]
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError:
+            text = text.encode("utf-8", "replace").decode("utf-8")
+        return text
 
     def extend_to_next_prompt(self, e: Episode) -> None:
         """The ids between this turn's last sampled token and the next turn's first: the rest of
