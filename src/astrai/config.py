@@ -131,6 +131,8 @@ class RLConfig:
     rewards: list[str] = field(default_factory=lambda: ["exact_match"])  # exact_match | final_number | format | length | overlong | module:function | a reward model dir
     reward_weights: list[float] | None = None  # one per reward; None = all 1.0
     reward_timeout: float = knob(60.0, ge=0)  # seconds one user reward call may take; 0 = no limit
+    tool_timeout: float = knob(60.0, ge=0)  # multi-turn: seconds one tool call may take (past it: an error message to the model); 0 = no limit
+    env_timeout: float = knob(600.0, ge=0)  # multi-turn: seconds one environment call (constructor, reset, step) may take (past it: the run stops); 0 = no limit
     environment: str | None = None  # multi-turn: module:Class, one instance per sample (reset / step)
     tools: list[str] = field(default_factory=list)  # multi-turn: module:function tools offered to the model
     max_turns: int = knob(4, ge=1, note="(assistant turns per multi-turn episode)")  # multi-turn: assistant turns per episode; an episode that would go on is truncated

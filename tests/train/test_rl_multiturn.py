@@ -23,13 +23,14 @@ from astrai.train.cli import main
 from astrai.train.losses import IGNORE_INDEX
 from astrai.train.rl.engine_sampler import engine_runner
 from astrai.train.rl.episode import Conversation
+from astrai.train.rl.guard import UserHooks
 from astrai.train.rl.rewards import RewardSet
-from astrai.train.rl.runner import Draw, EpisodeRunner
+from astrai.train.rl.runner import EpisodeRunner
 from astrai.train.rl.tools import ToolBox
 from tests.train.resume_data import MODEL, read_metrics
 from tests.train.rl_runs import REPO, checkpoint_weights, prompt_batch, sigterm_after_step, write_rl_run
 from tests.train.rl_user_code import USER_CODE, BarrierEnv, broken, multiply
-from tests.train.samplers import ScriptedSampler, fake_turn
+from tests.train.samplers import fake_turn, scripted_episodes
 
 # ------------------------------------------------------------------------------ tools
 
@@ -65,10 +66,10 @@ def test_tool_errors_reach_the_model_as_messages():
                       '<tool_call>{"name": "multiply", "arguments": {"a": 1}}</tool_call>'
                       '<tool_call>{"name": "unknown", "arguments": {}}</tool_call>')
     assert [c.name for c in calls] == ["multiply", "broken", "multiply"]  # an unknown tool is no call
-    results = [asyncio.run(box.call(c)) for c in calls]
-    assert results[0] == ("408", False)
-    assert results[1] == ("error: broken raised RuntimeError: cannot handle y", True)
-    assert results[2][1] and "bad arguments for multiply" in results[2][0]
+    results = [asyncio.run(box.call(c, UserHooks())) for c in calls]
+    assert results[0] == ("408", "")
+    assert results[1] == ("error: broken raised RuntimeError: cannot handle y", "error")
+    assert results[2][1] == "error" and "bad arguments for multiply" in results[2][0]
     with pytest.raises(ValueError, match="two tools are named 'multiply'"):
         ToolBox([multiply, multiply])
 
@@ -199,16 +200,6 @@ def test_an_environment_that_raises_is_one_line_naming_it(tok_dir):
         runner.rollout(prompt_batch(runner.tokenizer, ["3+4", "10+2"]), step=0, policy_version=0)
     with pytest.raises(ValueError, match="environment 'tests.nowhere:Env': no module 'tests.nowhere'"):
         runner_for(tok_dir, environment="tests.nowhere:Env")
-
-
-def scripted_episodes(tok, script, records, max_model_len: int, max_tokens: int, environment=None, tools=()):
-    """One episode per record, its turns from `script`, through the episode runner's turn loop."""
-    cfg = RLConfig(group_size=1, rollout_max_tokens=max_tokens, max_turns=4, environment=environment,
-                   tools=list(tools), rewards=["exact_match"])
-    sampler = ScriptedSampler(lambda turn, ids: script(turn), max_model_len)
-    runner = EpisodeRunner(sampler, tok, cfg, RewardSet(cfg, tokenizer=tok), max_prompt_len=max_model_len)
-    [episodes] = runner.run(records, [], [Draw(runner.sampling, 1, lambda *a: 0)], policy_version=0)
-    return episodes, sampler
 
 
 def test_tool_calls_become_tool_messages_and_errors_are_counted(tok_dir):

@@ -42,7 +42,7 @@ from astrai.train.host_memory import HeapTrim, set_mmap_threshold
 from astrai.train.rl.data import Rollout, concat_rollouts, groups_with_signal, select_groups
 from astrai.train.rl.engine_sampler import engine_runner
 from astrai.train.rl.environments import check_hooks
-from astrai.train.rl.guard import RewardsInterrupted
+from astrai.train.rl.guard import UserCodeInterrupted
 from astrai.train.rl.rewards import RewardSet
 from astrai.train.signals import pause_point
 from astrai.train.step import TrainStep
@@ -181,12 +181,13 @@ class OnlineLoop:
 
     def _generate(self, batch: dict[str, list[Any]], draw: int) -> Rollout | None:
         """This rank's rollout of `batch`; None when no prompt fits max_prompt_len, or a stop
-        request interrupted a reward (the stop check after each draw then ends the draws)."""
+        request interrupted user code (a reward, a tool, an environment: the stop check after each
+        draw then ends the draws)."""
         first = (self.dist.rank + draw * self.dist.world_size) * self.num_prompts  # seeds differ per draw
         try:
             with self.heap.rollout():
                 return self.runner.rollout(batch, self.ctx.step, self.ctx.policy_version, first_index=first)
-        except RewardsInterrupted as e:
+        except UserCodeInterrupted as e:
             print(f"note: {e}; the rollout is dropped and the run stops after step {self.ctx.step}", file=sys.stderr)
             return None
 
