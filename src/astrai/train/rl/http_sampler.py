@@ -1,0 +1,226 @@
+"""The HTTP sampler: rollout turns drawn by `astrai serve` replicas (``rl.rollout_servers``).
+
+The second implementation of the sampler interface (``rl/sampler.py``; the first is the in-process
+engine of ``rl/engine_sampler.py``), so the episode runner, every objective, multi-turn episodes
+and evaluation during training run unchanged. It talks to the servers only over HTTP (never by
+importing ``astrai.serve``), in token ids: each turn's requests go to `/v1/completions` as prompt
+token ids with the per-request seeds the in-process engine would use (`seeds`, one per prompt), and
+come back as `token_ids` (`return_token_ids`), the sampler's behaviour log-probs
+(`logprobs_mode: processed_logprobs`, from the function the trainer uses) and the `policy_version`
+that drew them, so nothing is decoded and re-encoded.
+
+Reproducibility: a turn's requests are split over the servers in contiguous blocks (all samples
+of a group in one request, on one server), and each server gets its share as one HTTP request per
+sampling setting, sent one after another, so a server's batches never depend on timing. Every
+fresh rollout is preceded by a weight load (which empties the server's prefix cache), so a run
+against the same servers resumes bit for bit.
+
+Weights go to the servers by the filesystem transport: rank 0 publishes the policy as a model
+directory (the atomic publish with its manifest) under ``rollout_weights_dir`` and posts
+`/v1/load_weights` to every server; the other ranks wait at a collective. Every HTTP call has a
+timeout (``rollout_timeout``) and bounded retries (``rollout_retries``, for connection errors and
+5xx); a failure names the server, the policy version and the transport, and stops the run.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import httpx
+from torch import nn
+
+from astrai.config import RLConfig
+from astrai.model.hf import save_model
+from astrai.train import dist
+from astrai.train.publish import publish_model_dir
+from astrai.train.rl.rewards import RewardSet
+from astrai.train.rl.runner import EpisodeRunner, episode_max_len, resolve_max_prompt_len
+from astrai.train.rl.sampler import SampledTurn, TurnRequest, TurnResult
+
+RETRY_WAIT_S = 1.0  # before the first retry; doubled for each next one
+WEIGHTS_PREFIX = "policy_"  # the published versions: <rollout_weights_dir>/policy_<version:08d>
+
+
+class RolloutServerError(RuntimeError):
+    """A rollout server failed or refused; the message names it, the policy version and the transport."""
+
+
+class HttpSampler:
+    """Draws turns from `astrai serve` replicas over HTTP (module docstring)."""
+
+    def __init__(self, servers: list[str], model: nn.Module, tokenizer: Any, weights_dir: str | os.PathLike,
+                 admin_key: str | None = None, api_key: str | None = None, timeout: float = 600.0,
+                 retries: int = 2, needed_len: int = 0):
+        if dist.is_fsdp(model):
+            raise ValueError("rollout_servers: the policy is sharded (parallel_mode fsdp) and the filesystem "
+                             "transport publishes it from rank 0; use --parallel_mode ddp or none with rollout servers")
+        self.servers = [s.rstrip("/") for s in servers]
+        self.model, self.tokenizer = model, tokenizer
+        self.weights_dir = Path(weights_dir)
+        self.admin_key, self.api_key = admin_key, api_key
+        self.timeout, self.retries = timeout, retries
+        self.policy_version = 0
+        self.synced_version: int | None = None  # the version every server holds (None: not loaded yet)
+        self.sync_seconds = 0.0  # time spent publishing and loading weights, whole run
+        self.client = httpx.Client(timeout=timeout)
+        self.pool = ThreadPoolExecutor(len(self.servers), thread_name_prefix="astrai-rollout")
+        cards = [self._call(url, "GET", "/v1/models", "connect")["data"][0] for url in self.servers]
+        self.model_name = [c["id"] for c in cards]
+        self._max_model_len = min(int(c.get("max_model_len") or 0) for c in cards)
+        if needed_len and self._max_model_len < needed_len:
+            short = next(url for url, c in zip(self.servers, cards) if int(c.get("max_model_len") or 0) < needed_len)
+            raise ValueError(f"rollout server {short} serves max_model_len {self._max_model_len} but this run's "
+                             f"episodes reach {needed_len} tokens (max_prompt_len + rollout_max_tokens); start it "
+                             f"with --max_model_len {needed_len} or more, or lower --max_prompt_len")
+
+    @property
+    def max_model_len(self) -> int:
+        return self._max_model_len
+
+    def set_policy_version(self, version: int) -> None:
+        self.policy_version = version
+
+    def sync_weights(self, version: int) -> None:
+        """Rank 0 publishes the policy as `version` and every server loads it; the other ranks wait
+        (a collective: every rank calls it at the same point). Skipped when the servers hold it."""
+        if self.synced_version == version:
+            return
+        start = time.perf_counter()
+        error = None
+        if dist.get_rank() == 0:
+            try:
+                self._publish_and_load(version)
+            except (RolloutServerError, OSError) as exc:
+                error = exc
+        if dist.any_rank(error is not None):  # every rank stops, none waits in a collective alone
+            raise error or RolloutServerError(f"rank 0 failed to load policy version {version} into the rollout "
+                                              "servers (filesystem transport); see its error")
+        self.synced_version = version
+        self.sync_seconds += time.perf_counter() - start
+
+    def _publish_and_load(self, version: int) -> None:
+        path = self.weights_dir / f"{WEIGHTS_PREFIX}{version:08d}"
+        try:
+            publish_model_dir(path, version, lambda d: save_model(self.model, d, tokenizer=self.tokenizer))
+        except OSError as exc:
+            raise RolloutServerError(f"publishing policy version {version} to {path} failed (filesystem "
+                                     f"transport): {exc}") from None
+        body = {"path": str(path.resolve()), "policy_version": version}
+        list(self.pool.map(lambda url: self._call(url, "POST", "/v1/load_weights", f"load policy version {version} "
+                                                  "(filesystem transport)", body, admin=True), self.servers))
+        for old in self.weights_dir.glob(f"{WEIGHTS_PREFIX}*"):  # every server holds `version` now
+            if old.name != path.name:
+                shutil.rmtree(old, ignore_errors=True)
+
+    def batch(self, num_seqs: int, longest: int) -> contextlib.AbstractContextManager[None]:
+        return contextlib.nullcontext()  # the servers hold their own KV pools
+
+    def sample(self, requests: list[TurnRequest], return_logprobs: bool = True) -> list[TurnResult]:
+        """Contiguous blocks of the requests to the servers (in parallel); each server's block as one
+        HTTP request per sampling setting, in order; the results in request order."""
+        num = len(self.servers)
+        blocks = [list(range(len(requests) * s // num, len(requests) * (s + 1) // num)) for s in range(num)]
+        parts = self.pool.map(lambda s: self._sample_on(s, [requests[i] for i in blocks[s]], return_logprobs),
+                              range(num))
+        return [result for part in parts for result in part]
+
+    def _sample_on(self, server: int, requests: list[TurnRequest], return_logprobs: bool) -> list[TurnResult]:
+        results: list[TurnResult | None] = [None] * len(requests)
+        for same in _by_setting(requests):
+            out = self._completions(server, [requests[i] for i in same], return_logprobs)
+            for i, result in zip(same, out):
+                results[i] = result
+        return results  # type: ignore[return-value]
+
+    def _completions(self, server: int, requests: list[TurnRequest], return_logprobs: bool) -> list[TurnResult]:
+        first = requests[0]
+        s, n = first.sampling, first.n
+        body: dict[str, Any] = {
+            "model": self.model_name[server], "prompt": [list(r.prompt_ids) for r in requests], "n": n,
+            "max_tokens": s.max_tokens, "temperature": s.temperature, "top_p": s.top_p, "top_k": s.top_k,
+            # the in-process engine's defaults, sent so a server's generation_config cannot change them
+            "min_p": 0.0, "frequency_penalty": 0.0, "presence_penalty": 0.0, "repetition_penalty": 1.0,
+            "min_tokens": 0, "ignore_eos": False, "return_token_ids": True, "logprobs_mode": "processed_logprobs"}
+        if return_logprobs:
+            body["logprobs"] = 0
+        if first.seed is not None:
+            body["seeds"] = [r.seed for r in requests]
+        url = self.servers[server]
+        out = self._call(url, "POST", "/v1/completions", f"sample at policy version {self.policy_version}", body)
+        choices = sorted(out["choices"], key=lambda c: c["index"])
+        version = int(out.get("policy_version", -1))
+        results = []
+        for p, r in enumerate(requests):
+            samples = [SampledTurn(list(c["token_ids"]), [float(v) for v in c["logprobs"]["token_logprobs"]]
+                                   if return_logprobs else [], c["finish_reason"], c["text"])
+                       for c in choices[p * n:(p + 1) * n]]
+            results.append(TurnResult(samples, version, len(r.prompt_ids)))
+        return results
+
+    def _call(self, url: str, method: str, route: str, what: str, body: dict[str, Any] | None = None,
+              admin: bool = False) -> dict[str, Any]:
+        """One HTTP call with `timeout` and up to `retries` retries (connection errors, 5xx, 429);
+        a 4xx or the last failure is a RolloutServerError naming the server and `what`."""
+        key = self.admin_key if admin else self.api_key
+        headers = {"Authorization": f"Bearer {key}"} if key else {}
+        wait, problem = RETRY_WAIT_S, ""
+        for attempt in range(self.retries + 1):
+            if attempt:
+                time.sleep(wait)
+                wait *= 2
+            try:
+                r = self.client.request(method, url + route, json=body, headers=headers)
+            except httpx.HTTPError as exc:
+                problem = f"{type(exc).__name__}: {exc or 'no answer'}"
+                continue
+            if r.status_code == 200:
+                return r.json()
+            problem = f"HTTP {r.status_code}: {_message(r)}"
+            if r.status_code < 500 and r.status_code != 429:
+                break
+        tries = f" after {self.retries + 1} attempts" if self.retries and not problem.startswith("HTTP 4") else ""
+        raise RolloutServerError(f"rollout server {url} failed to {what} ({method} {route}){tries}: {problem}; "
+                                 "check that it is running (its log), reachable, and started with the flags this "
+                                 "run needs (--admin_key, --weights_dir)")
+
+    def close(self) -> None:
+        self.pool.shutdown(wait=False)
+        self.client.close()
+
+
+def _by_setting(requests: list[TurnRequest]) -> Iterator[list[int]]:
+    """Indices of the requests that share one HTTP request: the same sampling, n and seededness, in
+    order of first appearance (evaluation mixes greedy and sampled episodes in one turn)."""
+    groups: dict[tuple, list[int]] = {}
+    for i, r in enumerate(requests):
+        groups.setdefault((r.sampling, r.n, r.seed is None), []).append(i)
+    yield from groups.values()
+
+
+def _message(r: httpx.Response) -> str:
+    try:
+        return str(r.json()["error"]["message"])
+    except Exception:  # noqa: BLE001 - not our error body: the start of whatever it is
+        return r.text[:200]
+
+
+def http_runner(model: nn.Module, tokenizer: Any, rl: RLConfig, rewards: RewardSet, weights_dir: str | os.PathLike,
+                random_seed: int = 0) -> EpisodeRunner:
+    """An episode runner drawing from the run's rollout servers (``rl.rollout_servers``)."""
+    positions = model.config.max_position_embeddings
+    max_prompt_len = resolve_max_prompt_len(rl, positions)
+    needed = episode_max_len(rl, max_prompt_len, positions)
+    if rl.environment or rl.tools:
+        needed = max_prompt_len + rl.rollout_max_tokens  # multi-turn: the opening turn at least; later ones fit or end
+    sampler = HttpSampler(list(rl.rollout_servers), model, tokenizer, weights_dir,
+                          admin_key=rl.rollout_admin_key or os.environ.get("ASTRAI_ADMIN_KEY"),
+                          api_key=os.environ.get("ASTRAI_API_KEY"), timeout=rl.rollout_timeout,
+                          retries=rl.rollout_retries, needed_len=needed)
+    return EpisodeRunner(sampler, tokenizer, rl, rewards, max_prompt_len, random_seed)
