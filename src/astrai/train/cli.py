@@ -34,6 +34,7 @@ section is optional; a boolean takes --pack, --pack false or --no-pack. For exam
   --resume              restore the full training state (from --param_path or the newest
                         complete checkpoint in --ckpt_dir)
   --nprocs N            run N local ranks (gloo on CPU, nccl on CUDA)
+  --rollout_replicas N  also start N local `astrai serve` replicas that draw the rollouts
   --num_threads N       torch intra-op threads per rank (alias --threads; default OMP_NUM_THREADS
                         when set, else 1 on CPU)
 """
@@ -137,6 +138,13 @@ def main(argv: list[str] | None = None) -> int:
     if args.dry_run:
         print(cfg.to_yaml(), end="")
         return 0
+    if cfg.rl.rollout_replicas > 0 and "WORLD_SIZE" not in os.environ:
+        from astrai.train.replicas import launch_with_replicas
+
+        try:
+            return launch_with_replicas(argv, cfg)
+        except (ValueError, FileNotFoundError, OSError) as e:
+            return _fail(str(e), 1)
     if cfg.dist.nprocs > 1 and "WORLD_SIZE" not in os.environ:
         from astrai.train.launch import launch
 

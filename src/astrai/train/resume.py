@@ -173,6 +173,7 @@ APPLIED_ON_RESUME = frozenset({
     "max_nonfinite_steps", "device", "nprocs", "max_policy_lag", "keep_kv_pool", "host_mmap_threshold_mb", "host_keep_heap",
     # where the rollout servers are and how to reach them (a restarted fleet has new ports)
     "rollout_servers", "rollout_admin_key", "rollout_weights_dir", "rollout_timeout", "rollout_retries",
+    "rollout_replicas",
 })
 
 
