@@ -1,7 +1,8 @@
 """Online RL drawing its rollouts from an `astrai serve` process (rl/http_sampler.py): `astrai
 train --rollout_servers URL` trains with the trainer's and the server's log-probs within 1e-5
 (fp32), the server ends on the trainer's final policy version, a SIGTERM and `--resume` give the
-uninterrupted run's weights bit for bit (one server, one rank), and a dead server is named."""
+uninterrupted run's weights bit for bit (one server, one rank), the broadcast transport gives the
+filesystem one's run, and a dead server is named."""
 
 from __future__ import annotations
 
@@ -42,9 +43,9 @@ def rollout_server(tok_dir, tmp_path_factory):
     server.stop()
 
 
-def _run_config(run_dir, tok_dir, server, weights, max_steps: int = 2):
+def _run_config(run_dir, tok_dir, server, weights, max_steps: int = 2, **rl):
     config = write_rl_run(run_dir, tok_dir, rollout_servers=[server.base_url], rollout_admin_key=ADMIN_KEY,
-                          rollout_weights_dir=str(weights), rollout_retries=0)
+                          rollout_weights_dir=str(weights), rollout_retries=0, **rl)
     cfg = yaml.safe_load(config.read_text())
     cfg["train"]["max_steps"] = max_steps
     config.write_text(yaml.safe_dump(cfg, sort_keys=False))
@@ -75,6 +76,14 @@ def test_train_from_a_server_matches_its_logprobs_and_resumes_exactly(rollout_se
     assert resumed.returncode == 0, resumed.stderr[-2000:]
     want, got = checkpoint_weights(tmp_path / "full"), checkpoint_weights(tmp_path / "stopped")
     assert all(torch.equal(want[k], got[k]) for k in want)
+
+    # the broadcast transport delivers the same weights: the same samples, the same run, bit for bit
+    broadcast = _run_config(tmp_path / "broadcast", tok_dir, server, weights, rollout_weight_transport="broadcast")
+    done = _train("--config", str(broadcast))
+    assert done.returncode == 0, done.stderr[-2000:]
+    got = checkpoint_weights(tmp_path / "broadcast")
+    assert all(torch.equal(want[k], got[k]) for k in want)
+    assert httpx.get(server.base_url + "/v1/models", timeout=30).json()["data"][0]["policy_version"] == 2
 
 
 def test_a_dead_server_is_named(tmp_path):

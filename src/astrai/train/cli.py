@@ -12,6 +12,7 @@ A graceful stop (signal, early stopping) publishes a checkpoint and exits 0.
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import sys
 import typing
@@ -114,7 +115,10 @@ def run(cfg: Config, ctx: TrainContext, threads_line: str = "") -> int:
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    ctx = TrainContext(command=argv)
+    # under --rollout_replicas the trainer's command line has the launcher's additions; the run
+    # summary's resume line shows the user's own (train/replicas.py passes it)
+    shown = os.environ.get("ASTRAI_REPLICAS_ARGV")
+    ctx = TrainContext(command=json.loads(shown) if shown else argv)
     from astrai.train import signals
 
     signals.install_signal_handlers(ctx)  # before anything slow: a signal during setup is kept

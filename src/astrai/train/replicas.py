@@ -6,8 +6,9 @@ starts each replica as `python -m astrai serve` on a free loopback port, with th
 on a command line) and ``--weights_dir`` at the run's ``rollout_weights_dir``, and with settings
 that make its batches reproducible (no probed prefill chunk, thread count or weight layout); it
 waits until each answers `/health`, then starts the trainer as `python -m astrai train <the same
-arguments> --rollout_servers URL,... --rollout_replicas 0` (which itself runs the local multi-rank
-launcher when ``nprocs > 1``). Devices: on CUDA replica i sees GPU i and the trainer the GPUs after
+arguments> --rollout_servers URL,... --rollout_replicas 0 --rollout_weight_transport broadcast`
+(which itself runs the local multi-rank launcher when ``nprocs > 1``): the launcher owns both ends,
+so the weights go by the gloo group, with no file written per step. Devices: on CUDA replica i sees GPU i and the trainer the GPUs after
 the replicas (``CUDA_VISIBLE_DEVICES``); on the CPU the cores are split between the processes.
 Each process logs to ``<log_dir>/replica_<i>.log`` (the trainer to the launcher's own streams), and
 ``<log_dir>/replicas.json`` names every pid and URL.
@@ -116,6 +117,8 @@ def _stop(procs: list[subprocess.Popen], grace: float) -> None:
         try:
             p.wait(max(0.0, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
+            print(f"astrai train: process {p.pid} did not exit within {grace:g} s of SIGTERM; killing it",
+                  file=sys.stderr)
             p.kill()
             p.wait()
 
@@ -149,8 +152,9 @@ def launch_with_replicas(argv: list[str], cfg: Config) -> int:
             print(f"astrai train: {problem}", file=sys.stderr)
             return 1 if signals.last_signal() is None else 0
         cmd = [sys.executable, "-m", "astrai", "train", *argv, "--rollout_servers", ",".join(urls),
-               "--rollout_replicas", "0", "--rollout_weights_dir", str(weights)]
-        trainer = _start(cmd, {**os.environ, **trainer_env, "ASTRAI_ADMIN_KEY": key}, None)
+               "--rollout_replicas", "0", "--rollout_weights_dir", str(weights), "--rollout_weight_transport", "broadcast"]
+        trainer = _start(cmd, {**os.environ, **trainer_env, "ASTRAI_ADMIN_KEY": key,
+                               "ASTRAI_REPLICAS_ARGV": json.dumps(argv)}, None)
         _write_pids(log_dir, replicas, urls, logs, trainer)
         forward = partial(_forward, trainer)
         for s in previous:

@@ -15,9 +15,13 @@ sampling setting, sent one after another, so a server's batches never depend on 
 fresh rollout is preceded by a weight load (which empties the server's prefix cache), so a run
 against the same servers resumes bit for bit.
 
-Weights go to the servers by the filesystem transport: rank 0 publishes the policy as a model
-directory (the atomic publish with its manifest) under ``rollout_weights_dir`` and posts
-`/v1/load_weights` to every server; the other ranks wait at a collective. Every HTTP call has a
+Weights go to the servers by one of two transports (``rollout_weight_transport``), from rank 0 while
+the other ranks wait at a collective. filesystem: rank 0 publishes the policy as a model directory
+(the atomic publish with its manifest) under ``rollout_weights_dir`` and posts `/v1/load_weights`
+with its path to every server. broadcast: at the first sync rank 0 opens a gloo group of its own
+with the servers (`/v1/weight_group`; the trainer's process group, if any, is untouched), and each
+sync posts `/v1/load_weights` (transport broadcast) to every server and broadcasts the tensors one by
+one, in name order, with no file written. Every HTTP call has a
 timeout (``rollout_timeout``) and bounded retries (``rollout_retries``, for connection errors and
 5xx); a failure names the server, the policy version and the transport, and stops the run.
 """
@@ -25,8 +29,11 @@ timeout (``rollout_timeout``) and bounded retries (``rollout_retries``, for conn
 from __future__ import annotations
 
 import contextlib
+import datetime
 import os
 import shutil
+import socket
+import threading
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -34,6 +41,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import torch
 from torch import nn
 
 from astrai.config import RLConfig
@@ -57,7 +65,7 @@ class HttpSampler:
 
     def __init__(self, servers: list[str], model: nn.Module, tokenizer: Any, weights_dir: str | os.PathLike,
                  admin_key: str | None = None, api_key: str | None = None, timeout: float = 600.0,
-                 retries: int = 2, needed_len: int = 0):
+                 retries: int = 2, needed_len: int = 0, transport: str = "filesystem"):
         if dist.is_fsdp(model):
             raise ValueError("rollout_servers: the policy is sharded (parallel_mode fsdp) and the filesystem "
                              "transport publishes it from rank 0; use --parallel_mode ddp or none with rollout servers")
@@ -66,6 +74,8 @@ class HttpSampler:
         self.weights_dir = Path(weights_dir)
         self.admin_key, self.api_key = admin_key, api_key
         self.timeout, self.retries = timeout, retries
+        self.transport = transport
+        self.group: Any = None  # broadcast: the gloo group with the servers, opened at the first sync
         self.policy_version = 0
         self.synced_version: int | None = None  # the version every server holds (None: not loaded yet)
         self.sync_seconds = 0.0  # time spent publishing and loading weights, whole run
@@ -96,12 +106,15 @@ class HttpSampler:
         error = None
         if dist.get_rank() == 0:
             try:
-                self._publish_and_load(version)
+                if self.transport == "broadcast":
+                    self._broadcast(version)
+                else:
+                    self._publish_and_load(version)
             except (RolloutServerError, OSError) as exc:
                 error = exc
         if dist.any_rank(error is not None):  # every rank stops, none waits in a collective alone
             raise error or RolloutServerError(f"rank 0 failed to load policy version {version} into the rollout "
-                                              "servers (filesystem transport); see its error")
+                                              f"servers ({self.transport} transport); see its error")
         self.synced_version = version
         self.sync_seconds += time.perf_counter() - start
 
@@ -118,6 +131,61 @@ class HttpSampler:
         for old in self.weights_dir.glob(f"{WEIGHTS_PREFIX}*"):  # every server holds `version` now
             if old.name != path.name:
                 shutil.rmtree(old, ignore_errors=True)
+
+    def _weights(self) -> dict[str, torch.Tensor]:
+        """What the servers' models hold: the policy's tensors (a LoRA run's adapters merged)."""
+        from astrai.model.lora import has_lora, merged_state_dict
+
+        return merged_state_dict(self.model) if has_lora(self.model) else self.model.state_dict()
+
+    def _open_group(self, shapes: dict[str, list[int]]) -> None:
+        """Rank 0 of a gloo group with the servers (ranks 1..N): a store on a free port of the
+        address the servers reach this machine at, each server asked to join over HTTP."""
+        host, port = self.servers[0].split("//", 1)[1].rsplit(":", 1)
+        with socket.create_connection((host, int(port)), timeout=self.timeout) as probe:
+            addr = probe.getsockname()[0]  # this machine, as the servers' network sees it
+        with socket.socket() as s:
+            s.bind((addr, 0))
+            group_port = s.getsockname()[1]
+        size = len(self.servers) + 1
+        timeout = datetime.timedelta(seconds=self.timeout)
+        made: list[Any] = []
+
+        def make() -> None:  # blocks until every server joined; a daemon: a refused join leaves it waiting
+            store = torch.distributed.TCPStore(addr, group_port, size, True, timeout=timeout)
+            made.append(torch.distributed.ProcessGroupGloo(store, 0, size, timeout))
+
+        maker = threading.Thread(target=make, daemon=True, name="astrai-weight-group")
+        maker.start()
+        list(self.pool.map(lambda i: self._call(
+            self.servers[i], "POST", "/v1/weight_group", "join the weight group (broadcast transport)",
+            {"master_addr": addr, "master_port": group_port, "rank": i + 1, "world_size": size,
+             "timeout_s": self.timeout, "tensors": shapes}, admin=True), range(len(self.servers))))
+        maker.join(self.timeout)
+        if not made:
+            raise RolloutServerError(f"the weight group at {addr}:{group_port} did not form within {self.timeout:g} s "
+                                     "(broadcast transport); check that the servers can reach this address")
+        self.group = made[0]
+
+    def _broadcast(self, version: int) -> None:
+        weights = self._weights()
+        names = sorted(weights)
+        if self.group is None:
+            self._open_group({n: list(weights[n].shape) for n in names})
+        what = f"load policy version {version} (broadcast transport)"
+        posts = [self.pool.submit(self._call, url, "POST", "/v1/load_weights", what,
+                                  {"policy_version": version, "transport": "broadcast"}, admin=True)
+                 for url in self.servers]
+        opts = torch.distributed.BroadcastOptions()
+        opts.rootRank = 0
+        try:
+            for name in names:  # one tensor at a time: at most one extra host copy of a tensor
+                self.group.broadcast([weights[name].detach().to("cpu").contiguous()], opts).wait()
+        except RuntimeError as exc:
+            raise RolloutServerError(f"broadcasting policy version {version} to the rollout servers "
+                                     f"{self.servers} failed (broadcast transport): {exc}") from None
+        for post in posts:
+            post.result()
 
     def batch(self, num_seqs: int, longest: int) -> contextlib.AbstractContextManager[None]:
         return contextlib.nullcontext()  # the servers hold their own KV pools
@@ -222,5 +290,5 @@ def http_runner(model: nn.Module, tokenizer: Any, rl: RLConfig, rewards: RewardS
     sampler = HttpSampler(list(rl.rollout_servers), model, tokenizer, weights_dir,
                           admin_key=rl.rollout_admin_key or os.environ.get("ASTRAI_ADMIN_KEY"),
                           api_key=os.environ.get("ASTRAI_API_KEY"), timeout=rl.rollout_timeout,
-                          retries=rl.rollout_retries, needed_len=needed)
+                          retries=rl.rollout_retries, needed_len=needed, transport=rl.rollout_weight_transport)
     return EpisodeRunner(sampler, tokenizer, rl, rewards, max_prompt_len, random_seed)
