@@ -84,3 +84,16 @@ def test_load_weights_refusals_and_a_load_between_steps(model_dir, tmp_path):
         assert _load(live.base, first, 0).status_code == 200
         again = _complete(live.base, prompt)
         assert again["policy_version"] == 0 and again["choices"][0]["token_ids"] == before["choices"][0]["token_ids"]
+
+
+def test_broadcast_refusals_name_why(model_dir, tmp_path):
+    with LiveServer(serve_config(model_dir, admin_key="admin-key", weights_dir=str(tmp_path))) as live:
+        r = httpx.post(live.base + "/v1/load_weights", json={"policy_version": 1, "transport": "broadcast"},
+                       headers=ADMIN, timeout=GUARD_S)
+        assert r.status_code == 409 and "/v1/weight_group" in r.json()["error"]["message"]
+        shapes = {name: list(t.shape) for name, t in load_model(model_dir).state_dict().items()}
+        shapes["lm_head.weight"] = [1, 1]
+        group = {"master_addr": "127.0.0.1", "master_port": 1, "rank": 1, "world_size": 2, "tensors": shapes}
+        r = httpx.post(live.base + "/v1/weight_group", json=group, headers=ADMIN, timeout=GUARD_S)
+        assert r.status_code == 400 and "lm_head.weight" in r.json()["error"]["message"]
+        assert _complete(live.base, [1, 2, 3])["policy_version"] == 0  # still serving

@@ -2,7 +2,7 @@
 train --rollout_servers URL` trains with the trainer's and the server's log-probs within 1e-5
 (fp32), the server ends on the trainer's final policy version, a SIGTERM and `--resume` give the
 uninterrupted run's weights bit for bit (one server, one rank), the broadcast transport gives the
-filesystem one's run, and a dead server is named."""
+filesystem one's run, a LoRA run sends only its adapter, and a dead server is named."""
 
 from __future__ import annotations
 
@@ -39,7 +39,7 @@ def rollout_server(tok_dir, tmp_path_factory):
     server = ServerProcess(model_dir, "--max_model_len", "128", "--admin_key", ADMIN_KEY, "--weights_dir",
                            str(weights), "--dtype", "float32", "--long_prefill_token_threshold", "0",
                            "--num_threads", "1", "--linear_layout", "out_in", api_key=None).start()
-    yield server, weights
+    yield server, weights, model_dir
     server.stop()
 
 
@@ -59,7 +59,7 @@ def _train(*args: str) -> subprocess.CompletedProcess:
 
 
 def test_train_from_a_server_matches_its_logprobs_and_resumes_exactly(rollout_server, tok_dir, tmp_path):
-    server, weights = rollout_server
+    server, weights, _ = rollout_server
     full = _run_config(tmp_path / "full", tok_dir, server, weights)
     done = _train("--config", str(full))
     assert done.returncode == 0, done.stderr[-2000:]
@@ -83,6 +83,23 @@ def test_train_from_a_server_matches_its_logprobs_and_resumes_exactly(rollout_se
     assert done.returncode == 0, done.stderr[-2000:]
     got = checkpoint_weights(tmp_path / "broadcast")
     assert all(torch.equal(want[k], got[k]) for k in want)
+    assert httpx.get(server.base_url + "/v1/models", timeout=30).json()["data"][0]["policy_version"] == 2
+
+
+def test_a_lora_run_sends_only_its_adapter(rollout_server, tok_dir, tmp_path):
+    server, weights, model_dir = rollout_server
+    config = _run_config(tmp_path, tok_dir, server, weights)
+    cfg = yaml.safe_load(config.read_text())
+    del cfg["model"]
+    cfg["train"]["param_path"] = str(model_dir)  # the base the server serves
+    cfg["lora"] = {"lora_r": 4, "lora_alpha": 8.0}
+    config.write_text(yaml.safe_dump(cfg, sort_keys=False))
+    done = _train("--config", str(config))
+    assert done.returncode == 0, done.stderr[-2000:]
+    [published] = weights.glob("policy_*")
+    assert (published / "adapter_model.safetensors").is_file() and not (published / "model.safetensors").exists()
+    rows = [json.loads(line) for line in (tmp_path / "log" / "metrics.jsonl").read_text().splitlines()]
+    assert all(r["sampler_logp_diff"] <= 1e-5 for r in rows if "sampler_logp_diff" in r)
     assert httpx.get(server.base_url + "/v1/models", timeout=30).json()["data"][0]["policy_version"] == 2
 
 

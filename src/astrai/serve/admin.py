@@ -88,16 +88,26 @@ def allowed_dir(state: ServerState, path: str) -> Path:
     return resolved
 
 
-def read_weights(path: Path, like: Any) -> dict[str, Any]:
+def read_weights(state: ServerState, path: Path, like: Any) -> dict[str, Any]:
     """A published model directory's weights, manifest verified, in the served model's dtype and
-    on its device (runs on a worker thread). ValueError / OSError naming the file when damaged."""
+    on its device (runs on a worker thread); a LoRA adapter directory is merged onto its base, which
+    must be the served model's directory or lie under --weights_dir. ValueError / OSError naming the
+    file when damaged."""
     from astrai.model.hf import load_model
+    from astrai.model.lora import is_adapter_dir, resolve_base
     from astrai.model.manifest import MANIFEST
 
     if not (path / MANIFEST).is_file():
         raise ValueError(f"'{path}' has no {MANIFEST}; load only directories published with one "
                          "(astrai's atomic publish), so a half-written directory is never served")
     first = next(like.parameters())
+    if is_adapter_dir(path) and not (path / "config.json").is_file():
+        base = resolve_base(path).resolve()
+        served = Path(state.config.model_dir).resolve()
+        if base != served and not base.is_relative_to(Path(state.config.weights_dir or served).resolve()):
+            raise ValueError(f"the adapter's base model {base} is neither the served model ({served}) nor under "
+                             "--weights_dir; publish adapters of the served base")
+        return load_model(base, dtype=first.dtype, device=first.device, verify=True, lora=path).state_dict()
     return load_model(path, dtype=first.dtype, device=first.device, verify=True).state_dict()
 
 
@@ -176,7 +186,7 @@ async def load_weights(request: Request) -> Response:
     start = time.perf_counter()
     model = engine.engine.model  # type: ignore[attr-defined]  # LLMEngine's
     try:
-        weights = await asyncio.to_thread(read_weights, path, model)
+        weights = await asyncio.to_thread(read_weights, state, path, model)
     except (ValueError, OSError) as exc:
         raise APIError(400, f"cannot load weights from '{req.path}': {exc}", param="path") from None
     read_s = time.perf_counter() - start

@@ -18,7 +18,8 @@ against the same servers resumes bit for bit.
 Weights go to the servers by one of two transports (``rollout_weight_transport``), from rank 0 while
 the other ranks wait at a collective. filesystem: rank 0 publishes the policy as a model directory
 (the atomic publish with its manifest) under ``rollout_weights_dir`` and posts `/v1/load_weights`
-with its path to every server. broadcast: at the first sync rank 0 opens a gloo group of its own
+with its path to every server; a LoRA run publishes only its adapter (PEFT's layout, naming the
+base model, ``param_path``), which each server merges onto that base. broadcast: at the first sync rank 0 opens a gloo group of its own
 with the servers (`/v1/weight_group`; the trainer's process group, if any, is untouched), and each
 sync posts `/v1/load_weights` (transport broadcast) to every server and broadcasts the tensors one by
 one, in name order, with no file written. Every HTTP call has a
@@ -65,7 +66,7 @@ class HttpSampler:
 
     def __init__(self, servers: list[str], model: nn.Module, tokenizer: Any, weights_dir: str | os.PathLike,
                  admin_key: str | None = None, api_key: str | None = None, timeout: float = 600.0,
-                 retries: int = 2, needed_len: int = 0, transport: str = "filesystem"):
+                 retries: int = 2, needed_len: int = 0, transport: str = "filesystem", base_model: str | None = None):
         if dist.is_fsdp(model):
             raise ValueError("rollout_servers: the policy is sharded (parallel_mode fsdp) and the filesystem "
                              "transport publishes it from rank 0; use --parallel_mode ddp or none with rollout servers")
@@ -75,6 +76,7 @@ class HttpSampler:
         self.admin_key, self.api_key = admin_key, api_key
         self.timeout, self.retries = timeout, retries
         self.transport = transport
+        self.base_model = base_model  # a LoRA run's base (param_path): the filesystem transport sends the adapter
         self.group: Any = None  # broadcast: the gloo group with the servers, opened at the first sync
         self.policy_version = 0
         self.synced_version: int | None = None  # the version every server holds (None: not loaded yet)
@@ -119,9 +121,16 @@ class HttpSampler:
         self.sync_seconds += time.perf_counter() - start
 
     def _publish_and_load(self, version: int) -> None:
+        from astrai.model.lora import has_lora, save_adapter
+
         path = self.weights_dir / f"{WEIGHTS_PREFIX}{version:08d}"
+        if has_lora(self.model) and self.base_model:  # the adapter alone; the servers hold the base
+            base = str(Path(self.base_model).resolve())
+            write = lambda d: save_adapter(self.model, d, base_model_name_or_path=base)  # noqa: E731
+        else:
+            write = lambda d: save_model(self.model, d, tokenizer=self.tokenizer)  # noqa: E731
         try:
-            publish_model_dir(path, version, lambda d: save_model(self.model, d, tokenizer=self.tokenizer))
+            publish_model_dir(path, version, write)
         except OSError as exc:
             raise RolloutServerError(f"publishing policy version {version} to {path} failed (filesystem "
                                      f"transport): {exc}") from None
@@ -280,7 +289,7 @@ def _message(r: httpx.Response) -> str:
 
 
 def http_runner(model: nn.Module, tokenizer: Any, rl: RLConfig, rewards: RewardSet, weights_dir: str | os.PathLike,
-                random_seed: int = 0) -> EpisodeRunner:
+                random_seed: int = 0, base_model: str | None = None) -> EpisodeRunner:
     """An episode runner drawing from the run's rollout servers (``rl.rollout_servers``)."""
     positions = model.config.max_position_embeddings
     max_prompt_len = resolve_max_prompt_len(rl, positions)
@@ -290,5 +299,6 @@ def http_runner(model: nn.Module, tokenizer: Any, rl: RLConfig, rewards: RewardS
     sampler = HttpSampler(list(rl.rollout_servers), model, tokenizer, weights_dir,
                           admin_key=rl.rollout_admin_key or os.environ.get("ASTRAI_ADMIN_KEY"),
                           api_key=os.environ.get("ASTRAI_API_KEY"), timeout=rl.rollout_timeout,
-                          retries=rl.rollout_retries, needed_len=needed, transport=rl.rollout_weight_transport)
+                          retries=rl.rollout_retries, needed_len=needed, transport=rl.rollout_weight_transport,
+                          base_model=base_model)
     return EpisodeRunner(sampler, tokenizer, rl, rewards, max_prompt_len, random_seed)

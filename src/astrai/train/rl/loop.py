@@ -113,7 +113,7 @@ class OnlineLoop:
         if cfg.rl.rollout_servers:  # `astrai serve` replicas draw every turn over HTTP (rl/http_sampler.py)
             weights_dir = cfg.rl.rollout_weights_dir or str(Path(cfg.log.log_dir) / "rollout_weights")
             self.runner = http_runner(self.raw_model, self.tokenizer, cfg.rl, rewards, weights_dir,
-                                      cfg.train.random_seed)
+                                      cfg.train.random_seed, base_model=cfg.train.param_path)
         else:  # the in-process engine over the live policy (rl/engine_sampler.py); bf16: the training precision
             self.runner = engine_runner(self.raw_model, self.tokenizer, cfg.rl,
                                         max(1, self.num_prompts * cfg.rl.group_size), rewards, cfg.train.random_seed,
