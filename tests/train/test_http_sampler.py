@@ -23,7 +23,15 @@ from astrai.model.transformer import CausalLM
 from astrai.train.rl.http_sampler import HttpSampler, RolloutServerError
 from tests.serve.conftest import ServerProcess
 from tests.train.resume_data import MODEL
-from tests.train.rl_runs import REPO, checkpoint_weights, sigterm_after_step, write_rl_run
+from tests.train.rl_runs import (
+    REPO,
+    checkpoint_weights,
+    eval_file,
+    eval_rows,
+    sigterm_after_step,
+    with_eval,
+    write_rl_run,
+)
 
 ADMIN_KEY = "admin-key"
 
@@ -78,9 +86,11 @@ def test_train_from_a_server_matches_its_logprobs_and_resumes_exactly(rollout_se
     assert all(torch.equal(want[k], got[k]) for k in want)
 
     # the broadcast transport delivers the same weights: the same samples, the same run, bit for bit
+    # (with evaluation during training: greedy and sampled episodes in one turn, after the last step)
     broadcast = _run_config(tmp_path / "broadcast", tok_dir, server, weights, rollout_weight_transport="broadcast")
-    done = _train("--config", str(broadcast))
+    done = _train("--config", str(with_eval(broadcast, eval_file(tmp_path / "eval.jsonl", num=4))))
     assert done.returncode == 0, done.stderr[-2000:]
+    assert [r["step"] for r in eval_rows(tmp_path / "broadcast")][-1] == 2
     got = checkpoint_weights(tmp_path / "broadcast")
     assert all(torch.equal(want[k], got[k]) for k in want)
     assert httpx.get(server.base_url + "/v1/models", timeout=30).json()["data"][0]["policy_version"] == 2
