@@ -7,9 +7,6 @@ filesystem one's run, a LoRA run sends only its adapter, and a dead server is na
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 
 import httpx
 import pytest
@@ -22,9 +19,8 @@ from astrai.model.hf import save_model
 from astrai.model.transformer import CausalLM
 from astrai.train.rl.http_sampler import HttpSampler, RolloutServerError
 from tests.serve.conftest import ServerProcess
-from tests.train.resume_data import MODEL
+from tests.train.resume_data import MODEL, train_in_process
 from tests.train.rl_runs import (
-    REPO,
     checkpoint_weights,
     eval_file,
     eval_rows,
@@ -60,17 +56,13 @@ def _run_config(run_dir, tok_dir, server, weights, max_steps: int = 2, **rl):
     return config
 
 
-def _train(*args: str) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
-    return subprocess.run([sys.executable, "-m", "astrai", "train", *args], env=env, capture_output=True, text=True,
-                          timeout=300)
 
 
-def test_train_from_a_server_matches_its_logprobs_and_resumes_exactly(rollout_server, tok_dir, tmp_path):
+def test_train_from_a_server_matches_its_logprobs_and_resumes_exactly(rollout_server, tok_dir, tmp_path,
+                                                                     monkeypatch):
     server, weights, _ = rollout_server
     full = _run_config(tmp_path / "full", tok_dir, server, weights)
-    done = _train("--config", str(full))
-    assert done.returncode == 0, done.stderr[-2000:]
+    assert train_in_process(full, monkeypatch=monkeypatch) == 0
     rows = [json.loads(line) for line in (tmp_path / "full" / "log" / "metrics.jsonl").read_text().splitlines()]
     steps = [r for r in rows if "sampler_logp_diff" in r]
     assert len(steps) == 2 and all(r["sampler_logp_diff"] <= 1e-5 for r in steps), steps
@@ -80,23 +72,21 @@ def test_train_from_a_server_matches_its_logprobs_and_resumes_exactly(rollout_se
 
     stopped = _run_config(tmp_path / "stopped", tok_dir, server, weights)
     sigterm_after_step(stopped, 1, tmp_path)
-    resumed = _train("--config", str(stopped), "--resume")
-    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    assert train_in_process(stopped, "--resume", monkeypatch=monkeypatch) == 0
     want, got = checkpoint_weights(tmp_path / "full"), checkpoint_weights(tmp_path / "stopped")
     assert all(torch.equal(want[k], got[k]) for k in want)
 
     # the broadcast transport delivers the same weights: the same samples, the same run, bit for bit
     # (with evaluation during training: greedy and sampled episodes in one turn, after the last step)
     broadcast = _run_config(tmp_path / "broadcast", tok_dir, server, weights, rollout_weight_transport="broadcast")
-    done = _train("--config", str(with_eval(broadcast, eval_file(tmp_path / "eval.jsonl", num=4))))
-    assert done.returncode == 0, done.stderr[-2000:]
+    assert train_in_process(with_eval(broadcast, eval_file(tmp_path / "eval.jsonl", num=4)), monkeypatch=monkeypatch) == 0
     assert [r["step"] for r in eval_rows(tmp_path / "broadcast")][-1] == 2
     got = checkpoint_weights(tmp_path / "broadcast")
     assert all(torch.equal(want[k], got[k]) for k in want)
     assert httpx.get(server.base_url + "/v1/models", timeout=30).json()["data"][0]["policy_version"] == 2
 
 
-def test_a_lora_run_sends_only_its_adapter(rollout_server, tok_dir, tmp_path):
+def test_a_lora_run_sends_only_its_adapter(rollout_server, tok_dir, tmp_path, monkeypatch):
     server, weights, model_dir = rollout_server
     config = _run_config(tmp_path, tok_dir, server, weights)
     cfg = yaml.safe_load(config.read_text())
@@ -104,8 +94,7 @@ def test_a_lora_run_sends_only_its_adapter(rollout_server, tok_dir, tmp_path):
     cfg["train"]["param_path"] = str(model_dir)  # the base the server serves
     cfg["lora"] = {"lora_r": 4, "lora_alpha": 8.0}
     config.write_text(yaml.safe_dump(cfg, sort_keys=False))
-    done = _train("--config", str(config))
-    assert done.returncode == 0, done.stderr[-2000:]
+    assert train_in_process(config, monkeypatch=monkeypatch) == 0
     [published] = weights.glob("policy_*")
     assert (published / "adapter_model.safetensors").is_file() and not (published / "model.safetensors").exists()
     rows = [json.loads(line) for line in (tmp_path / "log" / "metrics.jsonl").read_text().splitlines()]
