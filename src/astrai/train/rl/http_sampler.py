@@ -247,8 +247,9 @@ class HttpSampler:
         a 4xx or the last failure is a RolloutServerError naming the server and `what`."""
         key = self.admin_key if admin else self.api_key
         headers = {"Authorization": f"Bearer {key}"} if key else {}
-        wait, problem = RETRY_WAIT_S, ""
+        wait, problem, attempts = RETRY_WAIT_S, "", 0
         for attempt in range(self.retries + 1):
+            attempts += 1
             if attempt:
                 time.sleep(wait)
                 wait *= 2
@@ -262,7 +263,7 @@ class HttpSampler:
             problem = f"HTTP {r.status_code}: {_message(r)}"
             if r.status_code < 500 and r.status_code != 429:
                 break
-        tries = f" after {self.retries + 1} attempts" if self.retries and not problem.startswith("HTTP 4") else ""
+        tries = f" after {attempts} attempts" if attempts > 1 else ""
         raise RolloutServerError(f"rollout server {url} failed to {what} ({method} {route}){tries}: {problem}; "
                                  "check that it is running (its log), reachable, and started with the flags this "
                                  "run needs (--admin_key, --weights_dir)")
