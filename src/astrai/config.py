@@ -146,6 +146,13 @@ class RLConfig:
     critic_model_path: str | None = None  # online_ppo: the critic's start; None = the policy's trunk, zero head
     value_clip: float | None = knob(None, gt=0)  # online_ppo: clip V - V_old to +-value_clip; None = unclipped
     whiten_advantages: bool = False  # online_ppo: whiten advantages over each rollout
+    rollout_servers: list[str] = field(default_factory=list)  # `astrai serve` URLs that draw the rollouts; [] = the in-process engine
+    rollout_admin_key: str | None = None  # the servers' --admin_key (weight loads); None = $ASTRAI_ADMIN_KEY
+    rollout_weights_dir: str | None = None  # where rank 0 publishes each policy version for the servers (under their --weights_dir); None = <log_dir>/rollout_weights
+    rollout_timeout: float = knob(600.0, gt=0)  # seconds one HTTP call to a rollout server may take
+    rollout_retries: int = knob(2, ge=0)  # retries of a failed call (connection error, 5xx) before the run stops
+    rollout_weight_transport: str = "filesystem"  # filesystem (publish + /v1/load_weights by path) | broadcast (a gloo group with the servers)
+    rollout_replicas: int = knob(0, ge=0)  # `astrai train` starts this many local `astrai serve` replicas and draws from them; 0 = none
 
 
 @dataclass

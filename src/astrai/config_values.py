@@ -76,6 +76,7 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "parallel_mode": ("none", "ddp", "fsdp"),
     "scale_rewards": ("group", "none"),
     "rl_loss_agg": ("token_mean", "seq_mean", "seq_mean_token_sum_norm"),
+    "rollout_weight_transport": ("filesystem", "broadcast"),
     "rollout_is_level": ("none", "token", "sequence"),
     "kl_estimator": ("k1", "k2", "k3"),
     "advantage_estimator": ("grpo", "rloo", "reinforce_pp"),

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import json
 import logging
 import time
@@ -38,6 +39,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from astrai.infer.guided import Guide
 from astrai.infer.sampling import SamplingParams
+from astrai.serve import admin
+from astrai.serve.admin import ADMIN_ROUTES
 from astrai.serve.anthropic import MessagesRenderer, MessagesRequest
 from astrai.serve.async_engine import AsyncEngine, Engine, EngineDeadError, OutputStream, QueueFullError
 from astrai.serve.metrics import ServerMetrics
@@ -63,7 +66,7 @@ from astrai.serve.state import ServeConfig, ServerState, load_engine
 
 logger = logging.getLogger("astrai.serve")
 ROUTES = ("/v1/chat/completions", "/v1/completions", "/v1/messages", "/v1/models", "/health", "/metrics",
-          "/tokenizer_info", "/tokenize", "/detokenize", "/openapi.json")
+          "/tokenizer_info", "/tokenize", "/detokenize", "/openapi.json", *ADMIN_ROUTES)
 ANTHROPIC_ROUTES = ("/v1/messages",)  # errors there use Anthropic's body
 RETRY_AFTER_S = 1  # what a 429 tells the client to wait
 
@@ -94,9 +97,10 @@ async def metrics(request: Request) -> Response:
 async def models(request: Request) -> Response:
     state = _state(request)
     state.check_auth(request)
-    state.check_ready()
+    engine = state.check_ready()
     card = {"id": state.model_name, "object": "model", "created": state.created, "owned_by": "astrai",
-            "max_model_len": state.max_model_len or None}
+            "max_model_len": state.max_model_len or None,
+            "policy_version": getattr(engine.engine, "policy_version", 0)}  # astrai's: the weights served now
     return JSONResponse({"object": "list", "data": [card]})
 
 
@@ -221,7 +225,10 @@ async def _serve(endpoint: Endpoint, request: Request) -> Response:
     params = state.sampling_params(req, guide=guide)
     _check_admissible(engine, prompts, params)
     renderer = endpoint.renderer(state, req, prompts)
-    stream = await _submit(engine, renderer, params, endpoint.want_logprobs(req))
+    seeds = getattr(req, "seeds", None)  # completions: one seed per prompt
+    per_prompt = [dataclasses.replace(params, seed=seed) for seed in seeds] if seeds is not None else params
+    processed = getattr(req, "logprobs_mode", "raw_logprobs") == "processed_logprobs"
+    stream = await _submit(engine, renderer, per_prompt, endpoint.want_logprobs(req), processed)
     return await _respond(state, request, renderer, stream, req.stream)
 
 
@@ -309,10 +316,10 @@ def _check_admissible(engine: AsyncEngine, prompts: list[list[int]], params: Sam
                         "--max_waiting", param="n" if params.n > 1 else "prompt", code="request_too_large")
 
 
-async def _submit(engine: AsyncEngine, renderer: Renderer, params: SamplingParams,
-                  want_logprobs: bool) -> OutputStream:
+async def _submit(engine: AsyncEngine, renderer: Renderer, params: SamplingParams | list[SamplingParams],
+                  want_logprobs: bool, processed_logprobs: bool = False) -> OutputStream:
     try:
-        return await engine.submit(renderer.engine_requests(), params, want_logprobs)
+        return await engine.submit(renderer.engine_requests(), params, want_logprobs, processed_logprobs)
     except QueueFullError as exc:
         if engine.metrics is not None:
             engine.metrics.count_queue_full()
@@ -396,6 +403,7 @@ def create_app(config: ServeConfig, loader: Callable[[ServeConfig], tuple[Any, A
     app.add_exception_handler(StarletteHTTPException, _http_error)
     app.add_exception_handler(Exception, _internal_error)
     app.include_router(router)
+    app.include_router(admin.router)
     return app
 
 

@@ -212,6 +212,9 @@ APPLIED_ON_RESUME = frozenset({
     "log_dir", "progress", "summary_hints", "tensorboard", "report_to", "report_project", "run_name", "log_metrics", "val_interval", "val_max_batches", "stop_timeout",
     "early_stopping_metric", "early_stopping_patience", "early_stopping_min_delta", "early_stopping_mode",
     "max_nonfinite_steps", "device", "nprocs", "max_policy_lag", "keep_kv_pool", "host_mmap_threshold_mb", "host_keep_heap",
+    # where the rollout servers are and how to reach them (a restarted fleet has new ports)
+    "rollout_servers", "rollout_admin_key", "rollout_weights_dir", "rollout_timeout", "rollout_retries",
+    "rollout_replicas",
 })
 
 

@@ -20,6 +20,7 @@ from __future__ import annotations
 import math
 import sys
 import time
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -43,6 +44,7 @@ from astrai.train.rl.data import Rollout, concat_rollouts, groups_with_signal, s
 from astrai.train.rl.engine_sampler import engine_runner
 from astrai.train.rl.environments import check_hooks
 from astrai.train.rl.guard import UserCodeInterrupted
+from astrai.train.rl.http_sampler import http_runner
 from astrai.train.rl.rewards import RewardSet
 from astrai.train.signals import pause_point
 from astrai.train.step import TrainStep
@@ -108,12 +110,16 @@ class OnlineLoop:
                                     self.companions)
         # a reward model with its own tokenizer re-encodes; a stop request interrupts a slow user reward
         rewards = RewardSet(cfg.rl, self.device, tokenizer=self.tokenizer, should_stop=lambda: self.ctx.stop_requested)
-        # the in-process engine over the live policy draws every turn (rl/engine_sampler.py);
-        # bf16: rollouts in the training precision
-        self.runner = engine_runner(self.raw_model, self.tokenizer, cfg.rl, max(1, self.num_prompts * cfg.rl.group_size),
-                                    rewards, cfg.train.random_seed, bf16=cfg.train.bf16)
+        if cfg.rl.rollout_servers:  # `astrai serve` replicas draw every turn over HTTP (rl/http_sampler.py)
+            weights_dir = cfg.rl.rollout_weights_dir or str(Path(cfg.log.log_dir) / "rollout_weights")
+            self.runner = http_runner(self.raw_model, self.tokenizer, cfg.rl, rewards, weights_dir,
+                                      cfg.train.random_seed, base_model=cfg.train.param_path)
+        else:  # the in-process engine over the live policy (rl/engine_sampler.py); bf16: the training precision
+            self.runner = engine_runner(self.raw_model, self.tokenizer, cfg.rl,
+                                        max(1, self.num_prompts * cfg.rl.group_size), rewards, cfg.train.random_seed,
+                                        bf16=cfg.train.bf16)
         self.rollout_sampler = self.runner.sampler
-        if self.rollout_sampler.replica is not None and self.is_main:  # FSDP: the memory the replica costs, said once
+        if getattr(self.rollout_sampler, "replica", None) is not None and self.is_main:  # FSDP: the memory the replica costs, said once
             replica = self.rollout_sampler.replica
             size = sum(t.numel() * t.element_size() for t in [*replica.parameters(), *replica.buffers()])
             print(f"note: parallel_mode fsdp: each rank generates rollouts on an unsharded replica of the policy "
@@ -134,8 +140,11 @@ class OnlineLoop:
                 t0 = time.perf_counter()
                 fresh = self.rollout is None or self.rollout.num_uses >= cfg.rl.rollout_interval
                 if fresh:
-                    # FSDP: the engine's replica gathers the new weights; every rank, same point
+                    # FSDP: the engine's replica gathers the new weights; rollout servers load them
+                    # (rl/http_sampler.py); every rank, same point
+                    sync_start = time.perf_counter()
                     self.rollout_sampler.sync_weights(ctx.policy_version)
+                    sync_seconds = time.perf_counter() - sync_start
                     position, rng = (ctx.epoch, ctx.consumed_samples), resume.rng_state()
                     if (drawn := self._next_rollout()) is None:  # a stop request came while drawing
                         # as after the last step: a checkpoint now resumes into the same draws
@@ -143,6 +152,8 @@ class OnlineLoop:
                         resume.set_rng_state(rng)
                         break
                     self.rollout = drawn
+                    if cfg.rl.rollout_servers:
+                        drawn.stats["weight_sync_seconds"] = sync_seconds
                 rollout = self.rollout
                 check_policy_lag(rollout.policy_version, ctx.policy_version, cfg.rl.max_policy_lag)
                 batches = self.objective.batches(rollout, cfg.train.grad_accum_steps)
@@ -163,6 +174,8 @@ class OnlineLoop:
                 self.step_metrics = self._metrics(result, rollout, fresh, seconds)
                 pause_point(f"step:{ctx.step}")  # test hook: a kill or a stop lands exactly here
                 cbs.after_optimizer_step(self)
+            if cfg.rl.rollout_servers:  # the servers end on the final policy (what they serve next)
+                self.rollout_sampler.sync_weights(ctx.policy_version)
             if self.runner.num_skipped_total:  # the total of what was warned about once
                 where = f"rank {self.dist.rank}: " if self.dist.world_size > 1 else ""
                 print(f"{where}skipped {self.runner.num_skipped_total} prompt(s) in all longer than max_prompt_len="
