@@ -46,6 +46,20 @@ def test_reward_to_go_and_batch_whitening_by_hand():
     assert doubled.flatten().tolist() == pytest.approx(white.flatten().tolist(), rel=1e-5)
 
 
+def test_reward_to_go_carries_the_final_reward_across_the_gaps_between_turns():
+    """REINFORCE++ on a multi-turn row: turn 1 is position 0, a tool result fills 1-2 (no mask),
+    turn 2 is 3-4 with the score 1 on 4. Every model token's return is the episode's score (before
+    the fix the return restarted at 0 in the gap, so turn 1 got 0 whatever the episode earned)."""
+    mask = torch.tensor([[1, 0, 0, 1, 1, 0]])
+    rewards = L.token_rewards(torch.tensor([1.0]), mask)
+    assert L.reward_to_go(rewards, mask).tolist() == [[1.0, 0, 0, 1.0, 1.0, 0]]
+    # gamma 0.5: the discount counts model tokens, not the tool tokens between them (as gae's)
+    assert L.reward_to_go(rewards, mask, gamma=0.5).tolist() == [[0.25, 0, 0, 0.5, 1.0, 0]]
+    # a per-token KL reward in turn 1 adds to it; a reward in the gap (unmasked) is ignored
+    rewards = torch.tensor([[-0.1, 5.0, 5.0, -0.2, 1.0, 0.0]])
+    assert L.reward_to_go(rewards, mask).tolist()[0] == pytest.approx([0.7, 0, 0, 0.8, 1.0, 0])
+
+
 def test_sequence_level_ratio_is_clipped_per_sample():
     logps = torch.tensor([[-1.0, -1.0, 0.0], [-0.5, -0.7, -0.2]], requires_grad=True)
     old = torch.tensor([[-1.2, -1.4, 0.0], [-0.5, -0.5, -0.5]])

@@ -389,14 +389,18 @@ def rloo_advantages(rewards: Tensor, group_size: int) -> Tensor:
 
 
 def reward_to_go(rewards: Tensor, mask: Tensor, gamma: float = 1.0) -> Tensor:
-    """Per-token returns G_t = sum_{s >= t} gamma^(s - t) r_s over each row's masked tokens, (B, T);
-    0 outside the mask. REINFORCE++ (with the KL folded into the per-token rewards)."""
+    """Per-token returns G_t = sum_{s >= t} gamma^(k(s) - k(t)) r_s over each row's masked tokens,
+    (B, T), k counting masked tokens; 0 outside the mask. REINFORCE++ (with the KL folded into the
+    per-token rewards). As in ``gae``, the trajectory is the row's masked tokens in order: an
+    unmasked gap of a multi-turn row (tool and environment tokens) is skipped, so the episode's
+    final reward reaches every earlier turn; rewards outside the mask are ignored."""
     mask = mask.to(torch.float32)
     returns = torch.zeros_like(mask)
     running = torch.zeros(mask.size(0), device=mask.device)
     for t in range(mask.size(1) - 1, -1, -1):
-        running = (rewards[:, t].float() + gamma * running) * mask[:, t]
-        returns[:, t] = running
+        keep = mask[:, t].bool()
+        running = torch.where(keep, rewards[:, t].float() + gamma * running, running)
+        returns[:, t] = running * mask[:, t]
     return returns
 
 
