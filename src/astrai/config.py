@@ -120,7 +120,8 @@ class RLConfig:
     clip_eps: float = knob(0.2, ge=0)  # PPO clip of the token ratio, below 1
     clip_eps_high: float | None = None  # above 1 (DAPO); None = clip_eps
     kl_coef: float = knob(0.0, ge=0)  # KL to the reference (kl_estimator); 0 loads no reference model
-    kl_estimator: str = "k3"  # k1: log(p/q) | k2: (log(p/q))^2 / 2 | k3: q/p - 1 - log(q/p)
+    kl_estimator: str = "k3+"  # k1: log(p/q) | k2: (log(p/q))^2 / 2 | k3: q/p - 1 - log(q/p) | k1+, k3+: k1's, k3's value with k2's gradient
+    kl_in_reward: bool = False  # GRPO family: the KL goes into each sample's reward (score - kl_coef * sum of KL), not the loss
     advantage_estimator: str = "grpo"  # grpo | rloo (leave-one-out) | reinforce_pp (REINFORCE++)
     importance_sampling_level: str = "token"  # token | sequence (GSPO: one ratio per sample)
     mask_truncated_completions: bool = False  # completions cut at rollout_max_tokens carry no loss

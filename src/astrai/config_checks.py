@@ -59,6 +59,9 @@ def validate(cfg: Config) -> None:
         raise ConfigError(f"rollout_interval={rl.rollout_interval} reuses a rollout until it is "
                           f"{rl.rollout_interval - 1} policy versions old, more than max_policy_lag={rl.max_policy_lag}; "
                           f"raise --max_policy_lag to {rl.rollout_interval - 1} or lower --rollout_interval")
+    if rl.kl_in_reward and cfg.data.train_type in ("grpo", "online_dpo"):
+        raise ConfigError(f"kl_in_reward=true applies to online_grpo (online_ppo always has the KL in its rewards), "
+                          f"not train_type {cfg.data.train_type}; set --kl_in_reward false")
     if cfg.data.train_type == "online_dpo" and rl.group_size < 2:
         raise ConfigError(f"online_dpo needs group_size >= 2 (a best and a worst sample per prompt), got "
                           f"{rl.group_size}; set --group_size 2 or more")

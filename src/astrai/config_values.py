@@ -77,7 +77,7 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "scale_rewards": ("group", "none"),
     "rl_loss_agg": ("token_mean", "seq_mean", "seq_mean_token_sum_norm"),
     "rollout_is_level": ("none", "token", "sequence"),
-    "kl_estimator": ("k1", "k2", "k3"),
+    "kl_estimator": ("k1", "k2", "k3", "k1+", "k3+"),
     "advantage_estimator": ("grpo", "rloo", "reinforce_pp"),
     "importance_sampling_level": ("token", "sequence"),
     "eval_match": ("exact", "final_number"),  # data/tasks.py SCORERS

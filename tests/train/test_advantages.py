@@ -4,13 +4,21 @@ run builder's no-signal warning."""
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
 from astrai.config import ConfigError, load_config
 from astrai.config_values import CHOICES
 from astrai.train import losses as L
-from astrai.train.advantages import ADVANTAGE_ESTIMATORS, AdvantageInputs, check_group_size
+from astrai.train.advantages import (
+    ADVANTAGE_ESTIMATORS,
+    AdvantageInputs,
+    check_group_size,
+    reward_kl,
+    with_kl_in_scores,
+)
 from astrai.train.build import warn_if_no_signal
 
 
@@ -54,3 +62,21 @@ def test_facts_drive_the_group_size_check_and_the_warning():
         cfg = load_config(None, ["--train_type", "online_grpo", "--advantage_estimator", name,
                                  "--group_size", str(estimator.min_group_size), "--rollout_temperature", "0"])
         assert (warn_if_no_signal(cfg, is_main=False) is not None) == estimator.group_relative, name
+
+
+def test_kl_in_reward_leaves_each_score_before_the_baseline():
+    """kl_in_reward: sample 1's two response tokens have KL (k1) 0.5 each, sample 2's 0; kl_coef 0.1
+    turns scores 1, 0 into 0.9, 0; Dr. GRPO's centring then gives +-0.45 (not +-0.5). The kl metric
+    is the mean over the four response tokens, 0.25. A k3+ reward uses k3's value."""
+    ref = torch.tensor([[0.0, -1.5, -1.5], [0.0, -1.0, -1.0]])
+    x = inputs(torch.tensor([[1.0, 0.0]]), ref_logps=ref, kl_coef=0.1, kl_estimator="k1", scale=False)
+    penalised = with_kl_in_scores(x)
+    assert penalised.rewards.tolist() == [pytest.approx([0.9, 0.0])]
+    assert ADVANTAGE_ESTIMATORS["grpo"].function(penalised).tolist() == pytest.approx([0.45, -0.45])
+    assert reward_kl(x) == pytest.approx(0.25)
+    k3 = math.exp(-0.5) - 1 + 0.5
+    k3_plus = with_kl_in_scores(AdvantageInputs(**{**x.__dict__, "kl_estimator": "k3+"}))
+    assert k3_plus.rewards.tolist() == [pytest.approx([1 - 0.2 * k3, 0.0])]
+    assert with_kl_in_scores(inputs(torch.tensor([[1.0, 0.0]]))).rewards.tolist() == [[1.0, 0.0]]  # no reference
+    with pytest.raises(ConfigError, match="kl_in_reward=true applies to online_grpo"):
+        load_config(None, ["--train_type", "online_dpo", "--kl_in_reward", "true"])

@@ -90,6 +90,7 @@ def test_kl_estimators_by_hand():
     {"advantage_estimator": "reinforce_pp", "kl_coef": 0.05, "kl_estimator": "k2"},
     {"importance_sampling_level": "sequence", "clip_eps": 0.0003, "clip_eps_high": 0.0004},
     {"kl_coef": 0.05, "kl_estimator": "k1"},
+    {"kl_coef": 0.05, "kl_in_reward": True},
 ])
 def test_each_estimator_trains_online(tmp_path, tok_dir, flags):  # noqa: F811
     config = write_rl_run(tmp_path, tok_dir, rollout_interval=2, **flags)
@@ -98,6 +99,7 @@ def test_each_estimator_trains_online(tmp_path, tok_dir, flags):  # noqa: F811
     assert [m["step"] for m in rows] == [1, 2]
     assert all(math.isfinite(m["loss"]) and math.isfinite(m["grad_norm"]) for m in rows)
     assert rows[0]["sampler_logp_diff"] <= 1e-5
+    assert ("kl" in rows[0]) == ("kl_coef" in flags)  # in the loss or in the rewards, the KL is reported
 
 
 def test_masked_truncated_completions_carry_no_loss(tmp_path, tok_dir):  # noqa: F811

@@ -13,6 +13,7 @@ the config imports nothing of ``train``), checked against this table by the test
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -23,6 +24,8 @@ from astrai.config import RLConfig
 from astrai.config_values import ConfigError
 from astrai.train.losses import (
     grpo_advantages,
+    kl_estimate,
+    masked_mean,
     reward_to_go,
     rloo_advantages,
     token_rewards,
@@ -60,6 +63,25 @@ def reinforce_pp(x: AdvantageInputs) -> Tensor:
     response token of the batch on all ranks; 0 outside the response."""
     rewards = token_rewards(x.rewards.reshape(-1), x.mask, x.behaviour_logps, x.ref_logps, x.kl_coef, x.kl_estimator)
     return whiten_with_sums(reward_to_go(rewards, x.mask), x.mask, x.all_reduce)
+
+
+def with_kl_in_scores(x: AdvantageInputs) -> AdvantageInputs:
+    """``kl_in_reward`` for a per-sample estimator: each sample's score becomes score - kl_coef *
+    the sum over its response tokens of the KL estimate to the reference (verl's use_kl_in_reward,
+    the per-token rewards of ``token_rewards`` summed), before the group baseline is taken."""
+    if x.ref_logps is None:
+        return x
+    per_token = token_rewards(x.rewards.reshape(-1), x.mask, x.behaviour_logps, x.ref_logps, x.kl_coef,
+                              x.kl_estimator)  # (N, T)
+    return dataclasses.replace(x, rewards=per_token.sum(dim=-1).reshape(x.rewards.shape))
+
+
+def reward_kl(x: AdvantageInputs) -> float:
+    """The ``kl`` metric when the KL sits in the rewards: the mean estimate over the response tokens
+    (the sampler's log-probs against the reference's); 0 without a reference."""
+    if x.ref_logps is None:
+        return 0.0
+    return masked_mean(kl_estimate(x.behaviour_logps.float(), x.ref_logps.float(), x.kl_estimator), x.mask).item()
 
 
 @dataclass(frozen=True)

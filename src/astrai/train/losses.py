@@ -227,13 +227,22 @@ def aggregate_token_loss(per_token: Tensor, mask: Tensor, mode: str = "token_mea
     return per_seq.sum(), torch.tensor(float(per_token.size(0)), device=per_token.device)
 
 
-def kl_estimate(logps: Tensor, ref_logps: Tensor, kind: str = "k3") -> Tensor:
+def kl_estimate(logps: Tensor, ref_logps: Tensor, kind: str = "k3+") -> Tensor:
     """Per-token estimate of KL(pi || pi_ref) from tokens sampled from pi (Schulman's k1/k2/k3).
 
     With log r = ref_logps - logps:  k1 = -log r,  k2 = (log r)^2 / 2,  k3 = (r - 1) - log r.
-    k1 is unbiased but can be negative; k3 is unbiased and never negative; k2 is biased, low
-    variance. Shapes broadcast; the result has the shape of the inputs.
+    As values, k1 and k3 are unbiased (k1 can be negative, k3 never is) and k2 is biased with low
+    variance. As a loss, only k2's expected gradient is the reverse KL's, E[(log pi - log ref)
+    grad log pi]: k1's is E[grad log pi] = 0 and k3's is -E_ref[grad log pi], the forward KL's.
+    The straight-through ``k1+`` and ``k3+`` take the value of k1 / k3 and the gradient of k2.
+    Shapes broadcast; the result has the shape of the inputs.
     """
+    if kind in ("k1+", "k3+"):
+        value = kl_estimate(logps, ref_logps, kind[:-1])
+        if not (torch.is_grad_enabled() and (logps.requires_grad or ref_logps.requires_grad)):
+            return value  # a value only (rewards, metrics): exactly k1's / k3's
+        surrogate = kl_estimate(logps, ref_logps, "k2")
+        return value.detach() + (surrogate - surrogate.detach())  # exactly the value forward: + 0.0
     log_ratio = ref_logps - logps
     if kind == "k1":
         return -log_ratio

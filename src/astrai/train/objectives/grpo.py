@@ -23,7 +23,7 @@ from torch import Tensor, nn
 
 from astrai.config import Config
 from astrai.train import dist
-from astrai.train.advantages import ADVANTAGE_ESTIMATORS, AdvantageInputs
+from astrai.train.advantages import ADVANTAGE_ESTIMATORS, AdvantageInputs, reward_kl, with_kl_in_scores
 from astrai.train.losses import (
     IGNORE_INDEX,
     aggregate_token_loss,
@@ -78,8 +78,10 @@ class GRPOObjective:
         self.device = next(model.parameters()).device
         self.sequence_ratio = rl.importance_sampling_level == "sequence"
         self.reference = frozen_reference(cfg.objective.ref_model_path, model) if rl.kl_coef > 0 else None
-        # REINFORCE++ folds the KL into its per-token rewards: no KL term in the loss then
-        self.kl_in_loss = self.reference is not None and not self.estimator.kl_in_rewards
+        # REINFORCE++ folds the KL into its per-token rewards, kl_in_reward into each sample's score:
+        # no KL term in the loss then
+        self.kl_in_reward = self.estimator.kl_in_rewards or rl.kl_in_reward
+        self.kl_in_loss = self.reference is not None and not self.kl_in_reward
 
     def setup(self, run: Run, total_steps: int) -> None:
         """Nothing is trained beside the policy."""
@@ -132,10 +134,14 @@ class GRPOObjective:
     def prepare(self, rollout: Rollout) -> None:
         """Online: pin the rollout's advantages (computed once, reused by every step on it)."""
         mask = rollout.labels != IGNORE_INDEX
-        with_ref = self.estimator.kl_in_rewards and self.reference is not None
+        with_ref = self.kl_in_reward and self.reference is not None
         ref = reference_logps(self.reference, rollout, rollout_sampling(self.rl), self.device) if with_ref else None
         inputs = AdvantageInputs(rollout.rewards, mask, rollout.old_logps, ref, self.scale, self.kl_coef,
                                  self.rl.kl_estimator, dist.all_reduce_sum if dist.is_distributed() else None)
+        if with_ref:
+            rollout.stats["kl"] = reward_kl(inputs)
+            if not self.estimator.kl_in_rewards:  # kl_in_reward: the KL leaves each score before the baseline
+                inputs = with_kl_in_scores(inputs)
         rollout.pinned["advantages"] = self.estimator.function(inputs)
         pin_keep(rollout, self.rl.mask_truncated_completions)
         unknown_trainer_logps(rollout)

@@ -26,6 +26,7 @@ from astrai.train.losses import (
     clipped_surrogate,
     explained_variance,
     gae,
+    kl_estimate,
     masked_mean,
     masked_whiten,
     token_rewards,
@@ -155,6 +156,8 @@ class PPOObjective:
         sampling = rollout_sampling(rl)
         ref_logps = reference_logps(self.reference, rollout, sampling, device) if self.reference is not None else None
         values = values * mask
+        if ref_logps is not None:  # the KL sits in the rewards: its mean estimate is the kl metric
+            rollout.stats["kl"] = masked_mean(kl_estimate(rollout.old_logps.float(), ref_logps, rl.kl_estimator), mask).item()
         rewards = token_rewards(rollout.rewards.reshape(-1), mask, rollout.old_logps, ref_logps, rl.kl_coef,
                                 rl.kl_estimator)
         advantages, returns = gae(rewards, values, mask, rl.ppo_gamma, rl.ppo_gae_lambda)
