@@ -118,16 +118,17 @@ class RLConfig:
     rollout_is_level: str = "token"  # none | token | sequence: truncated importance weights for sampler-trainer mismatch
     rollout_is_cap: float = knob(2.0, ge=1, note="(a weight of 1 is no correction)")  # the weight min(pi_trainer_old / pi_sampler, cap) is capped here
     clip_eps: float = knob(0.2, ge=0)  # PPO clip of the token ratio, below 1
-    clip_eps_high: float | None = None  # above 1 (DAPO); None = clip_eps
+    clip_eps_high: float | None = knob(None, ge=0)  # above 1 (DAPO); None = clip_eps
     kl_coef: float = knob(0.0, ge=0)  # KL to the reference (kl_estimator); 0 loads no reference model
     kl_estimator: str = "k3+"  # k1: log(p/q) | k2: (log(p/q))^2 / 2 | k3: q/p - 1 - log(q/p) | k1+, k3+: k1's, k3's value with k2's gradient
     kl_in_reward: bool = False  # GRPO family: the KL goes into each sample's reward (score - kl_coef * sum of KL), not the loss
     advantage_estimator: str = "grpo"  # grpo | rloo (leave-one-out) | reinforce_pp (REINFORCE++)
-    importance_sampling_level: str = "token"  # token | sequence (GSPO: one ratio per sample)
+    importance_sampling_level: str = "token"  # token | sequence (GSPO: one ratio per sample) | sequence_token (GSPO-token)
     mask_truncated_completions: bool = False  # completions cut at rollout_max_tokens carry no loss
     dynamic_sampling: bool = False  # DAPO: drop groups with equal rewards, draw more prompts to refill
     max_resample_batches: int = knob(4, ge=0)  # dynamic_sampling: extra prompt batches drawn per rollout at most
-    scale_rewards: str = "group"  # group: (r - mean) / std per group | none: r - mean (Dr. GRPO)
+    scale_rewards: str = "group"  # group: (r - mean) / (std + reward_std_eps) per group | none: r - mean (Dr. GRPO)
+    reward_std_eps: float = knob(1e-4, ge=0)  # scale_rewards group: added to the group's std (TRL's 1e-4), so near-equal rewards get small advantages
     rl_loss_agg: str = "token_mean"  # token_mean | seq_mean | seq_mean_token_sum_norm
     rewards: list[str] = field(default_factory=lambda: ["exact_match"])  # exact_match | final_number | format | length | overlong | module:function | a reward model dir
     reward_weights: list[float] | None = None  # one per reward; None = all 1.0

@@ -59,6 +59,7 @@ def validate(cfg: Config) -> None:
         raise ConfigError(f"rollout_interval={rl.rollout_interval} reuses a rollout until it is "
                           f"{rl.rollout_interval - 1} policy versions old, more than max_policy_lag={rl.max_policy_lag}; "
                           f"raise --max_policy_lag to {rl.rollout_interval - 1} or lower --rollout_interval")
+    _validate_objective_fields(cfg)
     if rl.kl_in_reward and cfg.data.train_type in ("grpo", "online_dpo"):
         raise ConfigError(f"kl_in_reward=true applies to online_grpo (online_ppo always has the KL in its rewards), "
                           f"not train_type {cfg.data.train_type}; set --kl_in_reward false")
@@ -76,6 +77,25 @@ def validate(cfg: Config) -> None:
                           "with answers); set --eval_data_path FILE.jsonl or --eval_interval 0")
     _validate_data_columns(cfg)
     _validate_report_to(cfg)
+
+
+def _validate_objective_fields(cfg: Config) -> None:
+    """Fields an objective would otherwise ignore, or combine into a loss nobody means."""
+    rl, train_type = cfg.rl, cfg.data.train_type
+    if train_type == "online_ppo":  # GAE per token, one ratio per token: these choices are the GRPO family's
+        for name, default in (("advantage_estimator", "grpo"), ("importance_sampling_level", "token")):
+            if getattr(rl, name) != default:
+                raise ConfigError(f"{name}={getattr(rl, name)!r} applies to the GRPO family, but online_ppo takes its "
+                                  f"advantages from its critic (GAE) with a ratio per token; remove --{name} or use "
+                                  "--train_type online_grpo")
+    if rl.importance_sampling_level == "sequence" and rl.advantage_estimator == "reinforce_pp":
+        raise ConfigError("importance_sampling_level='sequence' (GSPO) needs one advantage per sample, but reinforce_pp "
+                          "gives one per token; use --importance_sampling_level sequence_token (GSPO-token) or another "
+                          "--advantage_estimator")
+    if rl.importance_sampling_level != "token" and rl.rl_loss_agg == "seq_mean_token_sum_norm":
+        raise ConfigError(f"importance_sampling_level={rl.importance_sampling_level!r} (GSPO) averages its loss per "
+                          "sequence, so rl_loss_agg='seq_mean_token_sum_norm' does not apply; use --rl_loss_agg "
+                          "seq_mean")
 
 
 def _validate_ranges(cfg: Config) -> None:

@@ -79,7 +79,7 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "rollout_is_level": ("none", "token", "sequence"),
     "kl_estimator": ("k1", "k2", "k3", "k1+", "k3+"),
     "advantage_estimator": ("grpo", "rloo", "reinforce_pp"),
-    "importance_sampling_level": ("token", "sequence"),
+    "importance_sampling_level": ("token", "sequence", "sequence_token"),
     "eval_match": ("exact", "final_number"),  # data/tasks.py SCORERS
     "cpu_matmul": ("auto", "onednn", "blas"),  # model/matmul.py
 }

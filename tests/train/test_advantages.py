@@ -25,7 +25,7 @@ from astrai.train.build import warn_if_no_signal
 def inputs(rewards, **kw):
     N = rewards.numel()
     mask = torch.tensor([[0, 1, 1]] * N, dtype=torch.bool)
-    base = dict(mask=mask, behaviour_logps=torch.full((N, 3), -1.0), ref_logps=None, scale=True, kl_coef=0.0,
+    base = dict(mask=mask, behaviour_logps=torch.full((N, 3), -1.0), ref_logps=None, scale=True, std_eps=1e-8, kl_coef=0.0,
                 kl_estimator="k3", all_reduce=None)
     return AdvantageInputs(rewards, **{**base, **kw})
 

@@ -95,7 +95,7 @@ def test_online_grpo_runs_and_logs_rollout_metrics(tmp_path, tok_dir):
     assert [m["policy_version"] for m in lines] == [1, 2, 3, 4]
     assert [m["rollout_policy_version"] for m in lines] == [0, 0, 2, 2]  # each rollout serves two steps
     first = lines[0]
-    for key in ("reward_mean", "reward_std", "rewards/exact_match", "rewards/exact_match_rate", "rewards/format",
+    for key in ("reward_mean", "reward_std", "reward_std_batch", "rewards/exact_match", "rewards/exact_match_rate", "rewards/format",
                 "response_length_mean", "response_length_max", "clip_fraction", "approx_kl", "rollout_tokens_per_s",
                 "rollout_time_share", "skipped_prompts"):
         assert key in first, key
@@ -201,8 +201,8 @@ def test_offline_grpo_without_logprobs_uses_the_policys_own_hand_checked_loss(tm
     ds = build_dataset("rollout", path, load_tokenizer(tok_dir), 128)
     lengths = [len(r) for r in ds[0]["responses"]]
     assert len(set(lengths)) == 3  # the loss weighs each response by its tokens
-    # rewards [1, 0, 0.5]: mean 0.5, population std sqrt(1/6)
-    std = (1 / 6) ** 0.5
+    # rewards [1, 0, 0.5]: mean 0.5, population std sqrt(1/6), plus reward_std_eps 1e-4
+    std = (1 / 6) ** 0.5 + 1e-4
     adv = [0.5 / std, -0.5 / std, 0.0]
     expected = -sum(a * n for a, n in zip(adv, lengths)) / sum(lengths)
     assert abs(expected) > 0.1

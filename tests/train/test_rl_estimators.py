@@ -172,3 +172,74 @@ def test_dynamic_sampling_resumes_exactly(tmp_path, tok_dir):  # noqa: F811
         [{k: m.get(k) for k in keys} for m in read_metrics(tmp_path / "straight")]
     a, b = (load_file(str(latest_checkpoint(tmp_path / n / "ckpt") / "model.safetensors")) for n in ("stopped", "straight"))
     assert all(a[k].equal(b[k]) for k in a)
+
+
+def gspo_step(level: str, advantages, offset: float = 0.0):
+    """One GRPO objective call at `level` on two samples of 2 and 6 response tokens, the policy's
+    log-probs given (no model): (loss per loss unit, gradient of the loss sum w.r.t. the log-probs).
+    `offset`: the pinned old log-probs sit this far below the current ones (ratio e^offset)."""
+    from astrai.train.objectives.grpo import GRPOObjective
+    from astrai.train.objectives.logps import PolicyLogps
+
+    mask = torch.tensor([[1, 1, 0, 0, 0, 0], [1, 1, 1, 1, 1, 1]], dtype=torch.bool)
+    values = torch.tensor([[-0.5, -1.0, 0, 0, 0, 0], [-0.2, -0.4, -0.6, -0.8, -1.0, -1.2]])
+    cfg = load_config(None, ["--train_type", "online_grpo", "--importance_sampling_level", level])
+    objective = GRPOObjective(cfg, torch.nn.Linear(1, 1), online=True)
+    objective.requested_metrics = frozenset()
+    logps = values.clone().requires_grad_(True)
+    objective.logps = lambda model, batch, entropy=False: PolicyLogps(logps, mask, None)
+    old = torch.where(mask, values - offset, 0.0)
+    pinned = old if offset else torch.where(mask, math.nan, 0.0)  # NaN: the rollout's first step
+    batch = {"labels": torch.where(mask, 1, -100), "old_logps": old, "trainer_logps": pinned,
+             "advantages": advantages}
+    out = objective(None, batch)
+    out.loss.backward()
+    return (out.loss / objective.num_units(batch)).item(), logps.grad
+
+
+def test_gspo_averages_per_sequence_and_gspo_token_has_its_gradient():
+    """GSPO's loss is -s_i A_i per sample: with advantages +1 (2 tokens) and -1 (6 tokens) at ratio 1
+    the per-sequence mean is (-1 + 1) / 2 = 0; the token mean was (2 * -1 + 6 * 1) / 8 = 0.5, the
+    long sample weighing 3x. GSPO-token (sequence_token) takes the same value and, with one
+    advantage per sample, the same gradient; with per-token advantages each token's own."""
+    adv = torch.tensor([1.0, -1.0])
+    assert gspo_step("sequence", adv)[0] == pytest.approx(0.0)
+    assert gspo_step("sequence_token", adv)[0] == pytest.approx(0.0)
+    loss, grad = gspo_step("sequence", adv, offset=0.05)
+    loss_tok, grad_tok = gspo_step("sequence_token", adv, offset=0.05)
+    assert loss_tok == pytest.approx(loss)
+    torch.testing.assert_close(grad_tok, grad)
+    # by hand: d/dlogp_t of -s_i A_i / |y_i| summed over 2 sequences = -s A / |y|, s = e^0.05
+    s = math.exp(0.05)
+    assert grad[0, :2].tolist() == pytest.approx([-s / 2] * 2) and grad[1].tolist() == pytest.approx([s / 6] * 6)
+    per_token = torch.tensor([[2.0, 0.0, 0, 0, 0, 0], [-1.0] * 6])
+    _, grad_tok = gspo_step("sequence_token", per_token, offset=0.05)
+    assert grad_tok[0, :2].tolist() == pytest.approx([-s * 2 / 2, 0.0])
+
+
+@pytest.mark.parametrize("flags,match", [
+    (["--importance_sampling_level", "sequence", "--advantage_estimator", "reinforce_pp"],
+     "needs one advantage per sample, but reinforce_pp gives one per token"),
+    (["--importance_sampling_level", "sequence", "--rl_loss_agg", "seq_mean_token_sum_norm"],
+     "averages its loss per sequence"),
+    (["--train_type", "online_ppo", "--advantage_estimator", "rloo"], "advantage_estimator='rloo' applies to the GRPO"),
+    (["--train_type", "online_ppo", "--importance_sampling_level", "sequence"],
+     "importance_sampling_level='sequence' applies to the GRPO"),
+    (["--clip_eps_high", "-0.1"], r"clip_eps_high=-0.1 must be >= 0"),
+])
+def test_settings_an_objective_would_ignore_or_misread_are_refused(flags, match):
+    with pytest.raises(ConfigError, match=match):
+        load_config(None, flags)
+    load_config(None, ["--importance_sampling_level", "sequence_token", "--advantage_estimator", "reinforce_pp"])
+
+
+def test_near_equal_rewards_get_small_advantages():
+    """reward_std_eps (1e-4, TRL's): rewards 1e-6 apart got +-1 with the 1e-8 of before; now ~+-0.005."""
+    from astrai.train.advantages import ADVANTAGE_ESTIMATORS, AdvantageInputs
+
+    eps = load_config(None, []).rl.reward_std_eps
+    x = AdvantageInputs(torch.tensor([[1.0, 1.000001]]), torch.ones(2, 1, dtype=torch.bool), torch.zeros(2, 1), None,
+                        True, eps, 0.0, "k3+", None)
+    adv = ADVANTAGE_ESTIMATORS["grpo"].function(x)
+    assert adv.abs().max().item() < 0.01
+    assert L.grpo_advantages(torch.tensor([1.0, 0.0]), 2, eps=eps).tolist() == pytest.approx([1 / 1.0002, -1 / 1.0002])

@@ -427,6 +427,15 @@ def whiten_with_sums(values: Tensor, mask: Tensor, all_reduce: Any = None, eps: 
     return (values - mean) * torch.rsqrt(var + eps) * mask
 
 
+def sequence_token_log_ratio(logps: Tensor, old_logps: Tensor, mask: Tensor) -> Tensor:
+    """GSPO-token's log ratio per token, (B, T): the value of the sample's ``sequence_log_ratio`` on
+    every token, the gradient of that token's own log-prob (log s_i,t = sg[log s_i] + log pi_t -
+    sg[log pi_t]), so that a per-token advantage weighs its own token; with one advantage per
+    sample its gradient is GSPO's."""
+    seq = sequence_log_ratio(logps.detach(), old_logps, mask)  # (B, 1)
+    return seq + (logps - logps.detach())
+
+
 def sequence_log_ratio(logps: Tensor, old_logps: Tensor, mask: Tensor) -> Tensor:
     """GSPO's sequence-level log importance ratio: the mean over a sample's masked tokens of
     log(pi / pi_old), (B, T) -> (B, 1), with gradients through every token's log-prob."""

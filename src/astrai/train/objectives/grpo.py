@@ -31,6 +31,7 @@ from astrai.train.losses import (
     grpo_advantages,
     kl_estimate,
     sequence_log_ratio,
+    sequence_token_log_ratio,
 )
 from astrai.train.objectives.base import Batch, Companion, LossOutput, frozen_reference, wants
 from astrai.train.objectives.logps import (
@@ -71,12 +72,15 @@ class GRPOObjective:
     def __init__(self, cfg: Config, model: nn.Module, online: bool = False):
         rl = self.rl = cfg.rl
         self.online = online
-        self.agg, self.max_len = rl.rl_loss_agg, rl.rollout_max_tokens
+        self.level = rl.importance_sampling_level
+        # GSPO's loss is one value per sample: averaged per sequence, as the paper, verl and TRL do
+        # (token_mean would weigh a sample by its length)
+        self.agg = rl.rl_loss_agg if self.level == "token" else "seq_mean"
+        self.max_len = rl.rollout_max_tokens
         self.clip_eps, self.clip_eps_high, self.kl_coef = rl.clip_eps, rl.clip_eps_high, rl.kl_coef
         self.scale = rl.scale_rewards == "group"
         self.estimator = ADVANTAGE_ESTIMATORS[rl.advantage_estimator]
         self.device = next(model.parameters()).device
-        self.sequence_ratio = rl.importance_sampling_level == "sequence"
         self.reference = frozen_reference(cfg.objective.ref_model_path, model) if rl.kl_coef > 0 else None
         # REINFORCE++ folds the KL into its per-token rewards, kl_in_reward into each sample's score:
         # no KL term in the loss then
@@ -99,7 +103,7 @@ class GRPOObjective:
         advantages = torch.empty_like(rewards)
         for g in groups.unique():
             rows = (groups == g).nonzero().squeeze(1)
-            advantages[rows] = grpo_advantages(rewards[rows], len(rows), scale=self.scale)
+            advantages[rows] = grpo_advantages(rewards[rows], len(rows), scale=self.scale, eps=self.rl.reward_std_eps)
         return advantages
 
     def __call__(self, model: nn.Module, batch: Batch) -> LossOutput:
@@ -111,8 +115,11 @@ class GRPOObjective:
         advantages = batch["advantages"] if "advantages" in batch else self._group_advantages(batch)
         if advantages.dim() == 2 and idx is not None:
             advantages = advantages[:, idx]  # REINFORCE++: per-token advantages at the labelled positions
-        if self.sequence_ratio:  # GSPO: one ratio per sample, exp(mean log-ratio), clipped per sequence
-            seq = sequence_log_ratio(logps, beh.old, mask).expand_as(logps)
+        if self.level != "token":  # GSPO: one ratio per sample, exp(mean log-ratio), clipped per sequence
+            if self.level == "sequence":
+                seq = sequence_log_ratio(logps, beh.old, mask).expand_as(logps)
+            else:  # GSPO-token: the same value per token, each token's gradient its own
+                seq = sequence_token_log_ratio(logps, beh.old, mask)
             loss, clipped = clipped_surrogate(seq, torch.zeros_like(seq), advantages, self.clip_eps, self.clip_eps_high)
         else:
             loss, clipped = clipped_surrogate(logps, beh.old, advantages, self.clip_eps, self.clip_eps_high)
@@ -136,8 +143,9 @@ class GRPOObjective:
         mask = rollout.labels != IGNORE_INDEX
         with_ref = self.kl_in_reward and self.reference is not None
         ref = reference_logps(self.reference, rollout, rollout_sampling(self.rl), self.device) if with_ref else None
-        inputs = AdvantageInputs(rollout.rewards, mask, rollout.old_logps, ref, self.scale, self.kl_coef,
-                                 self.rl.kl_estimator, dist.all_reduce_sum if dist.is_distributed() else None)
+        inputs = AdvantageInputs(rollout.rewards, mask, rollout.old_logps, ref, self.scale, self.rl.reward_std_eps,
+                                 self.kl_coef, self.rl.kl_estimator,
+                                 dist.all_reduce_sum if dist.is_distributed() else None)
         if with_ref:
             rollout.stats["kl"] = reward_kl(inputs)
             if not self.estimator.kl_in_rewards:  # kl_in_reward: the KL leaves each score before the baseline

@@ -280,7 +280,11 @@ class OnlineLoop:
             result.pop("sampler_logp_diff", None)  # measured on a rollout's first step only
         r = rollout.rewards
         lengths = (rollout.labels != -100).sum(dim=1).float()
-        stats = {"reward_mean": r.mean().item(), "reward_std": r.std(unbiased=False).item(),
+        # reward_std is TRL's: the mean over groups of each group's std (what GRPO's advantages divide
+        # by); reward_std_batch is the population std over the whole rollout
+        group_std = r.std(dim=1) if r.size(1) > 1 else torch.zeros(r.size(0))
+        stats = {"reward_mean": r.mean().item(), "reward_std": group_std.mean().item(),
+                 "reward_std_batch": r.std(unbiased=False).item(),
                  "response_length_mean": lengths.mean().item(), "response_length_max": lengths.max().item()}
         for name, terms in rollout.reward_terms.items():
             stats[f"rewards/{name}"] = terms.mean().item()
