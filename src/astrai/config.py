@@ -106,6 +106,8 @@ class ObjectiveConfig:
 class RLConfig:
     group_size: int = knob(4, ge=1)  # samples per prompt (GRPO group; online DPO picks best and worst of them)
     rollout_interval: int = knob(1, ge=1)  # optimizer steps that reuse one rollout before it is regenerated
+    mini_batches: int = knob(1, ge=1)  # optimizer steps per pass over a fresh rollout, each on 1/mini_batches of its samples
+    ppo_epochs: int = knob(1, ge=1)  # passes over a rollout of mini_batches steps each
     rollout_max_tokens: int = knob(64, ge=1)  # new tokens per sample
     rollout_temperature: float = knob(1.0, ge=0)  # the trainer's log-probs use the same temperature
     rollout_top_p: float = knob(1.0, gt=0, le=1)

@@ -28,7 +28,7 @@ from astrai.config_values import (
 from astrai.flags import is_optional
 
 if TYPE_CHECKING:
-    from astrai.config import Config
+    from astrai.config import Config, RLConfig
 
 
 def validate(cfg: Config) -> None:
@@ -55,10 +55,18 @@ def validate(cfg: Config) -> None:
     if "overlong" in rl.rewards and not 0 < rl.overlong_buffer <= rl.rollout_max_tokens:
         raise ConfigError(f"overlong_buffer={rl.overlong_buffer} must be within [1, rollout_max_tokens="
                           f"{rl.rollout_max_tokens}] for the overlong reward; set --overlong_buffer in that range")
-    if rl.rollout_interval - 1 > rl.max_policy_lag:
-        raise ConfigError(f"rollout_interval={rl.rollout_interval} reuses a rollout until it is "
-                          f"{rl.rollout_interval - 1} policy versions old, more than max_policy_lag={rl.max_policy_lag}; "
-                          f"raise --max_policy_lag to {rl.rollout_interval - 1} or lower --rollout_interval")
+    if rl.rollout_interval > 1 and rl.mini_batches * rl.ppo_epochs > 1:
+        raise ConfigError(f"rollout_interval={rl.rollout_interval} counts steps on a whole rollout, but mini_batches="
+                          f"{rl.mini_batches} and ppo_epochs={rl.ppo_epochs} split it; with mini-batches set the passes "
+                          "with --ppo_epochs and leave --rollout_interval 1")
+    uses = steps_per_rollout(rl)
+    if uses - 1 > rl.max_policy_lag:
+        what = "rollout_interval" if rl.rollout_interval > 1 else "mini_batches x ppo_epochs"
+        raise ConfigError(f"{what} = {uses} steps reuse a rollout until it is {uses - 1} policy versions old, more than "
+                          f"max_policy_lag={rl.max_policy_lag}; raise --max_policy_lag to {uses - 1} or lower {what}")
+    if rl.mini_batches > 1 and cfg.data.train_type not in ("online_grpo", "online_ppo"):
+        raise ConfigError(f"mini_batches={rl.mini_batches} applies to online_grpo and online_ppo (samples split into "
+                          f"mini-batches), not {cfg.data.train_type}; set --mini_batches 1 (--ppo_epochs gives passes)")
     _validate_objective_fields(cfg)
     if rl.kl_in_reward and cfg.data.train_type in ("grpo", "online_dpo"):
         raise ConfigError(f"kl_in_reward=true applies to online_grpo (online_ppo always has the KL in its rewards), "
@@ -77,6 +85,12 @@ def validate(cfg: Config) -> None:
                           "with answers); set --eval_data_path FILE.jsonl or --eval_interval 0")
     _validate_data_columns(cfg)
     _validate_report_to(cfg)
+
+
+def steps_per_rollout(rl: RLConfig) -> int:
+    """Optimizer steps taken on one rollout: ``rollout_interval`` whole-rollout steps, or
+    ``ppo_epochs`` passes of ``mini_batches`` steps (one of the two forms is 1)."""
+    return rl.rollout_interval * rl.mini_batches * rl.ppo_epochs
 
 
 def _validate_objective_fields(cfg: Config) -> None:

@@ -77,12 +77,13 @@ class Objective(Protocol):
 class RolloutObjective(Objective, Protocol):
     """An objective of the online loop (``train/rl/loop.py``), which trains on rollouts: ``prepare``
     pins a fresh rollout's targets once (advantages, pairs, values); each optimizer step on it
-    runs ``batches(rollout, grad_accum_steps)``; under DDP a rank with fewer micro-batches than
+    runs ``batches(rollout, grad_accum_steps)`` (with ``mini_batches`` > 1, ``batches(rollout,
+    grad_accum_steps, samples)`` on that step's mini-batch of sample indices); under DDP a rank with fewer micro-batches than
     another runs ``filler_batch(rollout, batches)`` for each missing one, a pass whose loss and
     units the loop zeroes, so that every rank joins every gradient all-reduce."""
 
     def prepare(self, rollout: Rollout) -> None: ...
-    def batches(self, rollout: Rollout, num_micro: int) -> list[Batch]: ...
+    def batches(self, rollout: Rollout, num_micro: int, samples: Tensor | None = None) -> list[Batch]: ...
     def filler_batch(self, rollout: Rollout, batches: list[Batch]) -> Batch: ...
 
 

@@ -154,8 +154,8 @@ class GRPOObjective:
         pin_keep(rollout, self.rl.mask_truncated_completions)
         unknown_trainer_logps(rollout)
 
-    def batches(self, rollout: Rollout, num_micro: int) -> list[Batch]:
-        return micro_batches(rollout, num_micro, self.layout)
+    def batches(self, rollout: Rollout, num_micro: int, samples: Tensor | None = None) -> list[Batch]:
+        return micro_batches(rollout, num_micro, self.layout, samples)
 
     def filler_batch(self, rollout: Rollout, batches: list[Batch]) -> Batch:
         """Every rank has samples: its last micro-batch again (the loop zeroes its loss)."""

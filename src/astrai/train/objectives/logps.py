@@ -124,6 +124,16 @@ def behaviour(batch: Batch, logps: Tensor, mask: Tensor, idx: Tensor | None, onl
     return Behaviour(old, weights, capped, {"trainer_logps": full})
 
 
+def trainer_logps_pins(objective: Any, model: Any, batch: Batch) -> dict[str, Tensor]:
+    """The ``trainer_logps`` pin of `batch` from a forward of `objective`'s log-probs (no loss): what
+    ``behaviour`` pins on a rollout's first step, taken before any step when the rollout's steps
+    train on mini-batches (the later ones would otherwise see moved weights as the old ones)."""
+    pol = objective.logps(model, batch)
+    full = batch["trainer_logps"].clone()
+    full[:, pol.idx if pol.idx is not None else slice(None)] = pol.logps.detach().to(full.dtype)
+    return {"trainer_logps": full}
+
+
 def unknown_trainer_logps(rollout: Rollout) -> None:
     """A fresh rollout: the trainer's log-probs at its weights are not known yet (NaN); the first
     step on it computes them (the weights have not moved since sampling) and pins them (see

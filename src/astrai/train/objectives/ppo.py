@@ -171,8 +171,8 @@ class PPOObjective:
             "value_mean": masked_mean(values, mask).item(), "return_mean": masked_mean(returns, mask).item(),
         })
 
-    def batches(self, rollout: Rollout, num_micro: int) -> list[Batch]:
-        return micro_batches(rollout, num_micro, self.layout)
+    def batches(self, rollout: Rollout, num_micro: int, samples: Tensor | None = None) -> list[Batch]:
+        return micro_batches(rollout, num_micro, self.layout, samples)
 
     def filler_batch(self, rollout: Rollout, batches: list[Batch]) -> Batch:
         """Every rank has samples: its last micro-batch again (the loop zeroes its loss)."""

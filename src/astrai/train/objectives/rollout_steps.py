@@ -52,13 +52,13 @@ def pin_keep(rollout: Rollout, mask_truncated: bool) -> None:
         rollout.pinned["keep"] = ~rollout.truncated
 
 
-def micro_batches(rollout: Rollout, num_micro: int, layout: str) -> list[Batch]:
-    """Micro-batches of whole samples, in order (or, layout "sort", longest first, so that each
-    micro-batch holds samples of similar lengths)."""
-    order = torch.arange(rollout.num_samples)
+def micro_batches(rollout: Rollout, num_micro: int, layout: str, samples: Tensor | None = None) -> list[Batch]:
+    """Micro-batches of whole samples (all of the rollout's, or the mini-batch `samples`), in order
+    (or, layout "sort", longest first, so that each micro-batch holds samples of similar lengths)."""
+    order = torch.arange(rollout.num_samples) if samples is None else samples
     if layout == "sort":
-        order = rollout.attention_mask.sum(dim=1).argsort(descending=True, stable=True)
-    chunks = order.tensor_split(min(num_micro, rollout.num_samples))
+        order = order[rollout.attention_mask[order].sum(dim=1).argsort(descending=True, stable=True)]
+    chunks = order.tensor_split(min(num_micro, len(order)))
     return [rollout.rows(idx) for idx in chunks if len(idx)]
 
 
