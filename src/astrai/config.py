@@ -121,6 +121,7 @@ class RLConfig:
     rollout_is_cap: float = knob(2.0, ge=1, note="(a weight of 1 is no correction)")  # the weight min(pi_trainer_old / pi_sampler, cap) is capped here
     clip_eps: float = knob(0.2, ge=0)  # PPO clip of the token ratio, below 1
     clip_eps_high: float | None = knob(None, ge=0)  # above 1 (DAPO); None = clip_eps
+    entropy_coef: float = knob(0.0, ge=0)  # GRPO family and online_ppo: loss - entropy_coef * the policy's token entropy (a bonus)
     kl_coef: float = knob(0.0, ge=0)  # KL to the reference (kl_estimator); 0 loads no reference model
     kl_estimator: str = "k3+"  # k1: log(p/q) | k2: (log(p/q))^2 / 2 | k3: q/p - 1 - log(q/p) | k1+, k3+: k1's, k3's value with k2's gradient
     kl_in_reward: bool = False  # GRPO family: the KL goes into each sample's reward (score - kl_coef * sum of KL), not the loss

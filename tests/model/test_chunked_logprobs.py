@@ -122,6 +122,25 @@ def test_entropy_equals_the_metric_on_full_logits(temperature, top_k, bias):
     torch.testing.assert_close(out.logps, reference_logps(lm(h), t, temperature, top_k, 1.0), **TOL)
 
 
+@pytest.mark.parametrize("temperature,top_k", [(1.0, 0), (0.7, 5), (0.0, 0)])
+def test_entropy_gradient_equals_autograd_of_the_full_softmax(temperature, top_k):
+    """entropy_grad (the RL entropy bonus): the entropy of the tempered untruncated distribution
+    with its gradient, dH/dz = -p (log p + H), across chunks and beside a log-prob gradient (a
+    truncated row's log-probs and its untruncated entropy both reach the weights)."""
+    torch.manual_seed(0)
+    lm = torch.nn.Linear(16, 97, bias=True)
+    h, t = torch.randn(3, 7, 16, requires_grad=True), torch.randint(0, 97, (3, 7))
+    w_ent, w_lp = torch.randn(3, 7), torch.randn(3, 7)
+    out = head_logps(h, lm, t, temperature, top_k=top_k, entropy=True, chunk_rows=4, entropy_grad=True)
+    new = (out.entropy * w_ent).sum() + (out.logps * w_lp).sum()
+    z = lm(h).float() / (temperature if temperature > 0 else 1.0)
+    lp = torch.log_softmax(z, dim=-1)
+    ref = (-(lp.exp() * lp).sum(-1) * w_ent).sum() + (reference_logps(lm(h), t, temperature, top_k, 1.0) * w_lp).sum()
+    torch.testing.assert_close(new, ref, **TOL)
+    for a, b in zip(grads(new, [h, lm.weight, lm.bias]), grads(ref, [h, lm.weight, lm.bias]), strict=True):
+        assert_grad_close(a, b)
+
+
 def test_low_precision_weights_take_the_allocating_path():
     """bf16 weights do not use the float32 block: values still match the full-logits path."""
     torch.manual_seed(0)

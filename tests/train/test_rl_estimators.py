@@ -91,6 +91,7 @@ def test_kl_estimators_by_hand():
     {"importance_sampling_level": "sequence", "clip_eps": 0.0003, "clip_eps_high": 0.0004},
     {"kl_coef": 0.05, "kl_estimator": "k1"},
     {"kl_coef": 0.05, "kl_in_reward": True},
+    {"entropy_coef": 0.01, "rollout_top_k": 20},
 ])
 def test_each_estimator_trains_online(tmp_path, tok_dir, flags):  # noqa: F811
     config = write_rl_run(tmp_path, tok_dir, rollout_interval=2, **flags)
@@ -174,27 +175,37 @@ def test_dynamic_sampling_resumes_exactly(tmp_path, tok_dir):  # noqa: F811
     assert all(a[k].equal(b[k]) for k in a)
 
 
-def gspo_step(level: str, advantages, offset: float = 0.0):
-    """One GRPO objective call at `level` on two samples of 2 and 6 response tokens, the policy's
-    log-probs given (no model): (loss per loss unit, gradient of the loss sum w.r.t. the log-probs).
-    `offset`: the pinned old log-probs sit this far below the current ones (ratio e^offset)."""
+MASK = torch.tensor([[1, 1, 0, 0, 0, 0], [1, 1, 1, 1, 1, 1]], dtype=torch.bool)  # samples of 2 and 6 tokens
+LOGPS = torch.tensor([[-0.5, -1.0, 0, 0, 0, 0], [-0.2, -0.4, -0.6, -0.8, -1.0, -1.2]])
+
+
+def objective_step(flags: list[str], advantages, offset=0.0, sampler=None, entropy=None):
+    """One online GRPO objective call under `flags` on two samples (MASK), the policy's log-probs
+    LOGPS given (no model): (loss per loss unit, gradient of the loss sum w.r.t. the log-probs).
+    `offset`: the pinned old log-probs sit this far below the current ones (ratio e^offset);
+    `sampler`: the sampler's log-probs (default the old ones: importance weights 1); `entropy`:
+    the policy's token entropy (a leaf, so the entropy bonus's gradient can be read off it)."""
     from astrai.train.objectives.grpo import GRPOObjective
     from astrai.train.objectives.logps import PolicyLogps
 
-    mask = torch.tensor([[1, 1, 0, 0, 0, 0], [1, 1, 1, 1, 1, 1]], dtype=torch.bool)
-    values = torch.tensor([[-0.5, -1.0, 0, 0, 0, 0], [-0.2, -0.4, -0.6, -0.8, -1.0, -1.2]])
-    cfg = load_config(None, ["--train_type", "online_grpo", "--importance_sampling_level", level])
+    cfg = load_config(None, ["--train_type", "online_grpo", *flags])
     objective = GRPOObjective(cfg, torch.nn.Linear(1, 1), online=True)
     objective.requested_metrics = frozenset()
-    logps = values.clone().requires_grad_(True)
-    objective.logps = lambda model, batch, entropy=False: PolicyLogps(logps, mask, None)
-    old = torch.where(mask, values - offset, 0.0)
-    pinned = old if offset else torch.where(mask, math.nan, 0.0)  # NaN: the rollout's first step
-    batch = {"labels": torch.where(mask, 1, -100), "old_logps": old, "trainer_logps": pinned,
-             "advantages": advantages}
+    logps = LOGPS.clone().requires_grad_(True)
+    objective.logps = lambda model, batch, entropy=False, entropy_grad=False: PolicyLogps(logps, MASK, None, ent)
+    ent = entropy
+    offset = torch.as_tensor(offset)
+    old = torch.where(MASK, LOGPS - offset, 0.0)
+    pinned = old if bool((offset != 0).any()) else torch.where(MASK, math.nan, 0.0)  # NaN: the rollout's first step
+    batch = {"labels": torch.where(MASK, 1, -100), "old_logps": old if sampler is None else sampler,
+             "trainer_logps": pinned, "advantages": advantages}
     out = objective(None, batch)
     out.loss.backward()
     return (out.loss / objective.num_units(batch)).item(), logps.grad
+
+
+def gspo_step(level: str, advantages, offset: float = 0.0):
+    return objective_step(["--importance_sampling_level", level], advantages, offset)
 
 
 def test_gspo_averages_per_sequence_and_gspo_token_has_its_gradient():
@@ -243,3 +254,14 @@ def test_near_equal_rewards_get_small_advantages():
     adv = ADVANTAGE_ESTIMATORS["grpo"].function(x)
     assert adv.abs().max().item() < 0.01
     assert L.grpo_advantages(torch.tensor([1.0, 0.0]), 2, eps=eps).tolist() == pytest.approx([1 / 1.0002, -1 / 1.0002])
+
+
+def test_entropy_coef_adds_a_bonus_with_its_gradient():
+    """entropy_coef 0.1: at ratio 1 with advantages 0 the loss is -0.1 * the token mean of the
+    entropy (tokens weigh alike under token_mean): -0.1 * (2 * 1.0 + 6 * 2.0) / 8; each token's
+    entropy gets gradient -0.1 from the loss sum."""
+    entropy = torch.where(MASK, torch.tensor([[1.0], [2.0]]), 0.0).requires_grad_(True)
+    loss, _ = objective_step(["--entropy_coef", "0.1"], torch.zeros(2), entropy=entropy)
+    assert loss == pytest.approx(-0.1 * (2 * 1.0 + 6 * 2.0) / 8)
+    assert entropy.grad[MASK].tolist() == pytest.approx([-0.1] * 8) and entropy.grad[~MASK].abs().sum() == 0
+    assert objective_step([], torch.zeros(2), entropy=entropy.detach())[0] == 0.0  # off by default

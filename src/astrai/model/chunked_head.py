@@ -38,7 +38,7 @@ class HeadLogps:
 
     logps: Tensor  # log pi(target) under the (tempered, truncated) distribution; differentiable
     mean_logps: Tensor | None = None  # mean over the vocabulary of log pi (label smoothing); differentiable
-    entropy: Tensor | None = None  # entropy of the tempered, untruncated distribution; detached
+    entropy: Tensor | None = None  # entropy of the tempered, untruncated distribution; detached unless entropy_grad
 
 
 def chunk_rows_for(vocab_size: int) -> int:
@@ -47,13 +47,15 @@ def chunk_rows_for(vocab_size: int) -> int:
 
 def head_logps(hidden: Tensor, lm_head: nn.Module, targets: Tensor, temperature: float = 1.0, top_k: int = 0,
                top_p: float = 1.0, smoothing: bool = False, entropy: bool = False,
-               chunk_rows: int | None = None) -> HeadLogps:
+               chunk_rows: int | None = None, entropy_grad: bool = False) -> HeadLogps:
     """log pi(targets) for hidden states (..., C) through `lm_head` (an nn.Linear), targets (...).
 
     temperature 0 means greedy: the plain logits, no truncation (as the sampler records it);
     otherwise logits / temperature truncated to top_k then top_p (0 / 1.0: off), with the target
     always kept. `smoothing` adds mean_v log pi_v (untruncated only), `entropy` the entropy of
-    the tempered untruncated distribution, both per row.
+    the tempered untruncated distribution, both per row; `entropy_grad` makes that entropy
+    differentiable (an entropy bonus in a loss: dH/dz_v = -p_v (log p_v + H), recomputed per chunk
+    in backward like the rest).
     """
     weight, bias = lm_head.weight, getattr(lm_head, "bias", None)
     V = weight.size(0)
@@ -65,7 +67,7 @@ def head_logps(hidden: Tensor, lm_head: nn.Module, targets: Tensor, temperature:
     flat = hidden.reshape(-1, hidden.size(-1))  # (N, C)
     rows = chunk_rows or chunk_rows_for(V)
     options = (float(temperature), int(top_k) if truncate and 0 < top_k < V else V,
-               float(top_p) if truncate else 1.0, bool(smoothing), bool(entropy), rows)
+               float(top_p) if truncate else 1.0, bool(smoothing), bool(entropy), rows, bool(entropy and entropy_grad))
     logps, means, ent = ChunkedHeadLogps.apply(flat, weight, bias, targets.reshape(-1), options)
     return HeadLogps(logps.reshape(shape), means.reshape(shape) if smoothing else None,
                      ent.reshape(shape) if entropy else None)
@@ -116,7 +118,7 @@ class ChunkedHeadLogps(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden: Tensor, weight: Tensor, bias: Tensor | None, targets: Tensor,
                 options: tuple) -> tuple[Tensor, Tensor, Tensor]:
-        temperature, _, _, smoothing, want_entropy, rows = options
+        temperature, _, _, smoothing, want_entropy, rows, entropy_grad = options
         N = hidden.size(0)
         logps = hidden.new_zeros(N, dtype=torch.float32)
         lse = torch.zeros_like(logps)
@@ -152,15 +154,16 @@ class ChunkedHeadLogps(torch.autograd.Function):
             logps[sl] -= lse[sl]
             if smoothing:
                 means[sl] -= lse[sl]
-        ctx.save_for_backward(hidden, weight, bias, targets, lse)
+        ctx.save_for_backward(hidden, weight, bias, targets, lse, ent)
         ctx.options = options
-        ctx.mark_non_differentiable(ent)
+        if not entropy_grad:
+            ctx.mark_non_differentiable(ent)
         return logps, means, ent
 
     @staticmethod
-    def backward(ctx, g_logps: Tensor, g_means: Tensor, _g_ent: Tensor) -> tuple:
-        hidden, weight, bias, targets, lse = ctx.saved_tensors
-        temperature, _, _, smoothing, _, rows = ctx.options
+    def backward(ctx, g_logps: Tensor, g_means: Tensor, g_ent: Tensor) -> tuple:
+        hidden, weight, bias, targets, lse, ent = ctx.saved_tensors
+        temperature, _, _, smoothing, _, rows, entropy_grad = ctx.options
         need_h, need_w, need_b = ctx.needs_input_grad[0], ctx.needs_input_grad[1], bias is not None and ctx.needs_input_grad[2]
         # every row of g_h is written, chunk by chunk
         g_h = torch.empty(hidden.shape, dtype=hidden.dtype, device=hidden.device) if need_h else None
@@ -171,16 +174,23 @@ class ChunkedHeadLogps(torch.autograd.Function):
         for start in range(0, hidden.size(0), rows):
             sl = slice(start, start + rows)
             h, t = hidden[sl], targets[sl]
-            z = _truncated(_tempered(h, weight, bias, temperature, block), t, ctx.options)  # (n, V), recomputed
+            tempered = _tempered(h, weight, bias, temperature, block)  # (n, V), recomputed
+            scale = 1.0 / temperature if temperature > 0 and temperature != 1.0 else 1.0
+            dz_ent = None
+            if entropy_grad:  # d/dz of ge * H, H of the untruncated tempered distribution: -ge p (log p + H)
+                lp = torch.log_softmax(tempered, dim=-1)  # (n, V)
+                dz_ent = lp.exp().mul_(lp.add_(ent[sl, None])).mul_((-g_ent[sl].float() * scale)[:, None])
+            z = _truncated(tempered, t, ctx.options)
             probs = z.sub_(lse[sl, None]).exp_()  # in place (z is this chunk's own); 0 where truncated
             ga = g_logps[sl].float()
             total = ga + g_means[sl].float() if smoothing else ga
             # d/dz of ga * log p_t + gm * mean_v log p_v, with the 1 / temperature of the tempering
-            scale = 1.0 / temperature if temperature > 0 and temperature != 1.0 else 1.0
             dz = probs.mul_(-total[:, None] * scale)
             dz[torch.arange(dz.size(0), device=dz.device), t] += ga * scale
             if smoothing:
                 dz += g_means[sl].float()[:, None] * (scale / V)
+            if dz_ent is not None:
+                dz += dz_ent
             dz = dz.to(weight.dtype)
             if need_h:
                 if g_h.dtype == dz.dtype == weight.dtype:

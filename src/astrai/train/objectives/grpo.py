@@ -93,9 +93,9 @@ class GRPOObjective:
     def num_units(self, batch: Batch) -> Tensor:
         return num_units(batch, self.agg)
 
-    def logps(self, model: nn.Module, batch: Batch, entropy: bool = False) -> PolicyLogps:
+    def logps(self, model: nn.Module, batch: Batch, entropy: bool = False, entropy_grad: bool = False) -> PolicyLogps:
         """``token_logps`` at the rollout's sampling, in this objective's layout."""
-        return token_logps(model, batch, rollout_sampling(self.rl), entropy, self.layout)
+        return token_logps(model, batch, rollout_sampling(self.rl), entropy, self.layout, entropy_grad)
 
     def _group_advantages(self, batch: Batch) -> Tensor:
         """Offline records: advantages per record's group (groups may differ in size)."""
@@ -107,7 +107,8 @@ class GRPOObjective:
         return advantages
 
     def __call__(self, model: nn.Module, batch: Batch) -> LossOutput:
-        pol = self.logps(model, batch, entropy=wants(self.requested_metrics, "entropy"))
+        bonus = self.rl.entropy_coef > 0  # the entropy bonus needs the entropy with its gradient
+        pol = self.logps(model, batch, entropy=bonus or wants(self.requested_metrics, "entropy"), entropy_grad=bonus)
         logps, idx = pol.logps, pol.idx
         mask = loss_mask(batch, pol.mask)
         # the ratio's old log-probs and the importance weights
@@ -124,6 +125,8 @@ class GRPOObjective:
         else:
             loss, clipped = clipped_surrogate(logps, beh.old, advantages, self.clip_eps, self.clip_eps_high)
         loss = loss * beh.weights  # the sampler-trainer mismatch correction (1 in fp32 on a fresh rollout)
+        if bonus:
+            loss = loss - self.rl.entropy_coef * pol.entropy
         metrics: dict[str, Tensor] = {}
         if self.kl_in_loss:
             with torch.no_grad():

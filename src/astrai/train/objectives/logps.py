@@ -45,14 +45,15 @@ class PolicyLogps:
 
 
 def token_logps(model: Any, batch: Batch, sampling: RolloutSampling, entropy: bool = False,
-                layout: str = "share") -> PolicyLogps:
+                layout: str = "share", entropy_grad: bool = False) -> PolicyLogps:
     """The labelled tokens' log-probs under the distribution the rollout sampler drew from:
     logits / temperature, truncated to top_k and top_p and renormalised (docs/training.md, "The
     log-prob contract"); temperature 0 (greedy) uses the plain logits, as the sampler does. The
     rows run through the model in `layout` (``packing.py``: padding-free by default; "sort" runs
     each micro-batch trimmed to its longest row) and the lm head runs chunked on the labelled
     tokens only (``model/chunked_head.py``: no (rows, vocab) logits tensor); results come back in
-    the padded (B, K) layout, 0 off-label."""
+    the padded (B, K) layout, 0 off-label. `entropy_grad`: the entropy carries a gradient (an
+    entropy bonus in the loss), else it is a detached metric."""
     labels = batch["labels"]
     labelled = labels != IGNORE_INDEX
     layout = "trim" if layout == "sort" else layout
@@ -64,7 +65,7 @@ def token_logps(model: Any, batch: Batch, sampling: RolloutSampling, entropy: bo
 
     def head(hidden: Tensor, lm_head: nn.Module) -> HeadLogps:
         return head_logps(rows.gather(hidden, keep), lm_head, targets, sampling.temperature, sampling.top_k,
-                          sampling.top_p, entropy=entropy)
+                          sampling.top_p, entropy=entropy, entropy_grad=entropy_grad)
 
     out = model(**rows.inputs(batch["input_ids"], batch["attention_mask"]), logits_indices=keep, head=head)
     idx = labelled_positions(labels)

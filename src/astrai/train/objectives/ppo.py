@@ -140,9 +140,9 @@ class PPOObjective:
     def num_units(self, batch: Batch) -> Tensor:
         return num_units(batch, self.agg)
 
-    def logps(self, model: nn.Module, batch: Batch, entropy: bool = False) -> PolicyLogps:
+    def logps(self, model: nn.Module, batch: Batch, entropy: bool = False, entropy_grad: bool = False) -> PolicyLogps:
         """``token_logps`` at the rollout's sampling, in this objective's layout."""
-        return token_logps(model, batch, rollout_sampling(self.rl), entropy, self.layout)
+        return token_logps(model, batch, rollout_sampling(self.rl), entropy, self.layout, entropy_grad)
 
     @torch.no_grad()
     def prepare(self, rollout: Rollout) -> None:
@@ -189,7 +189,8 @@ class PPOObjective:
 
     def __call__(self, model: nn.Module, batch: Batch) -> LossOutput:
         rl, requested = self.rl, self.requested_metrics
-        pol = self.logps(model, batch, entropy=wants(requested, "entropy"))
+        bonus = rl.entropy_coef > 0  # the entropy bonus needs the entropy with its gradient
+        pol = self.logps(model, batch, entropy=bonus or wants(requested, "entropy"), entropy_grad=bonus)
         logps, idx, rows = pol.logps, pol.idx, pol.rows
         mask = loss_mask(batch, pol.mask)
 
@@ -201,6 +202,8 @@ class PPOObjective:
         beh = behaviour(batch, logps, mask, idx, True, rl.rollout_is_level, rl.rollout_is_cap)
         policy, clipped = clipped_surrogate(logps, beh.old, at("advantages"), rl.clip_eps, rl.clip_eps_high)
         policy = policy * beh.weights
+        if bonus:
+            policy = policy - rl.entropy_coef * pol.entropy
         values = self.critic_module(**rows.inputs(batch["input_ids"], batch["attention_mask"]))  # (R, W), as the policy ran
         values = rows.scatter(values[rows.dst], idx)  # (B, K)
         vloss, vclipped = value_loss(values, at("old_values"), at("returns"), rl.value_clip, coef=1.0)

@@ -80,7 +80,7 @@ def common_metrics(pol: PolicyLogps, mask: Tensor, beh: Behaviour, clipped: Tens
         "clip_fraction_high": lambda: (clipped & (diff_old > 0)).float(),  # ratio above 1 + clip_eps_high
         "approx_kl": lambda: 0.5 * diff_old**2,  # between the current and the old policy
         "sampler_logp_diff": lambda: diff_sampler.abs(),  # |trainer - sampler| log-prob; ~0 on a fresh rollout
-        "entropy": lambda: pol.entropy,  # computed chunk by chunk by token_logps when asked for
+        "entropy": lambda: pol.entropy.detach(),  # computed chunk by chunk by token_logps when asked for
         "is_weight_mean": lambda: beh.weights,
         "is_weight_capped_fraction": lambda: beh.capped.float(),
     }
