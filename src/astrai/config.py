@@ -119,6 +119,8 @@ class RLConfig:
     host_keep_heap: bool = True  # glibc: while the engine decodes, freed heap memory stays mapped (no trim, no page faults back)
     rollout_is_level: str = "token"  # none | token | sequence: truncated importance weights for sampler-trainer mismatch
     rollout_is_cap: float = knob(2.0, ge=1, note="(a weight of 1 is no correction)")  # the weight min(pi_trainer_old / pi_sampler, cap) is capped here
+    rollout_is_mode: str = "truncate"  # truncate: min(w, cap) | mask: w within [rollout_is_min, rollout_is_cap], else the token carries no loss (TRL's)
+    rollout_is_min: float | None = knob(None, ge=0, le=1)  # rollout_is_mode mask: the band's lower bound; None = 1 / rollout_is_cap
     clip_eps: float = knob(0.2, ge=0)  # PPO clip of the token ratio, below 1
     clip_eps_high: float | None = knob(None, ge=0)  # above 1 (DAPO); None = clip_eps
     entropy_coef: float = knob(0.0, ge=0)  # GRPO family and online_ppo: loss - entropy_coef * the policy's token entropy (a bonus)

@@ -77,6 +77,7 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "scale_rewards": ("group", "none"),
     "rl_loss_agg": ("token_mean", "seq_mean", "seq_mean_token_sum_norm"),
     "rollout_is_level": ("none", "token", "sequence"),
+    "rollout_is_mode": ("truncate", "mask"),
     "kl_estimator": ("k1", "k2", "k3", "k1+", "k3+"),
     "advantage_estimator": ("grpo", "rloo", "reinforce_pp"),
     "importance_sampling_level": ("token", "sequence", "sequence_token"),

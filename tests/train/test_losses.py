@@ -394,6 +394,25 @@ def test_importance_weights_hand_computed():
         L.importance_weights(trainer, sampler, mask, "tokens")
 
 
+def test_importance_weights_mask_mode_by_hand():
+    """rollout_is_mode mask: ratios e^0.5 = 1.65, e^-1 = 0.37, 1 and e^-0.6 = 0.55 against the band
+    [1/1.5, 1.5]: the first two leave it and weigh 0, the others keep their ratio; with the lower
+    bound 0.5 the last stays in; at sequence level the sample's ratio e^-1.1 = 0.33 leaves it."""
+    trainer = torch.tensor([[-1.0, -2.0, -0.5, -0.6, 0.0]])
+    sampler = torch.tensor([[-1.5, -1.0, -0.5, 0.0, 0.0]])
+    mask = torch.tensor([[1, 1, 1, 1, 0]])
+    w, out = L.importance_weights(trainer, sampler, mask, "token", cap=1.5, mode="mask")
+    assert w.tolist()[0] == pytest.approx([0.0, 0.0, 1.0, 0.0, 0.0])
+    assert out.tolist() == [[True, True, False, True, False]]
+    w, out = L.importance_weights(trainer, sampler, mask, "token", cap=1.5, mode="mask", low=0.5)
+    assert w.tolist()[0] == pytest.approx([0.0, 0.0, 1.0, math.exp(-0.6), 0.0])
+    assert out.tolist() == [[True, True, False, False, False]]
+    w, out = L.importance_weights(trainer, sampler, mask, "sequence", cap=2.0, mode="mask")
+    assert w.tolist() == [[0.0] * 5] and out.tolist() == [[True] * 4 + [False]]
+    with pytest.raises(ValueError, match="rollout_is_mode"):
+        L.importance_weights(trainer, sampler, mask, "token", mode="clip")
+
+
 def test_token_entropy_hand_computed():
     logits = torch.log(torch.tensor([[0.5, 0.5, 0.0 + 1e-30], [1.0, 1e-30, 1e-30]]))
     assert L.token_entropy(logits).tolist() == pytest.approx([math.log(2), 0.0], abs=1e-6)

@@ -265,3 +265,16 @@ def test_entropy_coef_adds_a_bonus_with_its_gradient():
     assert loss == pytest.approx(-0.1 * (2 * 1.0 + 6 * 2.0) / 8)
     assert entropy.grad[MASK].tolist() == pytest.approx([-0.1] * 8) and entropy.grad[~MASK].abs().sum() == 0
     assert objective_step([], torch.zeros(2), entropy=entropy.detach())[0] == 0.0  # off by default
+
+
+def test_is_mask_mode_drops_the_tokens_outside_the_band():
+    """The objective's importance weights in mask mode: the sampler put log-prob 1 above the
+    trainer on sample 2's third token (ratio e^-1, below 1/1.5): that token sends no gradient; in
+    truncate mode it is weighted by e^-1."""
+    sampler = torch.where(MASK, LOGPS, 0.0)
+    sampler[1, 2] += 1.0
+    adv = torch.tensor([1.0, 1.0])
+    _, masked = objective_step(["--rollout_is_mode", "mask", "--rollout_is_cap", "1.5"], adv, sampler=sampler)
+    _, truncated = objective_step([], adv, sampler=sampler)
+    assert masked[1, 2] == 0 and masked[1, 3] == truncated[1, 3] != 0
+    assert truncated[1, 2].item() == pytest.approx(math.exp(-1.0) * truncated[1, 3].item())

@@ -354,14 +354,18 @@ def explained_variance(values: Tensor, returns: Tensor, mask: Tensor) -> Tensor:
 
 
 def importance_weights(trainer_logps: Tensor, sampler_logps: Tensor, mask: Tensor, level: str = "token",
-                       cap: float = 2.0) -> tuple[Tensor, Tensor]:
-    """Truncated importance sampling for the sampler-trainer mismatch: (weights, capped), (B, T).
+                       cap: float = 2.0, mode: str = "truncate", low: float | None = None) -> tuple[Tensor, Tensor]:
+    """Importance sampling for the sampler-trainer mismatch: (weights, capped), (B, T).
 
     The samples were drawn by the engine (pi_sampler) but the ratio is taken against the trainer's
     own log-probs at the same weights (pi_trainer_old); where the two differ (bf16, kernels), each
     token's loss is weighted by w = min(pi_trainer_old / pi_sampler, cap) (level "token"), or every
     token of a sample by w = min(exp(sum over its tokens of log(pi_trainer_old / pi_sampler)), cap)
-    (level "sequence"); level "none" gives ones. Weights are detached; 0 outside the mask.
+    (level "sequence"); level "none" gives ones. Mode "mask" (TRL's default) keeps the weight
+    w = pi_trainer_old / pi_sampler where low <= w <= cap and zeroes the token (or the sample) where
+    it leaves that band (low None: 1 / cap), so a token the sampler and trainer disagree on carries
+    no loss instead of a capped one; `capped` is then where it left the band. Weights are
+    detached; 0 outside the mask.
     """
     mask = mask.bool()
     if level == "none":
@@ -372,6 +376,11 @@ def importance_weights(trainer_logps: Tensor, sampler_logps: Tensor, mask: Tenso
     elif level != "token":
         raise ValueError(f"unknown rollout_is_level {level!r}; expected none, token or sequence")
     raw = log_ratio.exp()
+    if mode == "mask":
+        out = ((raw > cap) | (raw < (1 / cap if low is None else low))) & mask
+        return torch.where(mask & ~out, raw, 0.0), out
+    if mode != "truncate":
+        raise ValueError(f"unknown rollout_is_mode {mode!r}; expected truncate or mask")
     capped = (raw > cap) & mask
     return torch.where(mask, raw.clamp(max=cap), 0.0), capped
 

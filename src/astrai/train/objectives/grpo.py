@@ -112,7 +112,7 @@ class GRPOObjective:
         logps, idx = pol.logps, pol.idx
         mask = loss_mask(batch, pol.mask)
         # the ratio's old log-probs and the importance weights
-        beh = behaviour(batch, logps, mask, idx, self.online, self.rl.rollout_is_level, self.rl.rollout_is_cap)
+        beh = behaviour(batch, logps, mask, idx, self.online, self.rl)
         advantages = batch["advantages"] if "advantages" in batch else self._group_advantages(batch)
         if advantages.dim() == 2 and idx is not None:
             advantages = advantages[:, idx]  # REINFORCE++: per-token advantages at the labelled positions

@@ -107,19 +107,20 @@ def at_labels(batch: Batch, key: str, idx: Tensor | None) -> Tensor:
     return batch[key] if idx is None else batch[key][:, idx]
 
 
-def behaviour(batch: Batch, logps: Tensor, mask: Tensor, idx: Tensor | None, online: bool, is_level: str,
-              is_cap: float) -> Behaviour:
+def behaviour(batch: Batch, logps: Tensor, mask: Tensor, idx: Tensor | None, online: bool, rl: Any) -> Behaviour:
     """The ratio's denominator and the importance weights (docs/training.md, "The log-prob
     contract"). Offline records (`online` false), and rows without behaviour log-probs (NaN), use
     the policy's own log-probs: weights 1. Online, the first step on a rollout takes the trainer's
-    log-probs (`logps`, at the rollout's weights) as the old ones and pins them."""
+    log-probs (`logps`, at the rollout's weights) as the old ones and pins them. The weights follow
+    `rl`'s ``rollout_is_level``, ``rollout_is_mode``, ``rollout_is_cap`` and ``rollout_is_min``."""
     current, recorded = logps.detach(), at_labels(batch, "old_logps", idx)
     sampler = torch.where(torch.isnan(recorded), current, recorded)
     if not online or "trainer_logps" not in batch:
         return Behaviour(sampler, mask.float(), torch.zeros_like(mask), {})
     known = at_labels(batch, "trainer_logps", idx)
     old = torch.where(torch.isnan(known), current, known)  # NaN: this is the rollout's first step
-    weights, capped = importance_weights(old, sampler, mask, is_level, is_cap)
+    weights, capped = importance_weights(old, sampler, mask, rl.rollout_is_level, rl.rollout_is_cap,
+                                         rl.rollout_is_mode, rl.rollout_is_min)
     full = batch["trainer_logps"].clone()
     full[:, idx if idx is not None else slice(None)] = old
     return Behaviour(old, weights, capped, {"trainer_logps": full})

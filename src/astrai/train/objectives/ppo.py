@@ -199,7 +199,7 @@ class PPOObjective:
 
         self._check(batch, idx, mask)
         # the ratio's old log-probs and the importance weights
-        beh = behaviour(batch, logps, mask, idx, True, rl.rollout_is_level, rl.rollout_is_cap)
+        beh = behaviour(batch, logps, mask, idx, True, rl)
         policy, clipped = clipped_surrogate(logps, beh.old, at("advantages"), rl.clip_eps, rl.clip_eps_high)
         policy = policy * beh.weights
         if bonus:
