@@ -376,6 +376,20 @@ def test_k3_kl_is_never_negative():
     assert (L.kl_estimate(logps, ref, "k3") >= 0).all()
 
 
+def test_dual_clip_bounds_the_loss_of_negative_advantages():
+    """clip_ratio_c 3: with A = -1 the ratio 5 gives loss min(max(5, 1.2), 3) = 3 and no gradient;
+    ratio 0.5 keeps max(0.5, 0.8) = 0.8; positive advantages are untouched (ratio 5, A = 1: -1.2)."""
+    logps = torch.log(torch.tensor([[5.0, 0.5, 5.0]])).requires_grad_(True)
+    adv = torch.tensor([[-1.0, -1.0, 1.0]])
+    loss, clipped = L.clipped_surrogate(logps, torch.zeros(1, 3), adv, 0.2, clip_ratio_c=3.0)
+    assert loss.tolist()[0] == pytest.approx([3.0, 0.8, -1.2])
+    assert clipped.tolist() == [[True, True, True]]
+    loss.sum().backward()
+    assert logps.grad.tolist() == [[0.0, 0.0, 0.0]]  # every branch here is a constant
+    plain, was = L.clipped_surrogate(logps.detach(), torch.zeros(1, 3), adv, 0.2)
+    assert plain.tolist()[0] == pytest.approx([5.0, 0.8, -1.2]) and was.tolist() == [[False, True, True]]
+
+
 def test_importance_weights_hand_computed():
     trainer = torch.tensor([[-1.0, -2.0, -0.5, 0.0]])
     sampler = torch.tensor([[-1.5, -1.0, -0.5, 0.0]])  # log-ratios 0.5, -1.0, 0.0; the last is padding

@@ -259,13 +259,16 @@ def clipped_surrogate(
     advantages: Tensor,
     clip_eps: float = 0.2,
     clip_eps_high: float | None = None,
+    clip_ratio_c: float | None = None,
 ) -> tuple[Tensor, Tensor]:
     """PPO's clipped policy loss per token, and which tokens the clip was active on.
 
     logps, old_logps: (B, T) log-probs of the taken tokens under the current and the behaviour
     policy; advantages: (B, T), or (B,) for one advantage per sequence (GRPO). Returns
     (loss, clipped), both (B, T): loss = -min(ratio * A, clip(ratio, 1 - eps, 1 + eps_high) * A).
-    `clip_eps_high` (default `clip_eps`) allows DAPO's asymmetric clip.
+    `clip_eps_high` (default `clip_eps`) allows DAPO's asymmetric clip. `clip_ratio_c` (> 1) is
+    dual-clip PPO for negative advantages: the loss is at most -clip_ratio_c * A, so a token whose
+    ratio ran far above 1 with A < 0 sends no gradient (verl's name; `clipped` marks it too).
     """
     high = clip_eps if clip_eps_high is None else clip_eps_high
     if advantages.dim() == logps.dim() - 1:
@@ -275,6 +278,11 @@ def clipped_surrogate(
     clipped_obj = torch.clamp(ratio, 1 - clip_eps, 1 + high) * advantages
     loss = -torch.minimum(unclipped, clipped_obj)
     clipped = clipped_obj < unclipped  # the clipped branch won the min
+    if clip_ratio_c is not None:
+        bound = -clip_ratio_c * advantages  # (B, T) or (B, 1)
+        dual = (advantages < 0) & (loss > bound)
+        loss = torch.where(dual, bound.expand_as(loss), loss)
+        clipped = clipped | dual
     return loss, clipped
 
 

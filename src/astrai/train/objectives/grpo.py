@@ -121,9 +121,11 @@ class GRPOObjective:
                 seq = sequence_log_ratio(logps, beh.old, mask).expand_as(logps)
             else:  # GSPO-token: the same value per token, each token's gradient its own
                 seq = sequence_token_log_ratio(logps, beh.old, mask)
-            loss, clipped = clipped_surrogate(seq, torch.zeros_like(seq), advantages, self.clip_eps, self.clip_eps_high)
+            loss, clipped = clipped_surrogate(seq, torch.zeros_like(seq), advantages, self.clip_eps,
+                                              self.clip_eps_high, self.rl.clip_ratio_c)
         else:
-            loss, clipped = clipped_surrogate(logps, beh.old, advantages, self.clip_eps, self.clip_eps_high)
+            loss, clipped = clipped_surrogate(logps, beh.old, advantages, self.clip_eps, self.clip_eps_high,
+                                              self.rl.clip_ratio_c)
         loss = loss * beh.weights  # the sampler-trainer mismatch correction (1 in fp32 on a fresh rollout)
         if bonus:
             loss = loss - self.rl.entropy_coef * pol.entropy

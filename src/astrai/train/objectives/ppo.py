@@ -200,7 +200,8 @@ class PPOObjective:
         self._check(batch, idx, mask)
         # the ratio's old log-probs and the importance weights
         beh = behaviour(batch, logps, mask, idx, True, rl)
-        policy, clipped = clipped_surrogate(logps, beh.old, at("advantages"), rl.clip_eps, rl.clip_eps_high)
+        policy, clipped = clipped_surrogate(logps, beh.old, at("advantages"), rl.clip_eps, rl.clip_eps_high,
+                                            rl.clip_ratio_c)
         policy = policy * beh.weights
         if bonus:
             policy = policy - rl.entropy_coef * pol.entropy
