@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING
 from astrai.config_values import (
     ALGORITHMS,
     CHOICES,
+    PER_TOKEN_ESTIMATORS,
     REPORTERS,
     TRAIN_TYPES,
     ConfigError,
@@ -102,10 +103,10 @@ def _validate_objective_fields(cfg: Config) -> None:
                 raise ConfigError(f"{name}={getattr(rl, name)!r} applies to the GRPO family, but online_ppo takes its "
                                   f"advantages from its critic (GAE) with a ratio per token; remove --{name} or use "
                                   "--train_type online_grpo")
-    if rl.importance_sampling_level == "sequence" and rl.advantage_estimator == "reinforce_pp":
-        raise ConfigError("importance_sampling_level='sequence' (GSPO) needs one advantage per sample, but reinforce_pp "
-                          "gives one per token; use --importance_sampling_level sequence_token (GSPO-token) or another "
-                          "--advantage_estimator")
+    if rl.importance_sampling_level == "sequence" and rl.advantage_estimator in PER_TOKEN_ESTIMATORS:
+        raise ConfigError(f"importance_sampling_level='sequence' (GSPO) needs one advantage per sample, but "
+                          f"{rl.advantage_estimator} gives one per token; use --importance_sampling_level sequence_token "
+                          "(GSPO-token) or another --advantage_estimator")
     if rl.importance_sampling_level != "token" and rl.rl_loss_agg == "seq_mean_token_sum_norm":
         raise ConfigError(f"importance_sampling_level={rl.importance_sampling_level!r} (GSPO) averages its loss per "
                           "sequence, so rl_loss_agg='seq_mean_token_sum_norm' does not apply; use --rl_loss_agg "

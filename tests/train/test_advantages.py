@@ -52,9 +52,28 @@ def test_each_estimator_by_hand():
     torch.testing.assert_close(rpp[:, 2], (scores - mean) / std)
 
 
+def test_reinforce_pp_baseline_by_hand():
+    """REINFORCE++-baseline: scores 1, 0, 0 and 1, 2, 3 lose their group means (1/3, 2) -> 2/3, -1/3,
+    -1/3, -1, 0, 1; then REINFORCE++: each on its sample's two response tokens, whitened over the
+    batch's 12 tokens (mean 0; population std sqrt((4/9 + 1/9 + 1/9 + 1 + 0 + 1) / 6) = 2/3)."""
+    rewards = torch.tensor([[1.0, 0.0, 0.0], [1.0, 2.0, 3.0]])
+    adv = ADVANTAGE_ESTIMATORS["reinforce_pp_baseline"].function(inputs(rewards))
+    centred = [2 / 3, -1 / 3, -1 / 3, -1.0, 0.0, 1.0]
+    assert adv[:, 1].tolist() == pytest.approx([c / (2 / 3) for c in centred], rel=1e-5, abs=1e-6)
+    assert adv[:, 2].tolist() == adv[:, 1].tolist() and adv[:, 0].tolist() == [0.0] * 6
+
+
+def test_the_per_token_estimators_are_the_configs():
+    from astrai.config_values import PER_TOKEN_ESTIMATORS
+
+    rewards = torch.tensor([[1.0, 0.0]])
+    per_token = [n for n, e in ADVANTAGE_ESTIMATORS.items() if e.function(inputs(rewards)).dim() == 2]
+    assert tuple(per_token) == PER_TOKEN_ESTIMATORS
+
+
 def test_facts_drive_the_group_size_check_and_the_warning():
-    assert [n for n, e in ADVANTAGE_ESTIMATORS.items() if e.group_relative] == ["grpo", "rloo"]
-    assert [n for n, e in ADVANTAGE_ESTIMATORS.items() if e.kl_in_rewards] == ["reinforce_pp"]
+    assert [n for n, e in ADVANTAGE_ESTIMATORS.items() if e.group_relative] == ["grpo", "rloo", "reinforce_pp_baseline"]
+    assert [n for n, e in ADVANTAGE_ESTIMATORS.items() if e.kl_in_rewards] == ["reinforce_pp", "reinforce_pp_baseline"]
     with pytest.raises(ConfigError, match=r"advantage_estimator rloo needs group_size >= 2 .* set --group_size 2"):
         check_group_size(load_config(None, ["--advantage_estimator", "rloo", "--group_size", "1"]).rl)
     check_group_size(load_config(None, ["--advantage_estimator", "rloo", "--group_size", "2"]).rl)

@@ -66,6 +66,13 @@ def reinforce_pp(x: AdvantageInputs) -> Tensor:
     return whiten_with_sums(reward_to_go(rewards, x.mask), x.mask, x.all_reduce)
 
 
+def reinforce_pp_baseline(x: AdvantageInputs) -> Tensor:
+    """(N, T) REINFORCE++-baseline (OpenRLHF's reinforce_baseline): each score minus its group's
+    mean, then REINFORCE++ (KL per token, reward-to-go, whitened over the batch of all ranks)."""
+    centred = x.rewards - x.rewards.float().mean(dim=-1, keepdim=True)  # (B, G)
+    return reinforce_pp(dataclasses.replace(x, rewards=centred))
+
+
 def with_kl_in_scores(x: AdvantageInputs) -> AdvantageInputs:
     """``kl_in_reward`` for a per-sample estimator: each sample's score becomes score - kl_coef *
     the sum over its response tokens of the KL estimate to the reference (verl's use_kl_in_reward,
@@ -100,6 +107,8 @@ ADVANTAGE_ESTIMATORS: dict[str, AdvantageEstimator] = {
                                why_min_group="a baseline of the other samples"),
     "reinforce_pp": AdvantageEstimator(reinforce_pp, group_relative=False, min_group_size=1,
                                        why_min_group="one sample", kl_in_rewards=True),
+    "reinforce_pp_baseline": AdvantageEstimator(reinforce_pp_baseline, group_relative=True, min_group_size=2,
+                                                why_min_group="a group mean to remove", kl_in_rewards=True),
 }
 
 
