@@ -123,6 +123,7 @@ class RLConfig:
     rollout_is_min: float | None = knob(None, ge=0, le=1)  # rollout_is_mode mask: the band's lower bound; None = 1 / rollout_is_cap
     clip_eps: float = knob(0.2, ge=0)  # PPO clip of the token ratio, below 1
     clip_eps_high: float | None = knob(None, ge=0)  # above 1 (DAPO); None = clip_eps
+    policy_loss: str = "clip"  # clip: PPO's clipped surrogate | cispo: REINFORCE weighted by the clipped, stop-gradient ratio (MiniMax-M1)
     clip_ratio_c: float | None = knob(None, gt=1)  # dual-clip PPO: with A < 0 the loss is at most -clip_ratio_c * A; None = off (verl: 3)
     entropy_coef: float = knob(0.0, ge=0)  # GRPO family and online_ppo: loss - entropy_coef * the policy's token entropy (a bonus)
     kl_coef: float = knob(0.0, ge=0)  # KL to the reference (kl_estimator); 0 loads no reference model

@@ -107,6 +107,11 @@ def _validate_objective_fields(cfg: Config) -> None:
         raise ConfigError(f"importance_sampling_level='sequence' (GSPO) needs one advantage per sample, but "
                           f"{rl.advantage_estimator} gives one per token; use --importance_sampling_level sequence_token "
                           "(GSPO-token) or another --advantage_estimator")
+    if rl.policy_loss == "cispo" and (rl.importance_sampling_level != "token" or rl.clip_ratio_c is not None):
+        what = "clip_ratio_c" if rl.clip_ratio_c is not None else "importance_sampling_level"
+        raise ConfigError(f"policy_loss='cispo' weighs each token by its own clipped ratio, so {what}="
+                          f"{getattr(rl, what)!r} (a form of PPO's clipped surrogate) does not apply; remove --{what} "
+                          "or use --policy_loss clip")
     if rl.importance_sampling_level != "token" and rl.rl_loss_agg == "seq_mean_token_sum_norm":
         raise ConfigError(f"importance_sampling_level={rl.importance_sampling_level!r} (GSPO) averages its loss per "
                           "sequence, so rl_loss_agg='seq_mean_token_sum_norm' does not apply; use --rl_loss_agg "

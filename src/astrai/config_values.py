@@ -78,6 +78,7 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "rl_loss_agg": ("token_mean", "seq_mean", "seq_mean_token_sum_norm"),
     "rollout_is_level": ("none", "token", "sequence"),
     "rollout_is_mode": ("truncate", "mask"),
+    "policy_loss": ("clip", "cispo"),
     "kl_estimator": ("k1", "k2", "k3", "k1+", "k3+"),
     "advantage_estimator": ("grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline"),
     "importance_sampling_level": ("token", "sequence", "sequence_token"),

@@ -390,6 +390,24 @@ def test_dual_clip_bounds_the_loss_of_negative_advantages():
     assert plain.tolist()[0] == pytest.approx([5.0, 0.8, -1.2]) and was.tolist() == [[False, True, True]]
 
 
+def test_cispo_clips_the_weight_not_the_gradient():
+    """CISPO, eps 0.2: ratios 1.5, 1.0, 0.5 with A = 1, -1, 1 get weights 1.2, 1.0, 0.8; the loss is
+    -w A logp and its gradient -w A on every token, the clipped ones included (PPO's clip gives the
+    first token none)."""
+    logps = torch.log(torch.tensor([[0.3, 0.2, 0.1]]))
+    old = logps - torch.log(torch.tensor([[1.5, 1.0, 0.5]]))
+    adv = torch.tensor([[1.0, -1.0, 1.0]])
+    x = logps.clone().requires_grad_(True)
+    loss, clipped = L.cispo_loss(x, old, adv, 0.2)
+    assert loss.tolist()[0] == pytest.approx([-1.2 * math.log(0.3), math.log(0.2), -0.8 * math.log(0.1)], rel=1e-5)
+    assert clipped.tolist() == [[True, False, True]]
+    loss.sum().backward()
+    assert x.grad.tolist()[0] == pytest.approx([-1.2, 1.0, -0.8], rel=1e-5)
+    y = logps.clone().requires_grad_(True)
+    L.clipped_surrogate(y, old, adv, 0.2)[0].sum().backward()
+    assert y.grad[0, 0] == 0
+
+
 def test_importance_weights_hand_computed():
     trainer = torch.tensor([[-1.0, -2.0, -0.5, 0.0]])
     sampler = torch.tensor([[-1.5, -1.0, -0.5, 0.0]])  # log-ratios 0.5, -1.0, 0.0; the last is padding

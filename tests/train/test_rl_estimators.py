@@ -92,6 +92,8 @@ def test_kl_estimators_by_hand():
     {"kl_coef": 0.05, "kl_estimator": "k1"},
     {"kl_coef": 0.05, "kl_in_reward": True},
     {"entropy_coef": 0.01, "rollout_top_k": 20},
+    {"advantage_estimator": "reinforce_pp_baseline", "kl_coef": 0.05},
+    {"policy_loss": "cispo", "clip_eps_high": 2.0, "rollout_is_mode": "mask"},
 ])
 def test_each_estimator_trains_online(tmp_path, tok_dir, flags):  # noqa: F811
     config = write_rl_run(tmp_path, tok_dir, rollout_interval=2, **flags)
@@ -237,6 +239,8 @@ def test_gspo_averages_per_sequence_and_gspo_token_has_its_gradient():
     (["--train_type", "online_ppo", "--importance_sampling_level", "sequence"],
      "importance_sampling_level='sequence' applies to the GRPO"),
     (["--clip_eps_high", "-0.1"], r"clip_eps_high=-0.1 must be >= 0"),
+    (["--policy_loss", "cispo", "--importance_sampling_level", "sequence"], "policy_loss='cispo' weighs each token"),
+    (["--policy_loss", "cispo", "--clip_ratio_c", "3"], "clip_ratio_c=3.0 .* does not apply"),
 ])
 def test_settings_an_objective_would_ignore_or_misread_are_refused(flags, match):
     with pytest.raises(ConfigError, match=match):

@@ -286,6 +286,21 @@ def clipped_surrogate(
     return loss, clipped
 
 
+def cispo_loss(logps: Tensor, old_logps: Tensor, advantages: Tensor, clip_eps: float = 0.2,
+               clip_eps_high: float | None = None) -> tuple[Tensor, Tensor]:
+    """CISPO's policy loss per token (MiniMax-M1), and where the weight was clipped: a REINFORCE
+    loss weighted by the clipped, stop-gradient importance ratio,
+    loss = -sg(clip(ratio, 1 - eps, 1 + eps_high)) * A * logp. Unlike PPO's clip, a clipped token
+    still sends a gradient (its weight is bounded, not its update zeroed). Shapes as
+    ``clipped_surrogate``'s."""
+    high = clip_eps if clip_eps_high is None else clip_eps_high
+    if advantages.dim() == logps.dim() - 1:
+        advantages = advantages.unsqueeze(-1)  # (B, 1)
+    ratio = torch.exp(logps - old_logps).detach()  # (B, T)
+    weight = torch.clamp(ratio, 1 - clip_eps, 1 + high)
+    return -weight * advantages * logps, weight != ratio
+
+
 def gae(
     rewards: Tensor, values: Tensor, mask: Tensor, gamma: float = 1.0, lam: float = 0.95
 ) -> tuple[Tensor, Tensor]:

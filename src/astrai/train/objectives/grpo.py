@@ -50,6 +50,7 @@ from astrai.train.objectives.rollout_steps import (
     num_units,
     per_unit,
     pin_keep,
+    policy_surrogate,
 )
 from astrai.train.rl.sampler import rollout_sampling
 
@@ -124,8 +125,7 @@ class GRPOObjective:
             loss, clipped = clipped_surrogate(seq, torch.zeros_like(seq), advantages, self.clip_eps,
                                               self.clip_eps_high, self.rl.clip_ratio_c)
         else:
-            loss, clipped = clipped_surrogate(logps, beh.old, advantages, self.clip_eps, self.clip_eps_high,
-                                              self.rl.clip_ratio_c)
+            loss, clipped = policy_surrogate(self.rl, logps, beh.old, advantages)
         loss = loss * beh.weights  # the sampler-trainer mismatch correction (1 in fp32 on a fresh rollout)
         if bonus:
             loss = loss - self.rl.entropy_coef * pol.entropy

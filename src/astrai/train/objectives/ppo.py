@@ -23,7 +23,6 @@ from astrai.train import dist
 from astrai.train.losses import (
     IGNORE_INDEX,
     aggregate_token_loss,
-    clipped_surrogate,
     explained_variance,
     gae,
     kl_estimate,
@@ -49,6 +48,7 @@ from astrai.train.objectives.rollout_steps import (
     num_units,
     per_unit,
     pin_keep,
+    policy_surrogate,
 )
 from astrai.train.rl.sampler import rollout_sampling
 
@@ -200,8 +200,7 @@ class PPOObjective:
         self._check(batch, idx, mask)
         # the ratio's old log-probs and the importance weights
         beh = behaviour(batch, logps, mask, idx, True, rl)
-        policy, clipped = clipped_surrogate(logps, beh.old, at("advantages"), rl.clip_eps, rl.clip_eps_high,
-                                            rl.clip_ratio_c)
+        policy, clipped = policy_surrogate(rl, logps, beh.old, at("advantages"))
         policy = policy * beh.weights
         if bonus:
             policy = policy - rl.entropy_coef * pol.entropy

@@ -10,12 +10,12 @@ with its own settings, so no objective inherits another's steps. The arithmetic 
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor
 
-from astrai.train.losses import IGNORE_INDEX, aggregate_token_loss
+from astrai.train.losses import IGNORE_INDEX, aggregate_token_loss, cispo_loss, clipped_surrogate
 from astrai.train.objectives.base import Batch, wants
 from astrai.train.objectives.logps import Behaviour, PolicyLogps
 
@@ -60,6 +60,14 @@ def micro_batches(rollout: Rollout, num_micro: int, layout: str, samples: Tensor
         order = order[rollout.attention_mask[order].sum(dim=1).argsort(descending=True, stable=True)]
     chunks = order.tensor_split(min(num_micro, len(order)))
     return [rollout.rows(idx) for idx in chunks if len(idx)]
+
+
+def policy_surrogate(rl: Any, logps: Tensor, old: Tensor, advantages: Tensor) -> tuple[Tensor, Tensor]:
+    """The per-token policy loss of ``policy_loss`` (B, K) and where it clipped: PPO's clipped
+    surrogate (with ``clip_eps``, ``clip_eps_high``, ``clip_ratio_c``) or CISPO's."""
+    if rl.policy_loss == "cispo":
+        return cispo_loss(logps, old, advantages, rl.clip_eps, rl.clip_eps_high)
+    return clipped_surrogate(logps, old, advantages, rl.clip_eps, rl.clip_eps_high, rl.clip_ratio_c)
 
 
 def per_unit(per_token: Tensor, mask: Tensor, agg: str) -> Tensor:
