@@ -127,6 +127,8 @@ class RLConfig:
     clip_ratio_c: float | None = knob(None, gt=1)  # dual-clip PPO: with A < 0 the loss is at most -clip_ratio_c * A; None = off (verl: 3)
     entropy_coef: float = knob(0.0, ge=0)  # GRPO family and online_ppo: loss - entropy_coef * the policy's token entropy (a bonus)
     kl_coef: float = knob(0.0, ge=0)  # KL to the reference (kl_estimator); 0 loads no reference model
+    ref_reset_interval: int = knob(0, ge=0)  # with a KL: every this many steps the reference becomes the current policy; 0 = never
+    ref_ema: float | None = knob(None, ge=0, lt=1)  # with a KL: after each step reference = ref_ema * reference + (1 - ref_ema) * policy; None = frozen
     kl_estimator: str = "k3+"  # k1: log(p/q) | k2: (log(p/q))^2 / 2 | k3: q/p - 1 - log(q/p) | k1+, k3+: k1's, k3's value with k2's gradient
     kl_in_reward: bool = False  # GRPO family: the KL goes into each sample's reward (score - kl_coef * sum of KL), not the loss
     advantage_estimator: str = "grpo"  # grpo | rloo (leave-one-out) | reinforce_pp (REINFORCE++)

@@ -69,6 +69,16 @@ def validate(cfg: Config) -> None:
         raise ConfigError(f"mini_batches={rl.mini_batches} applies to online_grpo and online_ppo (samples split into "
                           f"mini-batches), not {cfg.data.train_type}; set --mini_batches 1 (--ppo_epochs gives passes)")
     _validate_objective_fields(cfg)
+    if rl.ref_reset_interval or rl.ref_ema is not None:
+        what = f"ref_reset_interval={rl.ref_reset_interval}" if rl.ref_reset_interval else f"ref_ema={rl.ref_ema}"
+        if cfg.data.train_type not in ("online_grpo", "online_ppo") or rl.kl_coef == 0:
+            raise ConfigError(f"{what} moves the reference of the KL term of online_grpo / online_ppo, but this run has "
+                              f"{'no KL (kl_coef 0)' if rl.kl_coef == 0 else cfg.data.train_type}; set --kl_coef > 0 "
+                              "on an online_grpo or online_ppo run, or remove it")
+        if cfg.lora.lora_r > 0 or cfg.dist.parallel_mode == "fsdp":
+            why = "under LoRA the reference is the base model with its adapters off, not a copy" if cfg.lora.lora_r \
+                else "under fsdp the policy is sharded and the reference is not"
+            raise ConfigError(f"{what} copies the policy into its reference, but {why}; remove it")
     if rl.kl_in_reward and cfg.data.train_type in ("grpo", "online_dpo"):
         raise ConfigError(f"kl_in_reward=true applies to online_grpo (online_ppo always has the KL in its rewards), "
                           f"not train_type {cfg.data.train_type}; set --kl_in_reward false")

@@ -282,3 +282,36 @@ def test_is_mask_mode_drops_the_tokens_outside_the_band():
     _, truncated = objective_step([], adv, sampler=sampler)
     assert masked[1, 2] == 0 and masked[1, 3] == truncated[1, 3] != 0
     assert truncated[1, 2].item() == pytest.approx(math.exp(-1.0) * truncated[1, 3].item())
+
+
+def test_the_reference_resets_and_follows_an_ema_by_hand():
+    from astrai.train.objectives.base import update_reference
+
+    policy, ref = torch.nn.Linear(2, 1, bias=False), torch.nn.Linear(2, 1, bias=False)
+    with torch.no_grad():
+        policy.weight.copy_(torch.tensor([[1.0, 2.0]]))
+        ref.weight.zero_()
+    update_reference(ref, policy, 1, 0, 0.9)  # ema: 0.9 * 0 + 0.1 * policy
+    assert ref.weight.tolist() == [pytest.approx([0.1, 0.2])]
+    update_reference(ref, policy, 3, 2, None)  # step 3 is no multiple of 2: frozen
+    assert ref.weight.tolist() == [pytest.approx([0.1, 0.2])]
+    update_reference(ref, policy, 4, 2, 0.9)  # a reset wins over the ema on its steps
+    assert ref.weight.tolist() == [[1.0, 2.0]]
+    with pytest.raises(ConfigError, match="ref_reset_interval=2 moves the reference .* no KL"):
+        load_config(None, ["--train_type", "online_grpo", "--ref_reset_interval", "2"])
+    with pytest.raises(ConfigError, match="under LoRA the reference is the base model"):
+        load_config(None, ["--train_type", "online_grpo", "--ref_ema", "0.9", "--kl_coef", "0.1", "--lora_r", "4"])
+
+
+def test_a_reset_reference_is_the_policy_and_travels_in_checkpoints(tmp_path, tok_dir):
+    """ref_reset_interval 2 with the KL in the loss (k3+): after step 2 the reference is the policy,
+    so step 3's kl is 0 exactly, while step 2's (one update away from the initial reference) is not;
+    the reference is saved beside the weights and loaded on resume."""
+    config = write_rl_run(tmp_path, tok_dir, kl_coef=0.1, ref_reset_interval=2,
+                          rewards=["tests.train.rl_user_code:varied_reward"])
+    assert main(["--config", str(config), "--max_steps", "3", "--ckpt_interval", "3"]) == 0
+    rows = read_metrics(tmp_path)
+    assert rows[0]["kl"] == 0.0 and rows[1]["kl"] > 0.0 and rows[2]["kl"] == 0.0
+    from astrai.train.publish import latest_checkpoint
+
+    assert (latest_checkpoint(tmp_path / "ckpt") / "reference_model.pt").is_file()

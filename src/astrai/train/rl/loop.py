@@ -41,6 +41,7 @@ from astrai.train.build import (
 )
 from astrai.train.context import TrainContext
 from astrai.train.host_memory import HeapTrim, set_mmap_threshold
+from astrai.train.objectives.base import update_reference
 from astrai.train.objectives.logps import trainer_logps_pins
 from astrai.train.rl.data import Rollout, concat_rollouts, groups_with_signal, select_groups
 from astrai.train.rl.engine_sampler import engine_runner
@@ -164,6 +165,8 @@ class OnlineLoop:
                 result, tokens = self.train_step.finish(ctx, before_update=lambda: cbs.before_optimizer_step(self),
                                                         publish=self.rollout_sampler.set_policy_version)
                 rollout.num_uses += 1
+                update_reference(self._moving_reference(), self.raw_model, ctx.step, cfg.rl.ref_reset_interval,
+                                 cfg.rl.ref_ema)
                 seconds = time.perf_counter() - t0
                 result["tokens_per_s"] = tokens / max(seconds, 1e-9)  # trained tokens (all ranks), rollout included
                 self.step_metrics = self._metrics(result, rollout, fresh, seconds)
@@ -174,6 +177,11 @@ class OnlineLoop:
                 print(f"{where}skipped {self.runner.num_skipped_total} prompt(s) in all longer than max_prompt_len="
                       f"{self.runner.max_prompt_len}", file=sys.stderr)
         return ctx
+
+    def _moving_reference(self) -> torch.nn.Module | None:
+        """The objective's KL reference when ``ref_reset_interval`` or ``ref_ema`` moves it."""
+        rl = self.config.rl
+        return getattr(self.objective, "reference", None) if rl.ref_reset_interval or rl.ref_ema is not None else None
 
     def _step_batches(self, rollout: Rollout, use: int) -> list[Any]:
         """The micro-batches of the rollout's `use`-th optimizer step: the whole rollout, or with
@@ -341,15 +349,20 @@ class OnlineLoop:
         load_common_state(self, state)
 
     def extra_state(self) -> dict[str, dict[str, Any]]:
-        """Each companion's files (PPO: the critic, its optimizer and schedule)."""
+        """Each companion's files (PPO: the critic, its optimizer and schedule) and, when
+        ``ref_reset_interval`` or ``ref_ema`` moves it, the KL reference (``reference_model.pt``)."""
         states: dict[str, dict[str, Any]] = {}
         for companion in self.companions:
             states.update(companion.extra_state())
+        if (reference := self._moving_reference()) is not None:  # no longer the initial policy
+            states["reference_model"] = reference.state_dict()
         return states
 
     def load_extra_state(self, states: dict[str, dict[str, Any]]) -> None:
         for companion in self.companions:
             companion.load_extra_state(states)
+        if (reference := self._moving_reference()) is not None:
+            reference.load_state_dict(states["reference_model"])
 
     def rank_state(self) -> dict[str, dict[str, Any]]:
         """What this rank alone holds, saved as its own file (``rollout.pt`` on rank 0,
