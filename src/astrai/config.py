@@ -67,6 +67,7 @@ class TrainSection:
     val_max_batches: int | None = knob(None, ge=1)
     eval_interval: int = knob(0, ge=0)  # optimizer steps between generation evals on eval_data_path (and at 0 and the end); 0 = off
     eval_num_samples: int = knob(4, ge=0)  # sampled completions per eval prompt (rollout temperature) for eval/reward_mean; 0 = greedy only
+    eval_pass_k: list[int] = field(default_factory=list)  # pass@k of the sampled eval answers for each k (<= eval_num_samples), unbiased; [] = none
     eval_match: str = "exact"  # exact | final_number: how eval/accuracy scores a greedy completion against the answer
     early_stopping_metric: str | None = None  # e.g. val/loss; None disables early stopping
     early_stopping_patience: int = 3  # evaluations without improvement before stopping

@@ -94,6 +94,10 @@ def validate(cfg: Config) -> None:
     if cfg.train.eval_interval > 0 and cfg.data.eval_data_path is None:
         raise ConfigError(f"eval_interval={cfg.train.eval_interval} needs eval_data_path (held-out prompt records "
                           "with answers); set --eval_data_path FILE.jsonl or --eval_interval 0")
+    bad = [k for k in cfg.train.eval_pass_k if not 1 <= k <= cfg.train.eval_num_samples]
+    if bad:
+        raise ConfigError(f"eval_pass_k has {bad}, but pass@k needs 1 <= k <= eval_num_samples="
+                          f"{cfg.train.eval_num_samples} sampled answers per prompt; raise --eval_num_samples or drop them")
     _validate_data_columns(cfg)
     _validate_report_to(cfg)
 
