@@ -47,27 +47,28 @@ def chunk_rows_for(vocab_size: int) -> int:
 
 def head_logps(hidden: Tensor, lm_head: nn.Module, targets: Tensor, temperature: float = 1.0, top_k: int = 0,
                top_p: float = 1.0, smoothing: bool = False, entropy: bool = False,
-               chunk_rows: int | None = None, entropy_grad: bool = False) -> HeadLogps:
+               chunk_rows: int | None = None, entropy_grad: bool = False, min_p: float = 0.0) -> HeadLogps:
     """log pi(targets) for hidden states (..., C) through `lm_head` (an nn.Linear), targets (...).
 
     temperature 0 means greedy: the plain logits, no truncation (as the sampler records it);
-    otherwise logits / temperature truncated to top_k then top_p (0 / 1.0: off), with the target
-    always kept. `smoothing` adds mean_v log pi_v (untruncated only), `entropy` the entropy of
+    otherwise logits / temperature truncated to top_k, then top_p, then min_p (0 / 1.0 / 0: off), with
+    the target always kept. `smoothing` adds mean_v log pi_v (untruncated only), `entropy` the entropy of
     the tempered untruncated distribution, both per row; `entropy_grad` makes that entropy
     differentiable (an entropy bonus in a loss: dH/dz_v = -p_v (log p_v + H), recomputed per chunk
     in backward like the rest).
     """
     weight, bias = lm_head.weight, getattr(lm_head, "bias", None)
     V = weight.size(0)
-    truncate = temperature > 0 and ((0 < top_k < V) or top_p < 1.0)
+    truncate = temperature > 0 and ((0 < top_k < V) or top_p < 1.0 or min_p > 0)
     if smoothing and truncate:
-        raise ValueError(f"label smoothing needs the untruncated distribution, got top_k={top_k}, top_p={top_p}; "
-                         "set top_k 0 and top_p 1.0")
+        raise ValueError(f"label smoothing needs the untruncated distribution, got top_k={top_k}, top_p={top_p}, "
+                         f"min_p={min_p}; set top_k 0, top_p 1.0 and min_p 0")
     shape = targets.shape
     flat = hidden.reshape(-1, hidden.size(-1))  # (N, C)
     rows = chunk_rows or chunk_rows_for(V)
     options = (float(temperature), int(top_k) if truncate and 0 < top_k < V else V,
-               float(top_p) if truncate else 1.0, bool(smoothing), bool(entropy), rows, bool(entropy and entropy_grad))
+               float(top_p) if truncate else 1.0, bool(smoothing), bool(entropy), rows, bool(entropy and entropy_grad),
+               float(min_p) if truncate else 0.0)
     logps, means, ent = ChunkedHeadLogps.apply(flat, weight, bias, targets.reshape(-1), options)
     return HeadLogps(logps.reshape(shape), means.reshape(shape) if smoothing else None,
                      ent.reshape(shape) if entropy else None)
@@ -100,13 +101,13 @@ def _tempered(h: Tensor, weight: Tensor, bias: Tensor | None, temperature: float
 def _truncated(z: Tensor, targets: Tensor, options: tuple) -> Tensor:
     """Tempered logits (n, V) as the sampler truncates them: top_k, then top_p, masked entries
     -inf, the target always kept (chosen on these values, so a constant for the gradient)."""
-    temperature, top_k, top_p = options[:3]
+    temperature, top_k, top_p, min_p = *options[:3], options[7]
     n, V = z.shape
-    if temperature <= 0 or (top_k >= V and top_p >= 1.0):
+    if temperature <= 0 or (top_k >= V and top_p >= 1.0 and min_p <= 0):
         return z
     k = torch.full((n,), top_k, device=z.device)
     p = torch.full((n,), top_p, device=z.device)
-    kept = torch.isfinite(apply_truncation(z, k, p, torch.zeros(n, device=z.device)))  # (n, V)
+    kept = torch.isfinite(apply_truncation(z, k, p, torch.full((n,), min_p, device=z.device)))  # (n, V)
     kept[torch.arange(n, device=z.device), targets] = True
     return z.masked_fill(~kept, -math.inf)
 
@@ -118,7 +119,7 @@ class ChunkedHeadLogps(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden: Tensor, weight: Tensor, bias: Tensor | None, targets: Tensor,
                 options: tuple) -> tuple[Tensor, Tensor, Tensor]:
-        temperature, _, _, smoothing, want_entropy, rows, entropy_grad = options
+        temperature, _, _, smoothing, want_entropy, rows, entropy_grad, min_p = options
         N = hidden.size(0)
         logps = hidden.new_zeros(N, dtype=torch.float32)
         lse = torch.zeros_like(logps)
@@ -126,7 +127,7 @@ class ChunkedHeadLogps(torch.autograd.Function):
         ent = torch.zeros_like(logps)
         block = _block(hidden, weight, rows)
         # the one-exp-pass entropy runs only on untruncated chunks (`z is tempered` below)
-        truncates = temperature > 0 and (options[1] < weight.size(0) or options[2] < 1.0)
+        truncates = temperature > 0 and (options[1] < weight.size(0) or options[2] < 1.0 or min_p > 0)
         p_block = torch.empty_like(block) if block is not None and want_entropy and not truncates else None
         for start in range(0, N, rows):
             sl = slice(start, start + rows)
@@ -163,7 +164,7 @@ class ChunkedHeadLogps(torch.autograd.Function):
     @staticmethod
     def backward(ctx, g_logps: Tensor, g_means: Tensor, g_ent: Tensor) -> tuple:
         hidden, weight, bias, targets, lse, ent = ctx.saved_tensors
-        temperature, _, _, smoothing, _, rows, entropy_grad = ctx.options
+        temperature, _, _, smoothing, _, rows, entropy_grad, _ = ctx.options
         need_h, need_w, need_b = ctx.needs_input_grad[0], ctx.needs_input_grad[1], bias is not None and ctx.needs_input_grad[2]
         # every row of g_h is written, chunk by chunk
         g_h = torch.empty(hidden.shape, dtype=hidden.dtype, device=hidden.device) if need_h else None

@@ -65,7 +65,7 @@ def token_logps(model: Any, batch: Batch, sampling: RolloutSampling, entropy: bo
 
     def head(hidden: Tensor, lm_head: nn.Module) -> HeadLogps:
         return head_logps(rows.gather(hidden, keep), lm_head, targets, sampling.temperature, sampling.top_k,
-                          sampling.top_p, entropy=entropy, entropy_grad=entropy_grad)
+                          sampling.top_p, entropy=entropy, entropy_grad=entropy_grad, min_p=sampling.min_p)
 
     out = model(**rows.inputs(batch["input_ids"], batch["attention_mask"]), logits_indices=keep, head=head)
     idx = labelled_positions(labels)
