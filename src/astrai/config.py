@@ -113,6 +113,7 @@ class RLConfig:
     rollout_temperature: float = knob(1.0, ge=0)  # the trainer's log-probs use the same temperature
     rollout_top_p: float = knob(1.0, gt=0, le=1)
     rollout_top_k: int = knob(0, ge=-1)  # 0 = off
+    rollout_repetition_penalty: float = knob(1.0, gt=0, le=10)  # rollouts: logits of prompt and output tokens divided (positive) or multiplied by it; 1 = off
     rollout_min_p: float = knob(0.0, ge=0, lt=1)  # min-p sampling in rollouts (0 = off); the trainer's log-probs truncate the same way
     max_prompt_len: int | None = knob(None, ge=1)  # None = 256 or what fits the model's positions; longer prompts are skipped
     max_policy_lag: int = knob(8, ge=0)  # a rollout more policy versions old than this is an error

@@ -63,9 +63,13 @@ def token_logps(model: Any, batch: Batch, sampling: RolloutSampling, entropy: bo
     keep = rows.keep()
     targets = labels[rows.src]  # (M,)
 
+    # a repetition penalty reads each labelled token's context: its row of input_ids up to its column
+    context = (batch["input_ids"], *rows.src) if sampling.repetition_penalty != 1.0 else None
+
     def head(hidden: Tensor, lm_head: nn.Module) -> HeadLogps:
         return head_logps(rows.gather(hidden, keep), lm_head, targets, sampling.temperature, sampling.top_k,
-                          sampling.top_p, entropy=entropy, entropy_grad=entropy_grad, min_p=sampling.min_p)
+                          sampling.top_p, entropy=entropy, entropy_grad=entropy_grad, min_p=sampling.min_p,
+                          repetition_penalty=sampling.repetition_penalty, context=context)
 
     out = model(**rows.inputs(batch["input_ids"], batch["attention_mask"]), logits_indices=keep, head=head)
     idx = labelled_positions(labels)
