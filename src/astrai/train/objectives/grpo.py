@@ -109,7 +109,8 @@ class GRPOObjective:
 
     def __call__(self, model: nn.Module, batch: Batch) -> LossOutput:
         bonus = self.rl.entropy_coef > 0  # the entropy bonus needs the entropy with its gradient
-        pol = self.logps(model, batch, entropy=bonus or wants(self.requested_metrics, "entropy"), entropy_grad=bonus)
+        grad = {"entropy_grad": True} if bonus else {}  # (only then: a replaced logps may not take it)
+        pol = self.logps(model, batch, entropy=bonus or wants(self.requested_metrics, "entropy"), **grad)
         logps, idx = pol.logps, pol.idx
         mask = loss_mask(batch, pol.mask)
         # the ratio's old log-probs and the importance weights

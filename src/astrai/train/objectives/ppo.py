@@ -190,7 +190,8 @@ class PPOObjective:
     def __call__(self, model: nn.Module, batch: Batch) -> LossOutput:
         rl, requested = self.rl, self.requested_metrics
         bonus = rl.entropy_coef > 0  # the entropy bonus needs the entropy with its gradient
-        pol = self.logps(model, batch, entropy=bonus or wants(requested, "entropy"), entropy_grad=bonus)
+        grad = {"entropy_grad": True} if bonus else {}  # (only then: a replaced logps may not take it)
+        pol = self.logps(model, batch, entropy=bonus or wants(requested, "entropy"), **grad)
         logps, idx, rows = pol.logps, pol.idx, pol.rows
         mask = loss_mask(batch, pol.mask)
 
