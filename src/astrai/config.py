@@ -147,6 +147,7 @@ class RLConfig:
     reward_timeout: float = knob(60.0, ge=0)  # seconds one user reward call may take; 0 = no limit
     environment: str | None = None  # multi-turn: module:Class, one instance per sample (reset / step)
     tools: list[str] = field(default_factory=list)  # multi-turn: module:function tools offered to the model
+    turn_rewards: bool = False  # multi-turn, online_ppo / reinforce_pp: each environment step's reward on its turn's last sampled token, not summed at the end
     max_turns: int = knob(4, ge=1, note="(assistant turns per multi-turn episode)")  # multi-turn: assistant turns per episode; an episode that would go on is truncated
     format_pattern: str = r"^\s*-?\d+\s*$"  # the `format` reward: 1 when the completion matches
     length_target: int = 64  # the `length` reward: 0 up to this many characters, then down to -1 at twice

@@ -79,6 +79,14 @@ def validate(cfg: Config) -> None:
             why = "under LoRA the reference is the base model with its adapters off, not a copy" if cfg.lora.lora_r \
                 else "under fsdp the policy is sharded and the reference is not"
             raise ConfigError(f"{what} copies the policy into its reference, but {why}; remove it")
+    if rl.turn_rewards:
+        per_token = cfg.data.train_type == "online_ppo" or (cfg.data.train_type == "online_grpo"
+                                                            and rl.advantage_estimator == "reinforce_pp")
+        if not per_token or not rl.environment:
+            why = "an environment whose step gives them" if per_token else \
+                "per-token credit (online_ppo, or online_grpo with advantage_estimator reinforce_pp)"
+            raise ConfigError(f"turn_rewards=true places each environment step's reward on its turn, which needs {why}; "
+                              "set --environment / --train_type accordingly or --turn_rewards false")
     if rl.kl_in_reward and cfg.data.train_type in ("grpo", "online_dpo"):
         raise ConfigError(f"kl_in_reward=true applies to online_grpo (online_ppo always has the KL in its rewards), "
                           f"not train_type {cfg.data.train_type}; set --kl_in_reward false")

@@ -99,3 +99,21 @@ def test_kl_in_reward_leaves_each_score_before_the_baseline():
     assert with_kl_in_scores(inputs(torch.tensor([[1.0, 0.0]]))).rewards.tolist() == [[1.0, 0.0]]  # no reference
     with pytest.raises(ConfigError, match="kl_in_reward=true applies to online_grpo"):
         load_config(None, ["--train_type", "online_dpo", "--kl_in_reward", "true"])
+
+
+def test_turn_rewards_sit_on_their_turns_for_reinforce_pp():
+    """turn_rewards: a two-turn row (turn 1 at label 0, tool gap 1-2, turn 2 at 3-4); the environment
+    gave 0.5 after turn 1 (its last token's label position 0) and the final score 1 lands on 4. The
+    reward-to-go is 1.5 on turn 1 and 1 on turn 2 (one sample: whitening makes them +-1)."""
+    from astrai.train.rl.data import turn_reward_rows
+
+    turns = turn_reward_rows([[(1, 0.5)]], torch.Size([1, 6]))  # the turn's last sampled token at row position 1
+    assert turns.tolist() == [[0.5, 0, 0, 0, 0, 0]]
+    mask = torch.tensor([[1, 0, 0, 1, 1, 0]], dtype=torch.bool)
+    x = AdvantageInputs(torch.tensor([[1.0]]), mask, torch.zeros(1, 6), None, True, 1e-8, 0.0, "k3+", None, turns)
+    rewards = L.token_rewards(torch.tensor([1.0]), mask) + turns
+    assert L.reward_to_go(rewards, mask).tolist() == [[1.5, 0, 0, 1.0, 1.0, 0]]
+    adv = ADVANTAGE_ESTIMATORS["reinforce_pp"].function(x)
+    assert adv[0, 0] > 0 > adv[0, 3] and adv[0, 3] == adv[0, 4]  # turn 1 earned more than turn 2
+    with pytest.raises(ConfigError, match="turn_rewards=true places each environment step's reward"):
+        load_config(None, ["--train_type", "online_grpo", "--turn_rewards", "true", "--environment", "m:E"])

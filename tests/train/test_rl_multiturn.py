@@ -137,6 +137,18 @@ def test_three_turn_episode_labels_only_the_models_tokens(tok_dir):
     assert (logps - rollout.old_logps)[mask].abs().max().item() < 1e-5
 
 
+def test_turn_rewards_land_on_each_turns_last_sampled_token(tok_dir):
+    """turn_rewards: ScriptedEnv's 0.5, 0.5 and 1.0 sit at the label positions of the three turns'
+    last sampled tokens (they sum to the environment's term); the episode reward is unchanged."""
+    runner = runner_for(tok_dir, environment=f"{USER_CODE}:ScriptedEnv", rewards=["exact_match"], turn_rewards=True)
+    rollout = runner.rollout(prompt_batch(runner.tokenizer, ["3+4", "10+2"]), step=0, policy_version=0)
+    for i in range(rollout.num_samples):
+        ends = [b - 2 for _, b in labelled_spans(rollout.labels[i])]  # the label positions of each turn's last token
+        placed = rollout.turn_rewards[i].nonzero().squeeze(1).tolist()
+        assert placed == ends and rollout.turn_rewards[i, ends].tolist() == [0.5, 0.5, 1.0]
+    assert rollout.turn_rewards.sum(dim=1).tolist() == rollout.reward_terms["environment"].reshape(-1).tolist()
+
+
 def test_turns_reuse_the_prefix_cache(tok_dir):
     """Each turn's prompt is the row so far: the engine serves the earlier turns' KV from the
     prefix cache, so an episode's prefill is about one final length, not the sum of its prompts."""
@@ -239,7 +251,8 @@ def test_tool_calls_become_tool_messages_and_errors_are_counted(tok_dir):
 
 
 @pytest.mark.parametrize("train_type,extra", [("online_grpo", {"tools": ["myenv:add"]}),
-                                              ("online_grpo", {"advantage_estimator": "rloo"}), ("online_ppo", {})])
+                                              ("online_grpo", {"advantage_estimator": "rloo"}), ("online_ppo", {}),
+                                              ("online_ppo", {"turn_rewards": True})])
 def test_multi_turn_runs_train_with_the_exact_rl_contract(tmp_path, tok_dir, monkeypatch, train_type, extra):
     monkeypatch.chdir(tmp_path)  # a user's environment module, resolved from the working directory
     (tmp_path / "myenv.py").write_text(

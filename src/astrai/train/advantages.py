@@ -46,6 +46,9 @@ class AdvantageInputs:
     kl_coef: float
     kl_estimator: str
     all_reduce: Callable[[Tensor], Tensor] | None  # sums a tensor over the ranks (None: one rank)
+    # (N, T) turn_rewards: the environment's per-turn rewards at their turns' last tokens (then
+    # `rewards` holds the scores without them); None: they are in `rewards`
+    turn_rewards: Tensor | None = None
 
 
 def grpo(x: AdvantageInputs) -> Tensor:
@@ -63,6 +66,8 @@ def reinforce_pp(x: AdvantageInputs) -> Tensor:
     times the KL estimate to the reference on every one), reward-to-go, whitened over every
     response token of the batch on all ranks; 0 outside the response."""
     rewards = token_rewards(x.rewards.reshape(-1), x.mask, x.behaviour_logps, x.ref_logps, x.kl_coef, x.kl_estimator)
+    if x.turn_rewards is not None:
+        rewards = rewards + x.turn_rewards
     return whiten_with_sums(reward_to_go(rewards, x.mask), x.mask, x.all_reduce)
 
 

@@ -48,6 +48,7 @@ from astrai.train.objectives.rollout_steps import (
     loss_mask,
     micro_batches,
     num_units,
+    per_turn,
     per_unit,
     pin_keep,
     policy_surrogate,
@@ -149,9 +150,10 @@ class GRPOObjective:
         mask = rollout.labels != IGNORE_INDEX
         with_ref = self.kl_in_reward and self.reference is not None
         ref = reference_logps(self.reference, rollout, rollout_sampling(self.rl), self.device) if with_ref else None
-        inputs = AdvantageInputs(rollout.rewards, mask, rollout.old_logps, ref, self.scale, self.rl.reward_std_eps,
+        scores, turns = per_turn(rollout)
+        inputs = AdvantageInputs(scores, mask, rollout.old_logps, ref, self.scale, self.rl.reward_std_eps,
                                  self.kl_coef, self.rl.kl_estimator,
-                                 dist.all_reduce_sum if dist.is_distributed() else None)
+                                 dist.all_reduce_sum if dist.is_distributed() else None, turns)
         if with_ref:
             rollout.stats["kl"] = reward_kl(inputs)
             if not self.estimator.kl_in_rewards:  # kl_in_reward: the KL leaves each score before the baseline

@@ -46,6 +46,7 @@ from astrai.train.objectives.rollout_steps import (
     loss_mask,
     micro_batches,
     num_units,
+    per_turn,
     per_unit,
     pin_keep,
     policy_surrogate,
@@ -158,8 +159,10 @@ class PPOObjective:
         values = values * mask
         if ref_logps is not None:  # the KL sits in the rewards: its mean estimate is the kl metric
             rollout.stats["kl"] = masked_mean(kl_estimate(rollout.old_logps.float(), ref_logps, rl.kl_estimator), mask).item()
-        rewards = token_rewards(rollout.rewards.reshape(-1), mask, rollout.old_logps, ref_logps, rl.kl_coef,
-                                rl.kl_estimator)
+        scores, turns = per_turn(rollout)
+        rewards = token_rewards(scores.reshape(-1), mask, rollout.old_logps, ref_logps, rl.kl_coef, rl.kl_estimator)
+        if turns is not None:
+            rewards = rewards + turns
         advantages, returns = gae(rewards, values, mask, rl.ppo_gamma, rl.ppo_gae_lambda)
         if rl.whiten_advantages:
             advantages = masked_whiten(advantages, mask) * mask

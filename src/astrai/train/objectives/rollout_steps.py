@@ -46,6 +46,15 @@ def num_units(batch: Batch, agg: str) -> Tensor:
     return torch.tensor(batch["labels"].size(0), device=batch["labels"].device)
 
 
+def per_turn(rollout: Rollout) -> tuple[Tensor, Tensor | None]:
+    """The scores (B, G) and per-turn rewards (N, T) a per-token estimator places: with
+    ``turn_rewards`` the environment's rewards leave the episode's score and sit on their turns;
+    otherwise the episode's reward as it is, and None."""
+    if rollout.turn_rewards is None:
+        return rollout.rewards, None
+    return rollout.rewards - rollout.reward_terms["environment"], rollout.turn_rewards
+
+
 def pin_keep(rollout: Rollout, mask_truncated: bool) -> None:
     """``mask_truncated_completions``: pin which samples carry loss (those that ended)."""
     if mask_truncated:

@@ -45,6 +45,8 @@ class Episode:
     logps: list[float | None] = field(default_factory=list)  # the sampler's log-prob of a sampled token, else None
     num_prompt_ids: int = 0  # the opening prompt's length
     reward: float = 0.0  # the environment's rewards, summed
+    # (row position of the turn's last sampled token, the environment's reward for that turn), per step
+    turn_rewards: list[tuple[int, float]] = field(default_factory=list)
     num_turns: int = 0
     num_tool_calls: int = 0
     num_tool_errors: int = 0
@@ -162,6 +164,8 @@ class Conversation:
                             "return EnvStep(messages=..., reward=..., done=...)")
         e.messages += [dict(m) for m in result.messages or []]
         e.reward += float(result.reward or 0.0)
+        if result.reward:  # where the turn's reward belongs (the turn's tokens end here): turn_rewards
+            e.turn_rewards.append((len(e.ids) - 1, float(result.reward)))
         e.done = bool(result.done)
 
     def extend_to_next_prompt(self, e: Episode) -> None:
