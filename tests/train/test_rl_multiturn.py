@@ -223,6 +223,38 @@ def scripted_episodes(tok, script, records, max_model_len: int, max_tokens: int,
     return episodes, sampler
 
 
+# a reasoning template (Qwen3's rule): an assistant turn before the last user message loses its <think> part
+STRIP_REASONING = (
+    "{%- set ns = namespace(last=-1) -%}"
+    "{%- for m in messages -%}{%- if m.role == 'user' -%}{%- set ns.last = loop.index0 -%}{%- endif -%}{%- endfor -%}"
+    "{%- for m in messages -%}{%- set c = m.content -%}"
+    "{%- if m.role == 'assistant' and loop.index0 < ns.last and '</think>' in c -%}"
+    "{%- set c = c.split('</think>')[-1] -%}{%- endif -%}"
+    "{{ '<|im_start|>' + m.role + '\\n' + c + '<|im_end|>\\n' }}{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{ '<|im_start|>assistant\\n' }}{%- endif -%}")
+
+
+def test_a_template_that_strips_earlier_reasoning_still_runs_multi_turn(tok_dir):
+    """A Qwen3-style template re-renders an earlier assistant turn without its reasoning once a user
+    follow-up comes, so the conversation is not prefix-preserving: the environment's follow-ups are
+    rendered after a stand-in turn and appended to the row, which keeps every turn as sampled,
+    reasoning included (what the model saw, what the trainer scores)."""
+    tok = load_tokenizer(tok_dir)
+    tok.chat_template = STRIP_REASONING
+    turns = ["<think>a</think>7", "<think>b</think>8", "9"]
+    episodes, _ = scripted_episodes(tok, lambda turn: fake_turn(tok, turns[turn]),
+                                    [{"messages": [{"role": "user", "content": "3+4"}], "answer": "9"}], 4096, 64,
+                                    environment=f"{USER_CODE}:ScriptedEnv")
+    e = episodes[0]
+    assert e.done and e.num_turns == 3 and e.reward == 2.0
+    text = tok.decode(e.ids, skip_special_tokens=False)
+    assert text == ("<|im_start|>system\nbe brief<|im_end|>\n<|im_start|>user\n3+4<|im_end|>\n"
+                    "<|im_start|>assistant\n<think>a</think>7<|im_end|>\n<|im_start|>user\nagain 1<|im_end|>\n"
+                    "<|im_start|>assistant\n<think>b</think>8<|im_end|>\n<|im_start|>user\nagain 2<|im_end|>\n"
+                    "<|im_start|>assistant\n9<|im_end|>")
+    assert "<think>a</think>" not in tok.render_chat(e.messages)  # what the template alone would have shown
+
+
 def test_tool_calls_become_tool_messages_and_errors_are_counted(tok_dir):
     """A scripted model (no engine): turn 1 calls multiply, turn 2 calls a tool that raises,
     turn 3 answers. Tool results go back as `tool` messages, errors as error text, the row holds
