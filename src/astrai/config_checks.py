@@ -62,9 +62,10 @@ def validate(cfg: Config) -> None:
                           "with --ppo_epochs and leave --rollout_interval 1")
     uses = steps_per_rollout(rl)
     if uses - 1 > rl.max_policy_lag:
-        what = "rollout_interval" if rl.rollout_interval > 1 else "mini_batches x ppo_epochs"
-        raise ConfigError(f"{what} = {uses} steps reuse a rollout until it is {uses - 1} policy versions old, more than "
-                          f"max_policy_lag={rl.max_policy_lag}; raise --max_policy_lag to {uses - 1} or lower {what}")
+        what, fix = (f"rollout_interval={uses} reuses", "--rollout_interval") if rl.rollout_interval > 1 else \
+            (f"mini_batches={rl.mini_batches} x ppo_epochs={rl.ppo_epochs} = {uses} steps reuse", "them")
+        raise ConfigError(f"{what} a rollout until it is {uses - 1} policy versions old, more than max_policy_lag="
+                          f"{rl.max_policy_lag}; raise --max_policy_lag to {uses - 1} or lower {fix}")
     if rl.mini_batches > 1 and cfg.data.train_type not in ("online_grpo", "online_ppo"):
         raise ConfigError(f"mini_batches={rl.mini_batches} applies to online_grpo and online_ppo (samples split into "
                           f"mini-batches), not {cfg.data.train_type}; set --mini_batches 1 (--ppo_epochs gives passes)")

@@ -263,8 +263,8 @@ def test_mini_batches_clip_and_count_their_steps(tmp_path, tok_dir):
     # the schedule's length counts mini-batch steps: 16 prompts / 4 per rollout x 4 steps x 2 passes
     loop = OnlineLoop(load_config(config, ["--max_steps", "null", "--ppo_epochs", "2", "--max_policy_lag", "7"]))
     assert loop.total_steps == 4 * 4 * 2 and loop.steps_per_rollout == 8
-    with pytest.raises(ConfigError, match=r"mini_batches x ppo_epochs = 8 steps reuse a rollout until it is 7 policy "
-                                          "versions old, more than max_policy_lag=3"):
+    with pytest.raises(ConfigError, match=r"mini_batches=4 x ppo_epochs=2 = 8 steps reuse a rollout until it is 7 "
+                                          "policy versions old, more than max_policy_lag=3"):
         load_config(config, ["--ppo_epochs", "2"])
     with pytest.raises(ConfigError, match="with mini-batches set the passes with --ppo_epochs"):
         load_config(config, ["--rollout_interval", "2"])
