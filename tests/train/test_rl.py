@@ -275,18 +275,20 @@ def test_mini_batches_clip_and_count_their_steps(tmp_path, tok_dir):
 @pytest.mark.slow
 def test_a_stop_inside_a_rollouts_mini_batches_resumes_exactly(tmp_path, tok_dir):
     """mini_batches 2, ppo_epochs 2: a stop after step 3 (the second pass's first mini-batch) resumes
-    into the same mini-batch order and the same pinned old log-probs, bit for bit."""
+    into the same mini-batch order and the same pinned old log-probs, bit for bit; with ref_ema 0.5
+    the moved KL reference comes back too (reference_model.pt), so the kl term matches."""
     runs = {}
     for name in ("straight", "stopped"):
         runs[name] = write_rl_run(tmp_path / name, tok_dir, mini_batches=2, ppo_epochs=2, clip_eps=0.02,
-                                  rewards=["tests.train.rl_user_code:varied_reward"])
+                                  kl_coef=0.1, ref_ema=0.5, rewards=["tests.train.rl_user_code:varied_reward"])
         runs[name].write_text(runs[name].read_text().replace("max_steps: 4", "max_steps: 6"))
     assert main(["--config", str(runs["straight"])]) == 0
     sigterm_after_step(runs["stopped"], 3, tmp_path)
     assert main(["--config", str(runs["stopped"]), "--resume"]) == 0
-    keys = ("step", "policy_version", "rollout_policy_version", "loss", "grad_norm", "clip_fraction", "lr")
+    keys = ("step", "policy_version", "rollout_policy_version", "loss", "grad_norm", "clip_fraction", "kl", "lr")
     got = [{k: m.get(k) for k in keys} for m in read_metrics(tmp_path / "stopped")]
     want = [{k: m.get(k) for k in keys} for m in read_metrics(tmp_path / "straight")]
     assert got == want and [m["rollout_policy_version"] for m in want] == [0, 0, 0, 0, 4, 4]
+    assert want[4]["kl"] > 0  # the reference moved (step 5 runs after the resume)
     a, b = checkpoint_weights(tmp_path / "stopped"), checkpoint_weights(tmp_path / "straight")
     assert a.keys() == b.keys() and all(a[k].equal(b[k]) for k in a)
