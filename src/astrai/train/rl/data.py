@@ -44,6 +44,9 @@ class Rollout:
     trainer_logps: Tensor | None = None
     truncated: Tensor | None = None  # (N,) bool: the completion hit rollout_max_tokens without ending
     num_uses: int = 0  # optimizer steps taken on it so far
+    # (N, T) turn_rewards: each environment step's reward at the label position of its turn's last
+    # sampled token (they sum to reward_terms["environment"]); None when per-turn rewards are off
+    turn_rewards: Tensor | None = None
 
     @property
     def num_samples(self) -> int:
@@ -69,7 +72,7 @@ class Rollout:
         return {**{k: getattr(self, k) for k in _TENSORS}, "group_size": self.group_size,
                 "policy_version": self.policy_version, "num_uses": self.num_uses, "texts": list(self.texts),
                 "stats": dict(self.stats), "pinned": dict(self.pinned), "pairs": self.pairs,
-                "trainer_logps": self.trainer_logps, "truncated": self.truncated,
+                "trainer_logps": self.trainer_logps, "truncated": self.truncated, "turn_rewards": self.turn_rewards,
                 "reward_terms": dict(self.reward_terms)}
 
     @classmethod
@@ -91,7 +94,8 @@ def select_groups(rollout: Rollout, groups: Tensor) -> Rollout:
                    texts=[rollout.texts[i] for i in rows.tolist()],
                    reward_terms={k: v[groups] for k, v in rollout.reward_terms.items()},
                    stats=dict(rollout.stats),
-                   truncated=rollout.truncated[rows] if rollout.truncated is not None else None)
+                   truncated=rollout.truncated[rows] if rollout.truncated is not None else None,
+                   turn_rewards=rollout.turn_rewards[rows] if rollout.turn_rewards is not None else None)
 
 
 def concat_rollouts(parts: list[Rollout]) -> Rollout:
@@ -107,7 +111,8 @@ def concat_rollouts(parts: list[Rollout]) -> Rollout:
                   torch.cat([p.rewards for p in parts]), parts[0].group_size, parts[0].policy_version,
                   texts=[t for p in parts for t in p.texts],
                   reward_terms={k: torch.cat([p.reward_terms[k] for p in parts]) for k in parts[0].reward_terms},
-                  truncated=torch.cat([p.truncated for p in parts]) if parts[0].truncated is not None else None)
+                  truncated=torch.cat([p.truncated for p in parts]) if parts[0].truncated is not None else None,
+                  turn_rewards=cat("turn_rewards", 0.0) if parts[0].turn_rewards is not None else None)
     weights = [p.num_samples for p in parts]
     for key in parts[0].stats:
         values = [p.stats.get(key, 0.0) for p in parts]
@@ -125,6 +130,16 @@ def rollout_signal_stats(rewards: Tensor, finish_reasons: list[str | None]) -> d
     flat = torch.isclose(rewards, rewards[:, :1]).all(dim=1)  # (B,)
     return {"truncated_fraction": sum(r == "length" for r in finish_reasons) / max(len(finish_reasons), 1),
             "frac_reward_zero_std": flat.float().mean().item()}
+
+
+def turn_reward_rows(turns: list[list[tuple[int, float]]], shape: torch.Size) -> Tensor:
+    """(N, T) per-turn rewards: a reward of the turn whose last sampled token sits at row position p
+    goes on label position p - 1 (the position that predicts that token)."""
+    out = torch.zeros(shape)
+    for i, row in enumerate(turns):
+        for position, reward in row:
+            out[i, position - 1] += reward
+    return out
 
 
 def pack_episodes(rows: list[tuple[list[int], list[float | None]]], group_size: int, policy_version: int) -> Rollout:

@@ -96,8 +96,9 @@ def engine_runner(model: nn.Module, tokenizer: Any, rl: RLConfig, num_seqs: int,
 def sampling_params(request: TurnRequest) -> SamplingParams:
     """The engine's parameters for a turn request."""
     s = request.sampling
-    return SamplingParams(temperature=s.temperature, top_p=s.top_p, top_k=s.top_k, max_tokens=s.max_tokens,
-                          n=request.n, seed=request.seed)
+    return SamplingParams(temperature=s.temperature, top_p=s.top_p, top_k=s.top_k, min_p=s.min_p,
+                          repetition_penalty=s.repetition_penalty, max_tokens=s.max_tokens, n=request.n,
+                          seed=request.seed)
 
 
 def batch_engine(model: nn.Module, tokenizer: Any, num_seqs: int, max_len: int, bf16: bool) -> LLMEngine:

@@ -54,6 +54,8 @@ class Episode:
     logps: list[float | None] = field(default_factory=list)  # the sampler's log-prob of a sampled token, else None
     num_prompt_ids: int = 0  # the opening prompt's length
     reward: float = 0.0  # the environment's rewards, summed
+    # (row position of the turn's last sampled token, the environment's reward for that turn), per step
+    turn_rewards: list[tuple[int, float]] = field(default_factory=list)
     num_turns: int = 0
     num_tool_calls: int = 0
     num_tool_errors: int = 0  # tool calls answered with an error message (timeouts included)
@@ -202,6 +204,8 @@ class Conversation:
         messages, reward = checked_step(result, f"environment {type(e.env).__name__}.step", e.where())
         e.messages += [{**m, "content": self._bounded(e, m["content"])} for m in messages]
         e.reward += reward
+        if reward:  # where the turn's reward belongs (the turn's tokens end here): turn_rewards
+            e.turn_rewards.append((len(e.ids) - 1, reward))
         e.done = bool(result.done)
 
     def _bounded(self, e: Episode, text: str) -> str:
@@ -219,16 +223,24 @@ class Conversation:
 
     def extend_to_next_prompt(self, e: Episode) -> None:
         """The ids between this turn's last sampled token and the next turn's first: the rest of
-        the assistant turn's closing, the new messages, the generation prompt (no labels)."""
+        the assistant turn's closing, the new messages, the generation prompt (no labels). A
+        template that re-renders earlier turns once more follow (Qwen3's strips the reasoning of
+        assistant turns before the last user message) renders the new messages after a stand-in
+        turn instead, as verl does: the row keeps what the model saw when it sampled, each turn
+        extending it, and the trainer scores exactly that row."""
         assistant_at = max(i for i, m in enumerate(e.messages) if m["role"] == "assistant")
         before = self._render(e, e.messages[:assistant_at + 1])
         source = "the tool results" if e.messages[-1]["role"] == "tool" else f"environment {type(e.env).__name__}.step"
         after = self._render(e, e.messages, add_generation_prompt=True, after=source)
         if not after.startswith(before):
+            stand_in = [{"role": "user", "content": "."}, {"role": "assistant", "content": "."}]
+            before = self._render(e, stand_in)
+            after = self._render(e, stand_in + e.messages[assistant_at + 1:], add_generation_prompt=True)
+        if not after.startswith(before):
             raise ValueError("the chat template is not prefix-preserving across turns: the conversation rendered "
                              f"after turn {e.num_turns} does not start with its rendering up to that turn "
                              f"({before[-80:]!r}); multi-turn rollouts need a template whose earlier turns render "
-                             "the same whatever follows them")
+                             "the same whatever follows them, or at least new messages after an assistant turn")
         closing = self.closing[len(e.ended_with):] if self.closing.startswith(e.ended_with) else self.closing
         delta = self.tokenizer.encode(closing + after[len(before):])
         if len(e.ids) + len(delta) + self.max_tokens > self.max_model_len:

@@ -26,7 +26,7 @@ from torch import Tensor
 
 from astrai.config import RLConfig
 from astrai.config_values import default_max_prompt_len
-from astrai.train.rl.data import Rollout, pack_episodes, rollout_signal_stats
+from astrai.train.rl.data import Rollout, pack_episodes, rollout_signal_stats, turn_reward_rows
 from astrai.train.rl.episode import Conversation, Episode, episode_stats
 from astrai.train.rl.rewards import RewardSet
 from astrai.train.rl.sampler import RolloutSampling, Sampler, TurnRequest, rollout_sampling
@@ -191,6 +191,8 @@ class EpisodeRunner:
         total, terms = self.score(episodes, G)
         rollout.rewards, rollout.reward_terms = total.view(-1, G), {k: v.view(-1, G) for k, v in terms.items()}
         rollout.texts = [e.final_text for e in episodes]
+        if self.rl.turn_rewards:  # each environment step's reward on its turn's last sampled token
+            rollout.turn_rewards = turn_reward_rows([e.turn_rewards for e in episodes], rollout.labels.shape)
         rollout.truncated = torch.tensor([e.truncated or e.finish_reason == "length" for e in episodes])
         seconds = time.perf_counter() - start
         num_new = sum(lp is not None for e in episodes for lp in e.logps)
