@@ -71,8 +71,21 @@ def validate(cfg: Config) -> None:
     if cfg.train.eval_interval > 0 and cfg.data.eval_data_path is None:
         raise ConfigError(f"eval_interval={cfg.train.eval_interval} needs eval_data_path (held-out prompt records "
                           "with answers); set --eval_data_path FILE.jsonl or --eval_interval 0")
+    if cfg.data.train_type == "reward":
+        _validate_reward(cfg)
     _validate_data_columns(cfg)
     _validate_report_to(cfg)
+
+
+def _validate_reward(cfg: Config) -> None:
+    """A reward model trains all its weights and is judged on held-out pairs, not by generation."""
+    if cfg.lora.lora_r > 0:
+        raise ConfigError(f"lora_r={cfg.lora.lora_r}: train_type reward trains every weight (LoRA adapters for a "
+                          "reward model are not implemented); set --lora_r 0")
+    if cfg.data.eval_data_path is not None:
+        raise ConfigError(f"eval_data_path={cfg.data.eval_data_path!r} holds prompts answered by generation, which a "
+                          "reward model cannot do; give held-out preference pairs as --val_data_path (metrics "
+                          "val/accuracy, val/margin)")
 
 
 def _validate_ranges(cfg: Config) -> None:

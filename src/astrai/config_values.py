@@ -38,6 +38,7 @@ TRAIN_TYPES: dict[str, str] = {
     "online_grpo": "prompt",
     "online_dpo": "prompt",
     "online_ppo": "prompt",
+    "reward": "dpo",  # a reward model (Bradley-Terry) on preference pairs
 }
 
 # the RL algorithms users know by name -> the settings that give each (train_type and rl fields);
