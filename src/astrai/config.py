@@ -34,7 +34,7 @@ from astrai.flags import knob
 
 @dataclass
 class DataConfig:
-    train_type: str = "sft"  # seq | sft | dpo | grpo (recorded samples) | online_grpo | online_dpo | online_ppo | reward
+    train_type: str = "sft"  # seq | sft | dpo | grpo (recorded samples) | online_grpo | online_dpo | online_ppo | online_distill | reward
     data_path: str | None = None  # JSONL file, preprocessed shard dir, or a dataset: hf:NAME[@SPLIT] or a save_to_disk dir
     data_columns: dict[str, str] | None = None  # record field -> column of the rows (datasets and JSONL)
     tokenizer_path: str | None = None  # defaults to param_path
@@ -101,6 +101,11 @@ class ObjectiveConfig:
     ref_model_path: str | None = None  # DPO reference; default: a frozen copy of the initial policy
     reference_free: bool = False
     center_rewards_coefficient: float = knob(0.0, ge=0)  # reward: weight of (r_chosen + r_rejected)^2, keeping scores near 0 (TRL)
+    teacher_path: str | None = None  # online_distill, kd: the teacher model directory (the policy's tokenizer)
+    teacher_url: str | None = None  # online_distill: an OpenAI-compatible server returning prompt log-probs (echo + logprobs)
+    distill_loss: str = "reverse_kl_pg"  # online_distill: reverse_kl_pg (per-token advantage log teacher - log student) | jsd
+    distill_beta: float = knob(0.5, ge=0, le=1)  # jsd (online_distill) and kd: 0 forward KL, 1 reverse KL (TRL GKD's beta)
+    distill_coef: float = knob(0.0, ge=0)  # online_distill: weight of the task reward's advantage beside the teacher's
 
 
 @dataclass

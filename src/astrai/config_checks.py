@@ -50,7 +50,8 @@ def validate(cfg: Config) -> None:
     if rl.reward_weights is not None and len(rl.reward_weights) != len(rl.rewards):
         raise ConfigError(f"reward_weights has {len(rl.reward_weights)} entries for {len(rl.rewards)} rewards "
                           f"{rl.rewards}; give one weight per reward")
-    if not rl.rewards and not rl.environment:
+    pure_distill = cfg.data.train_type == "online_distill" and cfg.objective.distill_coef == 0
+    if not rl.rewards and not rl.environment and not pure_distill:  # pure distillation needs no reward
         raise ConfigError("rewards is empty; name at least one reward (e.g. [exact_match]) or an environment")
     if "overlong" in rl.rewards and not 0 < rl.overlong_buffer <= rl.rollout_max_tokens:
         raise ConfigError(f"overlong_buffer={rl.overlong_buffer} must be within [1, rollout_max_tokens="
@@ -73,8 +74,22 @@ def validate(cfg: Config) -> None:
                           "with answers); set --eval_data_path FILE.jsonl or --eval_interval 0")
     if cfg.data.train_type == "reward":
         _validate_reward(cfg)
+    if cfg.data.train_type == "online_distill":
+        _validate_distill(cfg)
     _validate_data_columns(cfg)
     _validate_report_to(cfg)
+
+
+def _validate_distill(cfg: Config) -> None:
+    """One teacher, and the full-distribution loss only with a teacher in this process."""
+    o = cfg.objective
+    if (o.teacher_path is None) == (o.teacher_url is None):
+        given = "both" if o.teacher_path is not None else "neither"
+        raise ConfigError(f"online_distill needs one teacher, got {given} of teacher_path and teacher_url; set "
+                          "--teacher_path DIR (in-process) or --teacher_url URL (an OpenAI-compatible server)")
+    if o.distill_loss == "jsd" and o.teacher_path is None:
+        raise ConfigError("distill_loss=jsd compares full distributions, which a server does not return; set "
+                          "--teacher_path DIR, or use --distill_loss reverse_kl_pg with teacher_url")
 
 
 def _validate_reward(cfg: Config) -> None:

@@ -38,6 +38,7 @@ TRAIN_TYPES: dict[str, str] = {
     "online_grpo": "prompt",
     "online_dpo": "prompt",
     "online_ppo": "prompt",
+    "online_distill": "prompt",  # the student samples, a teacher scores every sampled token
     "reward": "dpo",  # a reward model (Bradley-Terry) on preference pairs
 }
 
@@ -73,6 +74,7 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "optimizer": ("adamw", "muon"),
     "schedule": ("constant", "cosine", "wsd"),
     "loss_type": ("sigmoid", "ipo", "hinge"),  # DPO
+    "distill_loss": ("reverse_kl_pg", "jsd"),  # online_distill
     "early_stopping_mode": ("min", "max"),
     "parallel_mode": ("none", "ddp", "fsdp"),
     "scale_rewards": ("group", "none"),

@@ -276,7 +276,8 @@ class RewardSet:
                 per_fn[f"{name}_none"] = torch.tensor(none, dtype=torch.float32)
             else:
                 per_fn[name] = _checked(name, scores, len(completions), group_size)
-        total = sum(w * per_fn[n].double() for n, w in zip(self.names, self.weights))
+        total = sum((w * per_fn[n].double() for n, w in zip(self.names, self.weights)),
+                    torch.zeros(len(completions), dtype=torch.float64))  # no rewards (pure distillation): 0
         bad = (~torch.isfinite(total) | (total.abs() > F32_MAX)).nonzero()
         if len(bad):
             i = int(bad[0])
