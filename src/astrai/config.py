@@ -34,7 +34,7 @@ from astrai.flags import knob
 
 @dataclass
 class DataConfig:
-    train_type: str = "sft"  # seq | sft | dpo | grpo (recorded samples) | online_grpo | online_dpo | online_ppo | online_distill | reward
+    train_type: str = "sft"  # seq | sft | dpo | grpo (recorded samples) | online_grpo | online_dpo | online_ppo | online_distill | kd | reward
     data_path: str | None = None  # JSONL file, preprocessed shard dir, or a dataset: hf:NAME[@SPLIT] or a save_to_disk dir
     data_columns: dict[str, str] | None = None  # record field -> column of the rows (datasets and JSONL)
     tokenizer_path: str | None = None  # defaults to param_path
@@ -294,7 +294,7 @@ def build_config(yaml_data: dict[str, Any], overrides: dict[str, Any]) -> Config
 
 
 # peak learning rates when fine-tuning a trained model (param_path set), as TRL's trainers default
-FINE_TUNING_LR = {"seq": 2e-5, "sft": 2e-5, "reward": 1e-4}
+FINE_TUNING_LR = {"seq": 2e-5, "sft": 2e-5, "kd": 2e-5, "reward": 1e-4}
 FINE_TUNING_LR_OTHER = 1e-6  # preference and RL objectives
 FROM_SCRATCH_LR = 1e-3
 FINE_TUNING_WARMUP_RATIO = 0.03

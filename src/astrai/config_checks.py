@@ -76,6 +76,9 @@ def validate(cfg: Config) -> None:
         _validate_reward(cfg)
     if cfg.data.train_type == "online_distill":
         _validate_distill(cfg)
+    if cfg.data.train_type == "kd" and (cfg.objective.teacher_path is None or cfg.objective.teacher_url is not None):
+        raise ConfigError("kd compares full distributions with a teacher in this process; set --teacher_path DIR "
+                          "(and no teacher_url)")
     _validate_data_columns(cfg)
     _validate_report_to(cfg)
 

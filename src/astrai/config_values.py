@@ -39,6 +39,7 @@ TRAIN_TYPES: dict[str, str] = {
     "online_dpo": "prompt",
     "online_ppo": "prompt",
     "online_distill": "prompt",  # the student samples, a teacher scores every sampled token
+    "kd": "sft",  # offline distillation from a teacher on SFT records
     "reward": "dpo",  # a reward model (Bradley-Terry) on preference pairs
 }
 

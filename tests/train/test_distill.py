@@ -147,3 +147,19 @@ def test_online_distill_resumes_exactly(tmp_path, tok_dir, teacher_dir):
     assert got == [{k: m.get(k) for k in keys} for m in read_metrics(tmp_path / "straight")]
     a, b = checkpoint_weights(tmp_path / "stopped"), checkpoint_weights(tmp_path / "straight")
     assert a.keys() == b.keys() and all(a[k].equal(b[k]) for k in a)
+
+
+def test_kd_brings_the_student_towards_the_teacher_on_sft_records(tmp_path, tok_dir, teacher_dir, monkeypatch):
+    # measured over 12 steps, student seeds 1-3 (1 and 2 threads alike): the JSD falls from 0.35-0.36
+    # to 0.054-0.066, a ratio of 0.15-0.18; 0.5 leaves room
+    config = write_run(tmp_path, tok_dir, "sft", num_records=64, max_steps=12, batch_per_device=8)
+    cfg = yaml.safe_load(config.read_text())
+    cfg["data"]["train_type"] = "kd"
+    cfg["objective"] = {"teacher_path": str(teacher_dir), "distill_beta": 0.5}
+    cfg["train"]["random_seed"] = 1  # another student than the teacher's own start
+    cfg["optim"]["max_lr"] = 1e-2
+    config.write_text(yaml.safe_dump(cfg))
+    assert train_in_process(config, monkeypatch=monkeypatch) == 0
+    rows = read_metrics(tmp_path)
+    assert rows[-1]["loss"] < 0.5 * rows[0]["loss"], [m["loss"] for m in rows]
+    assert rows[0]["distill/jsd"] == pytest.approx(rows[0]["loss"])

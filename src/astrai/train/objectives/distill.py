@@ -12,7 +12,7 @@ on-policy distillation). ``distill_coef`` adds that times the task reward's adva
 local teacher at every sampled position (TRL's on-policy GKD); the surrogate then carries only the
 task term. Metrics: ``distill/reverse_kl`` (the mean over sampled tokens of log pi_student - log
 pi_teacher, on a rollout's first step) and ``distill/teacher_seconds`` (the teacher's scoring
-time). ``kd`` is the same JSD on an SFT batch's labelled tokens.
+time). ``kd`` (``KDObjective``) is the same JSD on an SFT batch's labelled tokens.
 """
 
 from __future__ import annotations
@@ -114,3 +114,31 @@ class OnlineDistillObjective:
 
     def filler_batch(self, rollout: Rollout, batches: list[Batch]) -> Batch:
         return self.inner.filler_batch(rollout, batches)
+
+
+class KDObjective:
+    """Offline distillation (``kd``): the generalized JSD (``distill_beta``) between the student's
+    and a local teacher's full distributions at the labelled tokens of SFT records (TRL's GKD with
+    no on-policy fraction); the loss unit is a labelled token."""
+
+    requested_metrics: frozenset[str] | None = None
+    companions: tuple[Companion, ...] = ()
+
+    def __init__(self, cfg: Config, model: nn.Module):
+        teacher = build_teacher(cfg, model)
+        if not isinstance(teacher, LocalTeacher):
+            raise ValueError("kd needs a local teacher; set --teacher_path")
+        self.teacher, self.beta = teacher, cfg.objective.distill_beta
+
+    def setup(self, run: Run, total_steps: int) -> None:
+        """Nothing is trained beside the student; the teacher is frozen."""
+
+    def num_units(self, batch: Batch) -> Tensor:
+        return (batch["labels"] != IGNORE_INDEX).sum()
+
+    def __call__(self, model: nn.Module, batch: Batch) -> LossOutput:
+        per_token, _ = jsd_terms(model, self.teacher, batch, self.beta)  # (B, K), 0 off-label
+        loss = per_token.sum()
+        metrics = {"distill/jsd": loss.detach()} if wants(self.requested_metrics, "distill/jsd") else {}
+        return LossOutput(loss, metrics)
+
