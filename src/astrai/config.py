@@ -134,9 +134,14 @@ class RLConfig:
     max_resample_batches: int = knob(4, ge=0)  # dynamic_sampling: extra prompt batches drawn per rollout at most
     scale_rewards: str = "group"  # group: (r - mean) / std per group | none: r - mean (Dr. GRPO)
     rl_loss_agg: str = "token_mean"  # token_mean | seq_mean | seq_mean_token_sum_norm
-    rewards: list[str] = field(default_factory=lambda: ["exact_match"])  # exact_match | final_number | format | length | overlong | module:function | a reward model dir
+    rewards: list[str] = field(default_factory=lambda: ["exact_match"])  # exact_match | final_number | format | length | overlong | judge | module:function | a reward model dir
     reward_weights: list[float] | None = None  # one per reward; None = all 1.0
-    reward_timeout: float = knob(60.0, ge=0)  # seconds one user reward call may take; 0 = no limit
+    reward_timeout: float = knob(60.0, ge=0)  # seconds one user reward call (or judge / teacher request) may take; 0 = no limit
+    judge_url: str | None = None  # the judge reward: an OpenAI-compatible server (chat completions)
+    judge_model: str | None = None  # the judge's model name; None = the server's first model
+    judge_prompt: str | None = None  # the judge's request, with {prompt}, {completion}, {answer}; None = a 0-10 rating prompt
+    judge_api_key_env: str | None = None  # the environment variable holding the judge's API key
+    judge_concurrency: int = knob(8, ge=1)  # judge requests in flight at a time
     environment: str | None = None  # multi-turn: module:Class, one instance per sample (reset / step)
     tools: list[str] = field(default_factory=list)  # multi-turn: module:function tools offered to the model
     max_turns: int = knob(4, ge=1, note="(assistant turns per multi-turn episode)")  # multi-turn: assistant turns per episode; an episode that would go on is truncated

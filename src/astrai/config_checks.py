@@ -56,6 +56,9 @@ def validate(cfg: Config) -> None:
     if "overlong" in rl.rewards and not 0 < rl.overlong_buffer <= rl.rollout_max_tokens:
         raise ConfigError(f"overlong_buffer={rl.overlong_buffer} must be within [1, rollout_max_tokens="
                           f"{rl.rollout_max_tokens}] for the overlong reward; set --overlong_buffer in that range")
+    if "judge" in rl.rewards and not rl.judge_url:
+        raise ConfigError("rewards has judge but judge_url is not set; give --judge_url (an OpenAI-compatible "
+                          "server, e.g. http://127.0.0.1:8000) or remove judge from rewards")
     if rl.rollout_interval - 1 > rl.max_policy_lag:
         raise ConfigError(f"rollout_interval={rl.rollout_interval} reuses a rollout until it is "
                           f"{rl.rollout_interval - 1} policy versions old, more than max_policy_lag={rl.max_policy_lag}; "
