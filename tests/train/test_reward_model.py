@@ -101,3 +101,10 @@ def test_reward_refuses_lora_and_generation_eval(tmp_path):
         tiny_config(tmp_path, "--train_type", "reward", "--lora_r", "4")
     with pytest.raises(ConfigError, match="--val_data_path"):
         tiny_config(tmp_path, "--train_type", "reward", "--eval_data_path", "x.jsonl")
+
+
+def test_the_run_summary_says_how_to_use_a_reward_model(tmp_path, tok_dir, monkeypatch, capsys):
+    run = write_run(tmp_path / "rm", tok_dir, "reward", num_records=8, n_epoch=1)
+    assert train_in_process(run, monkeypatch=monkeypatch) == 0
+    err = capsys.readouterr().err
+    assert "use it:    --rewards" in err and "serve it" not in err
