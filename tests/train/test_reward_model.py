@@ -86,8 +86,12 @@ def test_checkpoint_is_a_transformers_sequence_classifier(tmp_path, tok_dir, mon
     reward_set = RewardSet(RLConfig(rewards=[str(ckpt)]), tokenizer=tok)
     total, _ = reward_set(["p"] * 3, ["c"] * 3, [{}] * 3, rows, 1)
     assert total.tolist() == pytest.approx(theirs, abs=1e-4)
+    # a reward run's ckpt_dir stands for its newest checkpoint, as param_path does
+    by_dir, _ = RewardSet(RLConfig(rewards=[str(tmp_path / "rm" / "ckpt")]), tokenizer=tok)(
+        ["p"] * 3, ["c"] * 3, [{}] * 3, rows, 1)
+    assert torch.equal(by_dir, total)
     # critic_model_path: the same head, a value at every token
-    critic = ValueModel.from_pretrained(ckpt)
+    critic = ValueModel.from_pretrained(tmp_path / "rm" / "ckpt")
     with torch.no_grad():
         assert float(critic(torch.tensor([rows[0]]))[0, -1]) == pytest.approx(theirs[0], abs=1e-4)
 

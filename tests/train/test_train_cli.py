@@ -116,14 +116,18 @@ def test_param_path_loads_weights_only(workdir, tmp_path, capsys):
     assert state["step"] == 1  # counted from 0 again: weights only, fresh optimizer and counters
 
 
-@pytest.mark.parametrize("name", ["pretrain", "sft", "dpo"])
+EXAMPLES = {"pretrain": "seq", "sft": "sft", "dpo": "dpo", "reward_model": "reward", "ppo_reward_model": "online_ppo",
+            "online_distill": "online_distill", "kd": "kd"}
+
+
+@pytest.mark.parametrize("name", list(EXAMPLES))
 def test_example_configs_resolve(name, capsys):
     from pathlib import Path
 
     root = Path(__file__).resolve().parents[2]
     assert main(["--config", str(root / "configs" / f"{name}.yaml"), "--dry_run"]) == 0
     out = yaml.safe_load(capsys.readouterr().out)
-    assert out["data"]["train_type"] == {"pretrain": "seq", "sft": "sft", "dpo": "dpo"}[name]
+    assert out["data"]["train_type"] == EXAMPLES[name]
 
 
 @pytest.mark.parametrize("name", ["gspo", "rloo", "dapo", "dr_grpo", "reinforce_pp", "ppo"])

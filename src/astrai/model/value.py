@@ -55,7 +55,10 @@ class ValueModel(nn.Module):
         from astrai.model.hub import resolve_model_path
         from astrai.model.safetensors_io import read_safetensors
 
+        from astrai.model.manifest import resolve_model_dir
+
         path = resolve_model_path(path, "critic_model_path")  # a Hub id -> its cached snapshot
+        path = resolve_model_dir(path)  # a run's ckpt_dir -> its newest complete checkpoint
         config = load_config(path)
         tensors = read_safetensors(path)
         weight, bias = tensors.pop("score.weight", None), tensors.pop("score.bias", None)

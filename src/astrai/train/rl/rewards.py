@@ -48,6 +48,7 @@ import torch
 
 from astrai.config import RLConfig
 from astrai.data.tasks import SCORERS
+from astrai.model.manifest import resolve_model_dir
 from astrai.train.rl.guard import call_in_worker, outcome
 from astrai.train.rl.judge import Judge
 from astrai.train.rl.user_code import import_user_object
@@ -251,9 +252,10 @@ class RewardSet:
         for name in self.names:
             if name in BUILTINS:
                 self.functions.append(BUILTINS[name](cfg))
-            elif (Path(name) / "config.json").is_file():
-                self.functions.append(RewardModel(name, device or torch.device("cpu"),
-                                                   policy_tokenizer=tokenizer))
+            elif Path(name).is_dir() and (resolve_model_dir(name) / "config.json").is_file():
+                # a reward model directory, or a reward run's ckpt_dir (its newest checkpoint)
+                self.functions.append(RewardModel(resolve_model_dir(name), device or torch.device("cpu"),
+                                                  policy_tokenizer=tokenizer))
             elif ":" in name:
                 self.functions.append(_user_function(name))
             else:
