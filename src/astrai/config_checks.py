@@ -93,6 +93,10 @@ def _validate_distill(cfg: Config) -> None:
         given = "both" if o.teacher_path is not None else "neither"
         raise ConfigError(f"online_distill needs one teacher, got {given} of teacher_path and teacher_url; set "
                           "--teacher_path DIR (in-process) or --teacher_url URL (an OpenAI-compatible server)")
+    if cfg.rl.dynamic_sampling and o.distill_coef == 0:
+        raise ConfigError("dynamic_sampling drops groups whose rewards are equal, but pure distillation "
+                          "(distill_coef=0) learns from the teacher, not the rewards; set --dynamic_sampling false "
+                          "or --distill_coef above 0")
     if o.distill_loss == "jsd" and o.teacher_path is None:
         raise ConfigError("distill_loss=jsd compares full distributions, which a server does not return; set "
                           "--teacher_path DIR, or use --distill_loss reverse_kl_pg with teacher_url")

@@ -118,6 +118,7 @@ def test_a_teacher_with_another_vocabulary_is_refused(tmp_path, tok_dir):
     (["--teacher_path", "t", "--teacher_url", "http://x"], "needs one teacher, got both"),
     (["--teacher_url", "http://x", "--distill_loss", "jsd"], "distill_loss=jsd compares full distributions"),
     (["--teacher_url", "http://x", "--distill_coef", "1", "--rewards", "[]"], "rewards is empty"),
+    (["--teacher_url", "http://x", "--dynamic_sampling", "true"], "dynamic_sampling drops groups"),
 ])
 def test_distill_settings_that_cannot_work_are_refused(flags, message):
     with pytest.raises(ConfigError, match=message):
