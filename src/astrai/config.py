@@ -34,7 +34,7 @@ from astrai.flags import knob
 
 @dataclass
 class DataConfig:
-    train_type: str = "sft"  # seq | sft | dpo | grpo (recorded samples) | online_grpo | online_dpo | online_ppo
+    train_type: str = "sft"  # seq | sft | dpo | grpo (recorded samples) | online_grpo | online_dpo | online_ppo | online_distill | kd | reward
     data_path: str | None = None  # JSONL file, preprocessed shard dir, or a dataset: hf:NAME[@SPLIT] or a save_to_disk dir
     data_columns: dict[str, str] | None = None  # record field -> column of the rows (datasets and JSONL)
     tokenizer_path: str | None = None  # defaults to param_path
@@ -101,6 +101,12 @@ class ObjectiveConfig:
     loss_type: str = "sigmoid"  # sigmoid | ipo | hinge
     ref_model_path: str | None = None  # DPO reference; default: a frozen copy of the initial policy
     reference_free: bool = False
+    center_rewards_coefficient: float = knob(0.0, ge=0)  # reward: weight of (r_chosen + r_rejected)^2, keeping scores near 0 (TRL)
+    teacher_path: str | None = None  # online_distill, kd: the teacher model directory (the policy's tokenizer)
+    teacher_url: str | None = None  # online_distill: an OpenAI-compatible server returning prompt log-probs (echo + logprobs)
+    distill_loss: str = "reverse_kl_pg"  # online_distill: reverse_kl_pg (per-token advantage log teacher - log student) | jsd
+    distill_beta: float = knob(0.5, ge=0, le=1)  # jsd (online_distill) and kd: 0 forward KL, 1 reverse KL (TRL GKD's beta)
+    distill_coef: float = knob(0.0, ge=0)  # online_distill: weight of the task reward's advantage beside the teacher's
 
 
 @dataclass
@@ -142,11 +148,16 @@ class RLConfig:
     scale_rewards: str = "group"  # group: (r - mean) / (std + reward_std_eps) per group | none: r - mean (Dr. GRPO)
     reward_std_eps: float = knob(1e-4, ge=0)  # scale_rewards group: added to the group's std (TRL's 1e-4), so near-equal rewards get small advantages
     rl_loss_agg: str = "token_mean"  # token_mean | seq_mean | seq_mean_token_sum_norm
-    rewards: list[str] = field(default_factory=lambda: ["exact_match"])  # exact_match | final_number | format | length | overlong | module:function | a reward model dir
+    rewards: list[str] = field(default_factory=lambda: ["exact_match"])  # exact_match | final_number | format | length | overlong | judge | module:function | a reward model dir
     reward_weights: list[float] | None = None  # one per reward; None = all 1.0
-    reward_timeout: float = knob(60.0, ge=0)  # seconds one user reward call may take; 0 = no limit
+    reward_timeout: float = knob(60.0, ge=0)  # seconds one user reward call (or judge / teacher request) may take; 0 = no limit
     tool_timeout: float = knob(60.0, ge=0)  # multi-turn: seconds one tool call may take (past it: an error message to the model); 0 = no limit
     env_timeout: float = knob(600.0, ge=0)  # multi-turn: seconds one environment call (constructor, reset, step) may take (past it: the run stops); 0 = no limit
+    judge_url: str | None = None  # the judge reward: an OpenAI-compatible server (chat completions)
+    judge_model: str | None = None  # the judge's model name; None = the server's first model
+    judge_prompt: str | None = None  # the judge's request, with {prompt}, {completion}, {answer}; None = a 0-10 rating prompt
+    judge_api_key_env: str | None = None  # the environment variable holding the judge's API key
+    judge_concurrency: int = knob(8, ge=1)  # judge requests in flight at a time
     environment: str | None = None  # multi-turn: module:Class, one instance per sample (reset / step)
     tools: list[str] = field(default_factory=list)  # multi-turn: module:function tools offered to the model
     turn_rewards: bool = False  # multi-turn, online_ppo / reinforce_pp: each environment step's reward on its turn's last sampled token, not summed at the end
@@ -312,7 +323,7 @@ def build_config(yaml_data: dict[str, Any], overrides: dict[str, Any]) -> Config
 
 
 # peak learning rates when fine-tuning a trained model (param_path set), as TRL's trainers default
-FINE_TUNING_LR = {"seq": 2e-5, "sft": 2e-5}
+FINE_TUNING_LR = {"seq": 2e-5, "sft": 2e-5, "kd": 2e-5, "reward": 1e-4}
 FINE_TUNING_LR_OTHER = 1e-6  # preference and RL objectives
 FROM_SCRATCH_LR = 1e-3
 FINE_TUNING_WARMUP_RATIO = 0.03

@@ -51,11 +51,15 @@ def validate(cfg: Config) -> None:
     if rl.reward_weights is not None and len(rl.reward_weights) != len(rl.rewards):
         raise ConfigError(f"reward_weights has {len(rl.reward_weights)} entries for {len(rl.rewards)} rewards "
                           f"{rl.rewards}; give one weight per reward")
-    if not rl.rewards and not rl.environment:
+    pure_distill = cfg.data.train_type == "online_distill" and cfg.objective.distill_coef == 0
+    if not rl.rewards and not rl.environment and not pure_distill:  # pure distillation needs no reward
         raise ConfigError("rewards is empty; name at least one reward (e.g. [exact_match]) or an environment")
     if "overlong" in rl.rewards and not 0 < rl.overlong_buffer <= rl.rollout_max_tokens:
         raise ConfigError(f"overlong_buffer={rl.overlong_buffer} must be within [1, rollout_max_tokens="
                           f"{rl.rollout_max_tokens}] for the overlong reward; set --overlong_buffer in that range")
+    if "judge" in rl.rewards and not rl.judge_url:
+        raise ConfigError("rewards has judge but judge_url is not set; give --judge_url (an OpenAI-compatible "
+                          "server, e.g. http://127.0.0.1:8000) or remove judge from rewards")
     if rl.rollout_interval > 1 and rl.mini_batches * rl.ppo_epochs > 1:
         raise ConfigError(f"rollout_interval={rl.rollout_interval} counts steps on a whole rollout, but mini_batches="
                           f"{rl.mini_batches} and ppo_epochs={rl.ppo_epochs} split it; with mini-batches set the passes "
@@ -107,6 +111,13 @@ def validate(cfg: Config) -> None:
     if bad:
         raise ConfigError(f"eval_pass_k has {bad}, but pass@k needs 1 <= k <= eval_num_samples="
                           f"{cfg.train.eval_num_samples} sampled answers per prompt; raise --eval_num_samples or drop them")
+    if cfg.data.train_type == "reward":
+        _validate_reward(cfg)
+    if cfg.data.train_type == "online_distill":
+        _validate_distill(cfg)
+    if cfg.data.train_type == "kd" and (cfg.objective.teacher_path is None or cfg.objective.teacher_url is not None):
+        raise ConfigError("kd compares full distributions with a teacher in this process; set --teacher_path DIR "
+                          "(and no teacher_url)")
     _validate_data_columns(cfg)
     _validate_report_to(cfg)
 
@@ -139,6 +150,33 @@ def _validate_objective_fields(cfg: Config) -> None:
         raise ConfigError(f"importance_sampling_level={rl.importance_sampling_level!r} (GSPO) averages its loss per "
                           "sequence, so rl_loss_agg='seq_mean_token_sum_norm' does not apply; use --rl_loss_agg "
                           "seq_mean")
+
+
+def _validate_distill(cfg: Config) -> None:
+    """One teacher, and the full-distribution loss only with a teacher in this process."""
+    o = cfg.objective
+    if (o.teacher_path is None) == (o.teacher_url is None):
+        given = "both" if o.teacher_path is not None else "neither"
+        raise ConfigError(f"online_distill needs one teacher, got {given} of teacher_path and teacher_url; set "
+                          "--teacher_path DIR (in-process) or --teacher_url URL (an OpenAI-compatible server)")
+    if cfg.rl.dynamic_sampling and o.distill_coef == 0:
+        raise ConfigError("dynamic_sampling drops groups whose rewards are equal, but pure distillation "
+                          "(distill_coef=0) learns from the teacher, not the rewards; set --dynamic_sampling false "
+                          "or --distill_coef above 0")
+    if o.distill_loss == "jsd" and o.teacher_path is None:
+        raise ConfigError("distill_loss=jsd compares full distributions, which a server does not return; set "
+                          "--teacher_path DIR, or use --distill_loss reverse_kl_pg with teacher_url")
+
+
+def _validate_reward(cfg: Config) -> None:
+    """A reward model trains all its weights and is judged on held-out pairs, not by generation."""
+    if cfg.lora.lora_r > 0:
+        raise ConfigError(f"lora_r={cfg.lora.lora_r}: train_type reward trains every weight (LoRA adapters for a "
+                          "reward model are not implemented); set --lora_r 0")
+    if cfg.data.eval_data_path is not None:
+        raise ConfigError(f"eval_data_path={cfg.data.eval_data_path!r} holds prompts answered by generation, which a "
+                          "reward model cannot do; give held-out preference pairs as --val_data_path (metrics "
+                          "val/accuracy, val/margin)")
 
 
 def _validate_ranges(cfg: Config) -> None:

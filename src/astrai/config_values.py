@@ -38,6 +38,9 @@ TRAIN_TYPES: dict[str, str] = {
     "online_grpo": "prompt",
     "online_dpo": "prompt",
     "online_ppo": "prompt",
+    "online_distill": "prompt",  # the student samples, a teacher scores every sampled token
+    "kd": "sft",  # offline distillation from a teacher on SFT records
+    "reward": "dpo",  # a reward model (Bradley-Terry) on preference pairs
 }
 
 # the RL algorithms users know by name -> the settings that give each (train_type and rl fields);
@@ -72,6 +75,7 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "optimizer": ("adamw", "muon"),
     "schedule": ("constant", "cosine", "wsd"),
     "loss_type": ("sigmoid", "ipo", "hinge"),  # DPO
+    "distill_loss": ("reverse_kl_pg", "jsd"),  # online_distill
     "early_stopping_mode": ("min", "max"),
     "parallel_mode": ("none", "ddp", "fsdp"),
     "scale_rewards": ("group", "none"),

@@ -146,6 +146,23 @@ def test_dpo_rejects_bad_arguments():
         L.dpo_loss(t, t, t, t, beta=0.0)
 
 
+def test_bradley_terry_hand_computed():
+    chosen, rejected = torch.tensor([1.0, 0.0]), torch.tensor([0.0, 1.0])
+    plain = L.bradley_terry_loss(chosen, rejected)
+    assert plain.tolist() == pytest.approx([math.log(1 + math.exp(-1)), math.log(1 + math.exp(1))])
+    full = L.bradley_terry_loss(chosen, rejected, torch.tensor([0.5, 0.0]), center_coef=0.1)
+    # pair 0: -log sigmoid(1 - 0 - 0.5) + 0.1 * (1 + 0)^2; pair 1: -log sigmoid(-1) + 0.1 * 1^2
+    assert full.tolist() == pytest.approx([0.474077 + 0.1, 1.313262 + 0.1], abs=1e-6)
+
+
+@pytest.mark.parametrize("beta, expected", [(0.0, 0.368064), (1.0, 0.510826), (0.5, 0.101750)])
+def test_generalized_jsd_hand_computed(beta, expected):
+    # student (0.5, 0.5), teacher (0.9, 0.1): beta 0 is KL(teacher || student), 1 KL(student || teacher),
+    # 0.5 is 0.5 KL(teacher || M) + 0.5 KL(student || M) with M = (0.7, 0.3)
+    student, teacher = torch.tensor([0.5, 0.5]).log(), torch.tensor([0.9, 0.1]).log()
+    assert float(L.generalized_jsd(student, teacher, beta)) == pytest.approx(expected, abs=1e-5)
+
+
 # ------------------------------------------------------------------------------------------
 # RL maths
 

@@ -24,7 +24,8 @@ def run(tmp_path, dataset, *flags, model=None):
 
 
 def test_objectives_table():
-    assert set(OBJECTIVES) == {"seq", "sft", "dpo", "grpo", "online_grpo", "online_dpo", "online_ppo"}
+    assert set(OBJECTIVES) == {"seq", "sft", "dpo", "grpo", "online_grpo", "online_dpo", "online_ppo",
+                               "online_distill", "kd", "reward"}
 
 
 def test_seq_learns(tmp_path):

@@ -32,7 +32,8 @@ def _weights(ckpt):
 # (train_type, micro-batch to stop at): with grad_accum 2 an even micro-batch opens a window; it
 # runs, the stop comes before the window's second half, so the half-done window is dropped.
 # Every stop is inside the first epoch. Extra flags: the length-grouped order resumes exactly too.
-CASES = [("seq", 4, []), ("sft", 6, []), ("dpo", 8, []), ("sft", 6, ["--group_by_length", "true"])]
+CASES = [("seq", 4, []), ("sft", 6, []), ("dpo", 8, []), ("reward", 8, []),
+         ("sft", 6, ["--group_by_length", "true"])]
 
 
 @pytest.mark.slow

@@ -26,7 +26,7 @@ from tests.train.trainer_utils import tiny_model
 def test_every_train_type_has_an_objective_and_a_record_kind():
     assert list(OBJECTIVES) == list(TRAIN_TYPES) == list(CHOICES["train_type"])
     assert {kind for kind in TRAIN_TYPES.values()} <= {"seq", "sft", "dpo", "rollout", "prompt"}
-    assert [t for t in TRAIN_TYPES if is_online(t)] == ["online_grpo", "online_dpo", "online_ppo"]
+    assert [t for t in TRAIN_TYPES if is_online(t)] == ["online_grpo", "online_dpo", "online_ppo", "online_distill"]
 
 
 @pytest.mark.parametrize("optimizer", CHOICES["optimizer"])

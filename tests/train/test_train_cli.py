@@ -116,14 +116,18 @@ def test_param_path_loads_weights_only(workdir, tmp_path, capsys):
     assert state["step"] == 1  # counted from 0 again: weights only, fresh optimizer and counters
 
 
-@pytest.mark.parametrize("name", ["pretrain", "sft", "dpo"])
+EXAMPLES = {"pretrain": "seq", "sft": "sft", "dpo": "dpo", "reward_model": "reward", "ppo_reward_model": "online_ppo",
+            "online_distill": "online_distill", "kd": "kd"}
+
+
+@pytest.mark.parametrize("name", list(EXAMPLES))
 def test_example_configs_resolve(name, capsys):
     from pathlib import Path
 
     root = Path(__file__).resolve().parents[2]
     assert main(["--config", str(root / "configs" / f"{name}.yaml"), "--dry_run"]) == 0
     out = yaml.safe_load(capsys.readouterr().out)
-    assert out["data"]["train_type"] == {"pretrain": "seq", "sft": "sft", "dpo": "dpo"}[name]
+    assert out["data"]["train_type"] == EXAMPLES[name]
 
 
 @pytest.mark.parametrize("name", ["gspo", "rloo", "dapo", "dr_grpo", "reinforce_pp", "ppo"])
@@ -132,13 +136,13 @@ def test_an_algorithm_named_as_train_type_gives_its_settings_and_its_config_runs
     flags that make it, the same as configs/<name>.yaml, which resolves to exactly those settings."""
     from pathlib import Path
 
-    from astrai.config_values import ALGORITHMS, algorithm_flags
+    from astrai.config_values import ALGORITHMS, TRAIN_TYPES, algorithm_flags
 
     assert main(["--train_type", name, "--dry_run"]) == 2
     errors = [line for line in capsys.readouterr().err.splitlines() if "error" in line]
-    assert errors == [f"astrai train: error: train_type={name!r} is not one of seq, sft, dpo, grpo, online_grpo, "
-                      f"online_dpo, online_ppo: it names an algorithm, {algorithm_flags(name)} (a ready run: "
-                      f"configs/{name}.yaml)"]
+    assert list(TRAIN_TYPES)[:7] == ["seq", "sft", "dpo", "grpo", "online_grpo", "online_dpo", "online_ppo"]
+    assert errors == [f"astrai train: error: train_type={name!r} is not one of {', '.join(TRAIN_TYPES)}: it names an "
+                      f"algorithm, {algorithm_flags(name)} (a ready run: configs/{name}.yaml)"]
     root = Path(__file__).resolve().parents[2]
     assert main(["--config", str(root / "configs" / f"{name}.yaml"), "--dry_run"]) == 0
     resolved = yaml.safe_load(capsys.readouterr().out)
@@ -261,5 +265,5 @@ def test_prompt_records_under_offline_grpo_name_the_online_train_types(tmp_path,
     assert errors == [f"astrai train: error: --train_type grpo does not read these records: the first 20 records of "
                       f"{tmp_path / 'prompts.jsonl'} are prompt records ('messages' to answer, with an 'answer'), not "
                       "rollout records ('responses' with their 'rewards'); for prompt records use --train_type "
-                      "online_grpo or online_dpo or online_ppo"]
+                      "online_grpo or online_dpo or online_ppo or online_distill"]
     assert "skipped" not in err

@@ -209,20 +209,25 @@ class DPODataset(Dataset):
     def __len__(self) -> int:
         return self.store.num_records
 
-    def __getitem__(self, i: int) -> dict[str, dict[str, torch.Tensor]]:
+    def __getitem__(self, i: int) -> dict[str, Any]:
         out = {}
         for side in ("chosen", "rejected"):
             ids = self.store.get(f"{side}_input_ids", i)
             positions = np.arange(len(ids))
             out[side] = _row(ids, shifted_labels(ids, self.store.get(f"{side}_loss_mask", i), positions),
                              positions)
+        if "record_json" in self.store.keys():  # shards written before margins were stored have none
+            side = json.loads(self.store.get("record_json", i).tobytes().decode("utf-8"))
+            out["margin"] = torch.tensor(float(side["margin"]))
         return out
 
-    def collate(self, samples: list[dict[str, dict[str, torch.Tensor]]]) -> dict[str, torch.Tensor]:
+    def collate(self, samples: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
         # One length for both sides, so the trainer can run them as one concatenated batch.
         length = max(len(s[side]["input_ids"]) for s in samples for side in ("chosen", "rejected"))
         batch = pad_rows([s["chosen"] for s in samples], self.pad_token_id, length, "chosen_")
         batch.update(pad_rows([s["rejected"] for s in samples], self.pad_token_id, length, "rejected_"))
+        if all("margin" in s for s in samples):
+            batch["margin"] = torch.stack([s["margin"] for s in samples])  # (B,)
         return batch
 
     def lengths(self) -> np.ndarray:

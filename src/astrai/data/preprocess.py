@@ -39,7 +39,7 @@ from astrai.flags import ArgumentParser
 KEYS = {
     "seq": ["input_ids"],
     "sft": ["input_ids", "loss_mask"],
-    "dpo": ["chosen_input_ids", "chosen_loss_mask", "rejected_input_ids", "rejected_loss_mask"],
+    "dpo": ["chosen_input_ids", "chosen_loss_mask", "rejected_input_ids", "rejected_loss_mask", "record_json"],
     "prompt": ["prompt_ids", "record_json"],
     "rollout": ["prompt_ids", "response_ids", "record_json"],
 }

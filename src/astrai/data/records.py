@@ -7,7 +7,8 @@ fix; callers skip and count such records (or stop, with --strict).
 
 Record kinds and their forms: `{"text"}` (seq); `{"messages"}` or `{"instruction", "input",
 "output"}` (sft); `{"prompt" or "messages", "chosen", "rejected"}` with strings or message lists
-(dpo); `{"messages" or "prompt" or "instruction"/"input", "answer"?, "metadata"?}` (prompt);
+(dpo, with an optional numeric "margin"); `{"messages" or "prompt" or "instruction"/"input", "answer"?,
+"metadata"?}` (prompt);
 `{"prompt" or "messages", "responses", "rewards", "logprobs"?}` (rollout: scored samples).
 The data layer knows record kinds only; which kind a train type reads is the objective's choice.
 """
@@ -27,7 +28,7 @@ RECORD_KINDS = ("seq", "sft", "dpo", "prompt", "rollout")
 RECORD_FIELDS = {
     "seq": ("text",),
     "sft": ("messages", "instruction", "input", "output", "tools"),
-    "dpo": ("prompt", "messages", "chosen", "rejected", "tools"),
+    "dpo": ("prompt", "messages", "chosen", "rejected", "tools", "margin"),
     "prompt": ("messages", "prompt", "instruction", "input", "output", "answer", "metadata", "tools"),
     "rollout": ("prompt", "messages", "responses", "rewards", "logprobs"),
 }
@@ -273,6 +274,11 @@ def _encode_dpo(record: dict[str, Any], tokenizer: Tokenizer, max_seq_len: int,
         if not any(mask):
             raise RecordError(f"field '{side}' has no assistant tokens to train on")
         out[f"{side}_input_ids"], out[f"{side}_loss_mask"] = _truncate(ids, mask, max_seq_len, truncation)
+    # how much better chosen is (train_type reward: the Bradley-Terry margin); 0 when absent
+    margin = record.get("margin", 0.0)
+    if isinstance(margin, bool) or not isinstance(margin, int | float) or not math.isfinite(margin):
+        raise RecordError(f"field 'margin' must be a finite number (how much chosen beats rejected), got {margin!r:.80}")
+    out["record_json"] = list(json.dumps({"margin": float(margin)}).encode())
     return out
 
 

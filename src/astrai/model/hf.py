@@ -18,6 +18,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from astrai.model.classifier import SequenceClassifier, save_classifier
 from astrai.model.hf_dir import check_device, load_model_dir, save_model_dir
 from astrai.model.hub import resolve_model_path
 from astrai.model.lora import is_adapter_dir, load_adapter, merge_lora, merged_state_dict, resolve_base
@@ -58,8 +59,12 @@ def save_model(
     (e.g. a full state dict gathered from FSDP ranks); a model with LoRA adapters is written
     merged. generation_config.json's eos_token_id lists every id the tokenizer stops at (so
     transformers' `generate` ends a chat turn where astrai does), and the sampling defaults
-    `load_model` found in the source directory (`model.generation_defaults`) are written back."""
+    `load_model` found in the source directory (`model.generation_defaults`) are written back.
+    A ``SequenceClassifier`` (a reward model) is written as transformers' sequence-classification
+    directory (``model/classifier.py``)."""
     model = getattr(model, "module", model)  # DDP wrapper
+    if isinstance(model, SequenceClassifier):  # a reward model: transformers' sequence-classification format
+        return save_classifier(model, path, tokenizer, state_dict=state_dict)
     state = state_dict if state_dict is not None else model.state_dict()
     if any(k.endswith(".lora_A") for k in state):
         state = merged_state_dict(model)  # a LoRA run's checkpoint: fold adapters

@@ -67,6 +67,7 @@ IGNORED_KEYS = frozenset({
     "architectures", "transformers_version", "use_cache", "output_router_logits",
     "max_window_layers", "output_attentions", "output_hidden_states", "return_dict",
     "tokenizer_class", "is_decoder", "tie_encoder_decoder", "unk_token_id",
+    "id2label", "label2id", "problem_type",  # a sequence-classification model's labels (its head's shape says)
 })
 
 

@@ -53,9 +53,11 @@ class ValueModel(nn.Module):
         from astrai.model.hf_dir import load_config
         from astrai.model.hf_weights import state_dict_from_hf
         from astrai.model.hub import resolve_model_path
+        from astrai.model.manifest import resolve_model_dir
         from astrai.model.safetensors_io import read_safetensors
 
         path = resolve_model_path(path, "critic_model_path")  # a Hub id -> its cached snapshot
+        path = resolve_model_dir(path)  # a run's ckpt_dir -> its newest complete checkpoint
         config = load_config(path)
         tensors = read_safetensors(path)
         weight, bias = tensors.pop("score.weight", None), tensors.pop("score.bias", None)

@@ -95,8 +95,11 @@ def log_trainable(model: torch.nn.Module, is_main: bool = True) -> None:
 
 
 def _build_base(cfg: Config) -> torch.nn.Module:
+    from astrai.model.classifier import SequenceClassifier, load_classifier
     from astrai.model.config import ModelConfig
     from astrai.model.transformer import CausalLM
+
+    scorer = cfg.data.train_type == "reward"  # a reward model: the trunk with a scalar head, no LM head
 
     if cfg.train.param_path is not None:
         from astrai.model.hf import load_model
@@ -113,11 +116,14 @@ def _build_base(cfg: Config) -> torch.nn.Module:
             raise ValueError(f"param_path {cfg.train.param_path!r} is a LoRA adapter; a LoRA run trains on a plain "
                              "base model: write one with `astrai lora merge` and pass that as --param_path")
         # fp32 master weights whatever the checkpoint's dtype; bf16 is an autocast option
+        if scorer:
+            return load_classifier(cfg.train.param_path, seed=cfg.train.random_seed)
         return load_model(cfg.train.param_path, dtype=torch.float32)
     if not cfg.model:
         raise ValueError("no model to train: give a 'model:' section (vocab_size, hidden_size, ...) "
                          "or --param_path DIR")
-    return CausalLM(ModelConfig.from_dict(cfg.model), seed=cfg.train.random_seed)
+    config = ModelConfig.from_dict(cfg.model)
+    return SequenceClassifier(config, cfg.train.random_seed) if scorer else CausalLM(config, seed=cfg.train.random_seed)
 
 
 class _Subset:

@@ -10,6 +10,7 @@ of loss tokens in the whole accumulation window) is the caller's choice, made wi
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
@@ -170,6 +171,34 @@ def dpo_loss(
     chosen_rewards = beta * chosen_logratios.detach()
     rejected_rewards = beta * rejected_logratios.detach()
     return losses, chosen_rewards, rejected_rewards
+
+
+def bradley_terry_loss(chosen_scores: Tensor, rejected_scores: Tensor, margin: Tensor | None = None,
+                       center_coef: float = 0.0) -> Tensor:
+    """Reward-model loss per pair (B,): -log sigmoid(r_c - r_r - margin), plus TRL's
+    ``center_rewards_coefficient`` term center_coef * (r_c + r_r)^2, which keeps scores near 0."""
+    diff = chosen_scores - rejected_scores  # (B,)
+    if margin is not None:
+        diff = diff - margin
+    losses = -F.logsigmoid(diff)
+    if center_coef:
+        losses = losses + center_coef * (chosen_scores + rejected_scores) ** 2
+    return losses
+
+
+def generalized_jsd(student_logps: Tensor, teacher_logps: Tensor, beta: float = 0.5) -> Tensor:
+    """Generalized Jensen-Shannon divergence per token (..., V) -> (...), GKD's convention (TRL's
+    ``generalized_jsd_loss``): with M = beta * p_teacher + (1 - beta) * p_student,
+    beta * KL(teacher || M) + (1 - beta) * KL(student || M); beta = 0 is the forward KL
+    KL(teacher || student), beta = 1 the reverse KL KL(student || teacher). Inputs are log-probs."""
+    if beta == 0:
+        return (teacher_logps.exp() * (teacher_logps - student_logps)).sum(-1)
+    if beta == 1:
+        return (student_logps.exp() * (student_logps - teacher_logps)).sum(-1)
+    mixture = torch.logsumexp(torch.stack([student_logps + math.log(1 - beta), teacher_logps + math.log(beta)]), dim=0)
+    kl_teacher = (teacher_logps.exp() * (teacher_logps - mixture)).sum(-1)
+    kl_student = (student_logps.exp() * (student_logps - mixture)).sum(-1)
+    return beta * kl_teacher + (1 - beta) * kl_student
 
 
 # ---------------------------------------------------------------------------------------------

@@ -40,6 +40,7 @@ class RunReport:
     checkpoint: Path | None = None
     resume_command: str | None = None  # None: "rerun with --resume"
     hints: bool = True  # the "serve it" and "resume" lines (log.summary_hints)
+    reward_model: bool = False  # the checkpoint scores (train_type reward): used as a reward, not served
 
 
 def format_duration(seconds: float) -> str:
@@ -76,7 +77,10 @@ def format_summary(r: RunReport) -> str:
         lines.append("  last checkpoint: none")
     else:
         lines.append(f"  last checkpoint: {r.checkpoint}")
-        if r.hints:
+        if r.hints and r.reward_model:
+            lines.append(f"  use it:    --rewards {shlex.quote(str(r.checkpoint))} (or --critic_model_path) in an "
+                         "online run")
+        elif r.hints:
             lines.append(f"  serve it:  astrai serve --model {shlex.quote(str(r.checkpoint))}")
     if r.hints and r.stop_reason is not None and r.step > 0:
         lines.append(f"  resume:    {r.resume_command or 'run the same command with --resume'}")
@@ -158,5 +162,6 @@ class RunSummary:
             eval_accuracy=self._evals[-1][:2] if self._evals else None,
             eval_first_accuracy=self._evals[0][1] if self._evals else None,
             eval_seconds=sum(e[2] for e in self._evals), num_evals=len(self._evals),
-            resume_command=resume_command(self.command, cfg, checkpoint), hints=cfg.log.summary_hints)
+            resume_command=resume_command(self.command, cfg, checkpoint), hints=cfg.log.summary_hints,
+            reward_model=getattr(getattr(cfg, "data", None), "train_type", None) == "reward")
         print(format_summary(self.report), file=self.stream or sys.stderr, flush=True)

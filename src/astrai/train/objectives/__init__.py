@@ -2,7 +2,7 @@
 
 ``OBJECTIVES`` is the one map from a ``train_type`` to what builds its objective from ``(cfg,
 model)``, one module per family: ``lm`` (seq, sft), ``dpo``, ``grpo`` (grpo, and online_grpo: the
-same class with ``online=True``), ``online_dpo``, ``ppo`` (online_ppo). What a loop may ask of an
+same class with ``online=True``), ``online_dpo``, ``ppo`` (online_ppo), ``distill`` (online_distill, kd), ``reward_model`` (reward). What a loop may ask of an
 objective is stated once in ``base.py`` (``Objective``; ``RolloutObjective`` for the online
 loop); the steps objectives share are functions there and in ``logps.py`` and
 ``rollout_steps.py``, composed by each objective, never inherited. The keys are the config's
@@ -28,11 +28,13 @@ from astrai.train.objectives.base import (
     labelled_positions,
     num_tokens,
 )
+from astrai.train.objectives.distill import KDObjective, OnlineDistillObjective
 from astrai.train.objectives.dpo import DPOObjective
 from astrai.train.objectives.grpo import GRPOObjective
 from astrai.train.objectives.lm import SeqObjective, SFTObjective
 from astrai.train.objectives.online_dpo import OnlineDPOObjective
 from astrai.train.objectives.ppo import PPOObjective
+from astrai.train.objectives.reward_model import RewardObjective
 
 OBJECTIVES: dict[str, Callable[[Config, nn.Module], Objective]] = {
     "seq": SeqObjective,
@@ -42,10 +44,13 @@ OBJECTIVES: dict[str, Callable[[Config, nn.Module], Objective]] = {
     "online_grpo": partial(GRPOObjective, online=True),
     "online_dpo": OnlineDPOObjective,
     "online_ppo": PPOObjective,
+    "online_distill": OnlineDistillObjective,
+    "kd": KDObjective,
+    "reward": RewardObjective,
 }
 
-__all__ = ["OBJECTIVES", "DPOObjective", "GRPOObjective", "LossOutput", "Objective", "OnlineDPOObjective",
-           "PPOObjective", "RolloutObjective", "SFTObjective", "SeqObjective", "build_objective",
+__all__ = ["OBJECTIVES", "DPOObjective", "GRPOObjective", "KDObjective", "LossOutput", "Objective", "OnlineDPOObjective",
+           "OnlineDistillObjective", "PPOObjective", "RewardObjective", "RolloutObjective", "SFTObjective", "SeqObjective", "build_objective",
            "labelled_positions", "num_tokens", "objective_builder", "record_kind"]
 
 

@@ -8,7 +8,9 @@ function's own scores. A reward entry in the config (``rewards``) is one of:
     models that answer in sentences),
     ``format`` (1 when the completion matches ``format_pattern``), ``length`` (0 up to
     ``length_target`` characters, falling linearly to -1 at twice that), ``overlong`` (DAPO's
-    soft overlong punishment over the last ``overlong_buffer`` tokens of ``rollout_max_tokens``);
+    soft overlong punishment over the last ``overlong_buffer`` tokens of ``rollout_max_tokens``),
+    ``judge`` (an LLM judge behind an OpenAI-compatible chat endpoint, ``rl/judge.py``; a completion
+    it cannot score gets None, counted in the ``judge_failures`` term);
   - ``module:function``, imported with the working directory on ``sys.path`` (however astrai was
     started): a per-sample function ``f(prompt, completion, record) -> float``, or a TRL-style
     one (its signature names ``prompts``, ``completions`` or ``completion_ids``, or takes only
@@ -46,7 +48,9 @@ import torch
 
 from astrai.config import RLConfig
 from astrai.data.tasks import SCORERS
+from astrai.model.manifest import resolve_model_dir
 from astrai.train.rl.guard import call_in_worker, outcome
+from astrai.train.rl.judge import Judge
 from astrai.train.rl.user_code import import_user_object
 
 RewardFn = Callable[[str, str, dict[str, Any]], float]
@@ -105,6 +109,7 @@ BUILTINS: dict[str, Callable[[RLConfig], Callable[..., Any]]] = {
     "format": lambda cfg: format_reward(cfg.format_pattern),
     "length": lambda cfg: length_reward(cfg.length_target),
     "overlong": lambda cfg: overlong_reward(cfg.rollout_max_tokens, cfg.overlong_buffer),
+    "judge": Judge,
 }
 
 
@@ -247,9 +252,10 @@ class RewardSet:
         for name in self.names:
             if name in BUILTINS:
                 self.functions.append(BUILTINS[name](cfg))
-            elif (Path(name) / "config.json").is_file():
-                self.functions.append(RewardModel(name, device or torch.device("cpu"),
-                                                   policy_tokenizer=tokenizer))
+            elif Path(name).is_dir() and (resolve_model_dir(name) / "config.json").is_file():
+                # a reward model directory, or a reward run's ckpt_dir (its newest checkpoint)
+                self.functions.append(RewardModel(resolve_model_dir(name), device or torch.device("cpu"),
+                                                  policy_tokenizer=tokenizer))
             elif ":" in name:
                 self.functions.append(_user_function(name))
             else:
@@ -267,16 +273,18 @@ class RewardSet:
         per_fn: dict[str, torch.Tensor] = {}
         for name, fn in zip(self.names, self.functions):
             scores = raw[name]
-            if name not in BUILTINS and not isinstance(fn, RewardModel) and is_batched(fn):
+            none_term = getattr(fn, "none_term", None)  # a built-in that may give no score (judge)
+            if none_term or (name not in BUILTINS and not isinstance(fn, RewardModel) and is_batched(fn)):
                 # TRL turns None into NaN and sums with nansum: no score adds 0; counted, not hidden
                 scores = _as_list(scores)
                 none = [v is None for v in scores] if isinstance(scores, list) else []
                 scores = [0.0 if v is None else v for v in scores] if none else scores
                 per_fn[name] = _checked(name, scores, len(completions), group_size)
-                per_fn[f"{name}_none"] = torch.tensor(none, dtype=torch.float32)
+                per_fn[none_term or f"{name}_none"] = torch.tensor(none, dtype=torch.float32)
             else:
                 per_fn[name] = _checked(name, scores, len(completions), group_size)
-        total = sum(w * per_fn[n].double() for n, w in zip(self.names, self.weights))
+        total = sum((w * per_fn[n].double() for n, w in zip(self.names, self.weights)),
+                    torch.zeros(len(completions), dtype=torch.float64))  # no rewards (pure distillation): 0
         bad = (~torch.isfinite(total) | (total.abs() > F32_MAX)).nonzero()
         if len(bad):
             i = int(bad[0])
