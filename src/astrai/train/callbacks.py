@@ -28,6 +28,7 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
+from astrai.config_values import is_online
 from astrai.train.advantages import learns_from_group_differences
 from astrai.train.context import Loop
 from astrai.train.summary import RunSummary
@@ -336,10 +337,16 @@ def default_callbacks(trainer: Loop) -> list[Any]:
     checkpoint's copy of metrics.jsonl holds its own step."""
     cfg = trainer.config
     cbs: list[Any] = [MetricsLogger(cfg.log.log_dir, cfg.log.log_metrics)]
+    traces = None
+    if cfg.log.trace_samples > 0 and (is_online(cfg.data.train_type) or cfg.train.eval_interval > 0):
+        from astrai.train.traces import TraceLog  # before evaluation: a fresh run's file is emptied first
+
+        traces = TraceLog(cfg.log.log_dir, cfg.log.trace_samples)
+        cbs.append(traces)
     if cfg.train.eval_interval > 0:  # after the logger: its rows follow the step's train row
         from astrai.train.evaluation import GenerationEval
 
-        cbs.append(GenerationEval(cfg))
+        cbs.append(GenerationEval(cfg, traces))
     if learns_from_group_differences(cfg.data.train_type, cfg.rl):  # warns when no group has signal for long
         cbs.append(FlatRewardsWarning(list(cfg.rl.rewards)))
     if cfg.train.early_stopping_metric:
@@ -351,7 +358,7 @@ def default_callbacks(trainer: Loop) -> list[Any]:
         from astrai.train.reporters import ReportTo
 
         cbs.append(ReportTo(report_to, cfg.log.log_dir, cfg.log.report_project, cfg.log.run_name,
-                            cfg.log.log_metrics))
+                            cfg.log.log_metrics, traces=traces))
     cbs.append(CheckpointSaver(cfg.ckpt.ckpt_interval))
     cbs.append(RunSummary(trainer.ctx.command))
     return cbs

@@ -44,6 +44,8 @@ class Rollout:
     trainer_logps: Tensor | None = None
     truncated: Tensor | None = None  # (N,) bool: the completion hit rollout_max_tokens without ending
     num_uses: int = 0  # optimizer steps taken on it so far
+    # traced samples' views (train/traces.py), None for the others; not saved in checkpoints
+    samples: list[dict[str, Any] | None] = field(default_factory=list)
 
     @property
     def num_samples(self) -> int:
@@ -91,7 +93,8 @@ def select_groups(rollout: Rollout, groups: Tensor) -> Rollout:
                    texts=[rollout.texts[i] for i in rows.tolist()],
                    reward_terms={k: v[groups] for k, v in rollout.reward_terms.items()},
                    stats=dict(rollout.stats),
-                   truncated=rollout.truncated[rows] if rollout.truncated is not None else None)
+                   truncated=rollout.truncated[rows] if rollout.truncated is not None else None,
+                   samples=[rollout.samples[i] for i in rows.tolist()] if rollout.samples else [])
 
 
 def concat_rollouts(parts: list[Rollout]) -> Rollout:
@@ -107,7 +110,8 @@ def concat_rollouts(parts: list[Rollout]) -> Rollout:
                   torch.cat([p.rewards for p in parts]), parts[0].group_size, parts[0].policy_version,
                   texts=[t for p in parts for t in p.texts],
                   reward_terms={k: torch.cat([p.reward_terms[k] for p in parts]) for k in parts[0].reward_terms},
-                  truncated=torch.cat([p.truncated for p in parts]) if parts[0].truncated is not None else None)
+                  truncated=torch.cat([p.truncated for p in parts]) if parts[0].truncated is not None else None,
+                  samples=[v for p in parts for v in (p.samples or [None] * p.num_samples)])
     weights = [p.num_samples for p in parts]
     for key in parts[0].stats:
         values = [p.stats.get(key, 0.0) for p in parts]

@@ -31,6 +31,7 @@ from astrai.train.rl.data import Rollout, pack_episodes, rollout_signal_stats
 from astrai.train.rl.episode import Conversation, Episode, episode_stats, gather
 from astrai.train.rl.rewards import RewardSet
 from astrai.train.rl.sampler import RolloutSampling, Sampler, TurnRequest, rollout_sampling
+from astrai.train.traces import trace_views
 
 
 def rollout_seed(random_seed: int, step: int, prompt_index: int, *more: int) -> int:
@@ -77,6 +78,7 @@ class EpisodeRunner:
         self.generation_seconds = 0.0  # time inside the sampler, this run() call
         self.num_skipped_total = 0  # prompts over max_prompt_len, this rank, whole run (warned once)
         self.shortest_skipped: int | None = None  # the shortest of them: the max_prompt_len that keeps one
+        self.trace_samples = 0  # episodes per rollout whose views the Rollout keeps (set by train/traces.py)
 
     # ---------------------------------------------------------------------------- the turn loop
 
@@ -191,6 +193,7 @@ class EpisodeRunner:
         total, terms = self.score(episodes, G)
         rollout.rewards, rollout.reward_terms = total.view(-1, G), {k: v.view(-1, G) for k, v in terms.items()}
         rollout.texts = [e.final_text for e in episodes]
+        rollout.samples = trace_views(episodes, self.trace_samples, self.tokenizer)
         rollout.truncated = torch.tensor([e.truncated or e.finish_reason == "length" for e in episodes])
         seconds = time.perf_counter() - start
         num_new = sum(lp is not None for e in episodes for lp in e.logps)
