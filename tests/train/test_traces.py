@@ -89,3 +89,27 @@ def test_a_sigterm_and_resume_leaves_one_trace_line_per_step_and_sample(tmp_path
     assert main(["--config", str(config), "--resume"]) == 0
     keys = [(t["step"], t["group"], t["sample"]) for t in read_traces(tmp_path / "log")]
     assert keys == [(s, i // 4, i % 4) for s in (1, 2, 3) for i in range(6)]
+
+
+def test_astrai_traces_worst_prints_the_lowest_reward_samples_of_the_last_step(tmp_path, capsys):
+    from astrai.cli import main as astrai
+
+    rewards = {1: [0.0, 0.5, 1.0, 0.2], 2: [0.9, 0.1, 0.7, 0.3]}
+    lines = [{"split": "train", "step": s, "group": 0, "sample": i, "reward": r, "rewards": {"exact_match": r},
+              "advantage": r - 0.5, "prompt": [{"role": "user", "content": f"q{s}"}],
+              "turns": [{"role": "assistant", "text": f"answer {s}.{i}", "tokens": 3, "finish_reason": "stop",
+                         "tool_calls": [{"name": "multiply", "arguments": "{}", "result": "8"}]}]}
+             for s, rs in rewards.items() for i, r in enumerate(rs)]
+    (tmp_path / "traces.jsonl").write_text("".join(json.dumps(t) + "\n" for t in lines))
+    assert astrai(["traces", str(tmp_path), "--worst", "3"]) == 0
+    out = capsys.readouterr().out
+    heads = [line for line in out.splitlines() if line.startswith("step ")]
+    assert [h.split("  ")[2] for h in heads] == ["sample 1", "sample 3", "sample 2"]  # rewards 0.1, 0.3, 0.7
+    assert "reward 0.100 (exact_match 0.100)  advantage -0.400" in heads[0]
+    assert "answer 2.1" in out and "tool multiply({}) -> 8" in out and "answer 1." not in out
+    assert astrai(["traces", str(tmp_path), "--step", "1", "--best", "1"]) == 0
+    assert "answer 1.2" in capsys.readouterr().out
+    assert astrai(["traces", str(tmp_path), "--grep", "ANSWER 2.3"]) == 0
+    assert capsys.readouterr().out.count("\nstep ") == 0  # one sample: no second header
+    assert astrai(["traces", str(tmp_path / "none")]) == 1
+    assert "no traces.jsonl lines" in capsys.readouterr().err
