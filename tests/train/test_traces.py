@@ -6,15 +6,13 @@ from __future__ import annotations
 
 import json
 
-import yaml
-
 from astrai.config import RLConfig
 from astrai.data.tokenizer import load_tokenizer
 from astrai.train.cli import main
 from astrai.train.rl.rewards import RewardSet
 from astrai.train.rl.runner import Draw, EpisodeRunner
 from astrai.train.traces import TraceLog, read_traces, sample_view
-from tests.train.rl_runs import sigterm_after_step, write_rl_run
+from tests.train.rl_runs import sigterm_after_step, write_tool_run
 from tests.train.rl_user_code import USER_CODE
 from tests.train.samplers import ScriptedSampler, fake_turn
 
@@ -59,18 +57,8 @@ def test_resume_drops_trace_lines_past_the_restored_step_and_the_file_rotates(tm
     assert (tmp_path / "traces.jsonl").stat().st_size < 200 + 100 and steps[0] > 1  # bounded: old lines gone
 
 
-def tool_run(tmp_path, tok_dir, **rl):
-    config = write_rl_run(tmp_path, tok_dir, tools=[f"{USER_CODE}:multiply"], max_turns=2, **rl)
-    cfg = yaml.safe_load(config.read_text())
-    cfg["model"]["max_position_embeddings"] = 512  # the tool's schema needs the room
-    cfg["train"]["max_steps"] = 3
-    cfg["log"]["trace_samples"] = 6
-    config.write_text(yaml.safe_dump(cfg, sort_keys=False))
-    return config
-
-
 def test_an_online_grpo_run_with_tools_writes_its_traces(tmp_path, tok_dir):
-    assert main(["--config", str(tool_run(tmp_path, tok_dir))]) == 0
+    assert main(["--config", str(write_tool_run(tmp_path, tok_dir))]) == 0
     lines = read_traces(tmp_path / "log")
     assert [(t["step"], t["group"], t["sample"]) for t in lines] == [(s, i // 4, i % 4) for s in (1, 2, 3)
                                                                     for i in range(6)]
@@ -83,7 +71,7 @@ def test_an_online_grpo_run_with_tools_writes_its_traces(tmp_path, tok_dir):
 
 
 def test_a_sigterm_and_resume_leaves_one_trace_line_per_step_and_sample(tmp_path, tok_dir):
-    config = tool_run(tmp_path, tok_dir)
+    config = write_tool_run(tmp_path, tok_dir)
     sigterm_after_step(config, 2, tmp_path)
     assert {t["step"] for t in read_traces(tmp_path / "log")} == {1, 2}
     assert main(["--config", str(config), "--resume"]) == 0

@@ -97,6 +97,7 @@ class CallbackList:
 
 class MetricsLogger:
     """One JSON line per optimizer step in ``<log_dir>/metrics.jsonl`` (rank 0); validation lines too.
+    At the start it writes the resolved config beside it (``config.yaml``, read by ``astrai report``).
 
     On resume, lines past the restored step (written after the last checkpoint by the run that
     was stopped) are dropped, so the file reads as if the run had never been interrupted.
@@ -110,6 +111,8 @@ class MetricsLogger:
         if not trainer.is_main:
             return
         self.path.parent.mkdir(parents=True, exist_ok=True)
+        # the resolved config beside the metrics: what `astrai report` shows (and where ckpt_dir is)
+        (self.path.parent / "config.yaml").write_text(trainer.config.to_yaml())
         if trainer.ctx.step == 0:
             self.path.write_text("")
         elif self.path.exists():
@@ -360,12 +363,17 @@ def default_callbacks(trainer: Loop) -> list[Any]:
         cbs.append(ReportTo(report_to, cfg.log.log_dir, cfg.log.report_project, cfg.log.run_name,
                             cfg.log.log_metrics, traces=traces))
     cbs.append(CheckpointSaver(cfg.ckpt.ckpt_interval))
+    if cfg.log.report_html:  # after the saver: the page shows the checkpoint just published
+        from astrai.train.report_page import ReportPage
+
+        cbs.append(ReportPage(cfg.log.log_dir, cfg.ckpt.ckpt_interval))
     cbs.append(RunSummary(trainer.ctx.command))
     return cbs
 
 
 def arrange_callbacks(built: list[Any], user: list[Any]) -> CallbackList:
     """The built-in observers, then the user's callbacks (they see a step before its checkpoint is
-    published), then the checkpoint saver, then the run summary (it names the published checkpoint)."""
-    last = [cb for cb in built if isinstance(cb, CheckpointSaver | RunSummary)]
+    published), then the checkpoint saver, the run page (``report_html``), then the run summary
+    (it names the published checkpoint)."""
+    last = [cb for cb in built if isinstance(cb, CheckpointSaver | RunSummary) or getattr(cb, "after_checkpoints", False)]
     return CallbackList([cb for cb in built if cb not in last] + list(user) + last)
