@@ -112,7 +112,8 @@ class MetricsLogger:
             return
         self.path.parent.mkdir(parents=True, exist_ok=True)
         # the resolved config beside the metrics: what `astrai report` shows (and where ckpt_dir is)
-        (self.path.parent / "config.yaml").write_text(trainer.config.to_yaml())
+        if getattr(trainer, "config", None) is not None:
+            (self.path.parent / "config.yaml").write_text(trainer.config.to_yaml())
         if trainer.ctx.step == 0:
             self.path.write_text("")
         elif self.path.exists():
@@ -154,6 +155,7 @@ class CheckpointSaver:
 
         cfg = trainer.config
         rank_state = getattr(trainer, "rank_state", None)  # optional: loops whose ranks differ
+        start = time.perf_counter()
         save_training_checkpoint(  # a collective: every rank calls it, rank 0 writes
             cfg.ckpt.ckpt_dir, trainer.ctx.step, model=trainer.raw_model, tokenizer=trainer.tokenizer,
             optimizer=trainer.optimizer, scheduler=trainer.scheduler, trainer_state=trainer.state_dict(),
@@ -162,6 +164,7 @@ class CheckpointSaver:
             background=cfg.ckpt.ckpt_background, base_model_path=cfg.train.param_path,
         )
         self.last_saved = trainer.ctx.step
+        trainer.ctx.times.add("checkpoint", time.perf_counter() - start)  # in the next step's time_checkpoint
 
     def on_train_begin(self, trainer: Loop) -> None:
         self.last_saved = trainer.ctx.step  # a resumed run's start is already on disk
@@ -355,6 +358,11 @@ def default_callbacks(trainer: Loop) -> list[Any]:
     if cfg.train.early_stopping_metric:
         cbs.append(EarlyStopping(cfg.train.early_stopping_metric, cfg.train.early_stopping_patience,
                                  cfg.train.early_stopping_min_delta, cfg.train.early_stopping_mode))
+    world = getattr(getattr(trainer, "dist", None), "world_size", 1)
+    if world > 1:  # each rank's own step times (and rollout statistics): ranks/rank_<R>.jsonl
+        from astrai.train.timing import RankLog
+
+        cbs.append(RankLog(cfg.log.log_dir, trainer.dist.rank))
     cbs.append(ProgressBar(trainer.total_steps, bar=cfg.log.progress))  # or periodic lines (--progress false)
     report_to = list(cfg.log.report_to) + (["tensorboard"] if cfg.log.tensorboard else [])
     if report_to:  # the same numbers as metrics.jsonl, to TensorBoard / wandb / MLflow (reporters.py)

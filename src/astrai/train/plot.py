@@ -44,6 +44,8 @@ GROUPS: dict[str, Callable[[str], bool]] = {
     "sampler": lambda m: m.startswith(("sampler_", "is_weight")),
     # online RL: whether a rollout can teach anything (cut-off completions, groups without signal)
     "rollout": lambda m: m in ("truncated_fraction", "frac_reward_zero_std", "skipped_prompts", "skipped_groups"),
+    # where each step's seconds went (train/timing.py)
+    "time": lambda m: m.startswith("time_") or m.endswith("_seconds"),
     "other": lambda m: True,
 }
 LOG_SCALE_GROUPS = {"grad_norm"}

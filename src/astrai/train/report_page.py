@@ -4,7 +4,7 @@ The end of the training data flow for a person with a browser, beside ``astrai p
 reads what a run leaves in its log_dir (``metrics.jsonl``, ``traces.jsonl``, the resolved
 ``config.yaml`` the metrics log writes at the start, and through it the checkpoints of
 ``ckpt_dir``) and writes one file with no network access and no server: the run summary (steps,
-last loss and reward, eval accuracy, where the time went: ``time/*`` shares), the curves (inline
+last loss and reward, eval accuracy, where the time went: ``time_*`` shares), the curves (inline
 SVG, one panel per metric grouped as ``astrai plot`` groups them, EMA-smoothed over the faint raw
 curve, validation and eval points raw), the trace samples as a table that a few lines of inline
 script filter by split, step and reward, each row opening its conversation (``<details>``, so
@@ -25,6 +25,7 @@ from typing import Any
 
 from astrai.flags import ArgumentParser
 from astrai.train.plot import DEFAULT_SMOOTH, GROUPS, constant_metrics, drawn_raw, ema, group_of, read_metrics
+from astrai.train.timing import format_time_shares, time_shares
 from astrai.train.traces import read_traces, table_row
 from astrai.train.traces_cli import format_trace
 
@@ -32,11 +33,6 @@ REPORT_FILE = "report.html"
 CONFIG_FILE = "config.yaml"
 MAX_TRACES = 2000  # the newest trace lines shown; the file keeps them all
 W, H, PAD = 340, 190, 34  # a curve panel's size and margin, in pixels
-# the parts of a step's wall time (time/* metrics, see docs/training.md), in the summary's order
-TIME_PARTS = ("rollout", "generation", "tools", "environment", "rewards", "reference", "forward_backward",
-              "optimizer", "weight_sync", "checkpoint", "other")
-ROLLOUT_PARTS = ("generation", "tools", "environment", "rewards")  # inside rollout
-
 STYLE = """
 body{font:14px/1.4 system-ui,sans-serif;margin:24px;color:#222;max-width:1500px}
 h1{font-size:22px}h2{font-size:18px;margin-top:28px;border-bottom:1px solid #ddd}
@@ -149,32 +145,6 @@ def curves_section(train: dict, val: dict, smooth: float) -> str:
 # ------------------------------------------------------------------------------ summary
 
 
-def time_shares(train: dict[str, list[tuple[int, float]]]) -> list[tuple[str, float, float]]:
-    """(part, seconds, share of the run's time) from the time/* metrics: the steps' wall time plus
-    the checkpoints' (published between steps)."""
-    total = sum(v for _, v in train.get("time/step", [])) + sum(v for _, v in train.get("time/checkpoint", []))
-    if total <= 0:
-        return []
-    out = []
-    for part in TIME_PARTS:
-        seconds = sum(v for _, v in train.get(f"time/{part}", []))
-        if seconds > 0 or part in ("rollout", "forward_backward", "optimizer"):
-            out.append((part, seconds, seconds / total))
-    return out
-
-
-def format_time_shares(shares: list[tuple[str, float, float]]) -> str:
-    """`rollout 61% (generation 48%, rewards 3%), forward_backward 30%, ...`: the summary's line."""
-    inside = {p: s for p, _, s in shares if p in ROLLOUT_PARTS}
-    words = []
-    for part, _, share in shares:
-        if part in ROLLOUT_PARTS:
-            continue
-        sub = ", ".join(f"{p} {s:.0%}" for p, s in inside.items()) if part == "rollout" and inside else ""
-        words.append(f"{part} {share:.0%}" + (f" ({sub})" if sub else ""))
-    return ", ".join(words)
-
-
 def summary_section(train: dict, val: dict, traces: list[dict[str, Any]]) -> str:
     def last(name: str, src: dict = train) -> str:
         return f"{_fmt(src[name][-1][1])} (step {src[name][-1][0]})" if src.get(name) else "-"
@@ -187,10 +157,10 @@ def summary_section(train: dict, val: dict, traces: list[dict[str, Any]]) -> str
         rows.append(("reward_mean", f"{_fmt(first)} -> {last('reward_mean')}"))
     if "eval/accuracy" in train:
         rows.append(("eval accuracy", f"{_fmt(train['eval/accuracy'][0][1])} -> {last('eval/accuracy')}"))
-    wall = sum(v for _, v in train.get("time/step", []))
-    if wall:
-        rows.append(("time in steps", f"{wall:.1f}s"))
-    shares = time_shares(train)
+    totals = {m: sum(v for _, v in pts) for m, pts in train.items() if m.startswith("time_")}
+    if totals.get("time_step"):
+        rows.append(("time in steps", f"{totals['time_step']:.1f}s"))
+    shares = time_shares(totals)
     if shares:
         rows.append(("where the time went", format_time_shares(shares)))
     rows.append(("traced samples", str(len(traces))))

@@ -190,7 +190,9 @@ class EpisodeRunner:
         draw = Draw(self.sampling, G, lambda i, *more: rollout_seed(seed, step, first_index + i, *more))
         [episodes] = self.run(records, [list(batch["prompt_ids"][i]) for i in keep], [draw], policy_version)
         rollout = pack_episodes([(e.ids, e.logps) for e in episodes], G, policy_version)
+        scored = time.perf_counter()
         total, terms = self.score(episodes, G)
+        reward_seconds = time.perf_counter() - scored
         rollout.rewards, rollout.reward_terms = total.view(-1, G), {k: v.view(-1, G) for k, v in terms.items()}
         rollout.texts = [e.final_text for e in episodes]
         rollout.samples = trace_views(episodes, self.trace_samples, self.tokenizer)
@@ -199,11 +201,11 @@ class EpisodeRunner:
         num_new = sum(lp is not None for e in episodes for lp in e.logps)
         rollout.stats = {"rollout_seconds": seconds, "rollout_tokens": float(num_new),
                          "rollout_tokens_per_s": num_new / max(seconds, 1e-9), "skipped_prompts": float(skipped),
+                         "generation_seconds": self.generation_seconds, "reward_seconds": reward_seconds,
                          **rollout_signal_stats(rollout.rewards, ["length" if t else "stop" for t in rollout.truncated])}
         if self.multi_turn:
             stats = self.conversation.stats
-            rollout.stats.update({"generation_seconds": self.generation_seconds,
-                                  **episode_stats(episodes, stats["tool_seconds"], stats["env_seconds"])})
+            rollout.stats.update(episode_stats(episodes, stats["tool_seconds"], stats["env_seconds"]))
         return rollout
 
     def _count_skipped(self, step: int, lengths: list[int]) -> None:
