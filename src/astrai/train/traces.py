@@ -176,7 +176,7 @@ class TraceLog:
     def on_train_begin(self, trainer: Any) -> None:
         self.is_main = trainer.is_main
         runner = getattr(trainer, "runner", None)  # online RL: the runner keeps views of this many samples
-        if runner is not None:
+        if runner is not None and trainer.is_main:  # only rank 0's rollout is traced
             runner.trace_samples = self.num
         if not self.is_main:
             return
