@@ -303,13 +303,26 @@ def row_grpo(args) -> dict:
                             else 8, max_tokens=8 if args.quick else 64, lr=1e-4, seed=0)
     prompts, model_dir = setup(tmp, rl.prompts * rl.steps, 0, None)  # None: a fresh tiny model
     stamps: list[float] = []
+    rollout_s: list[float] = []
+    detail: dict = {}
 
     class Clock:
         requested_metrics = frozenset()
 
+        prof = None
+
         def after_optimizer_step(self, loop) -> None:
             sync(args.device)
             stamps.append(time.perf_counter())
+            rollout_s.append(float(loop.step_metrics.get("rollout_seconds", 0.0)))
+            if args.profile and len(stamps) == 2:  # one whole step after the first, under the profiler
+                self.prof = torch.profiler.profile(record_shapes=False)
+                self.prof.__enter__()
+            elif self.prof is not None and len(stamps) == 3:
+                self.prof.__exit__(None, None, None)
+                detail["profile"] = self.prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=20,
+                                                                   max_name_column_width=60)
+                self.prof = None
 
     flags = {"train_type": "online_grpo", "data_path": prompts, "param_path": model_dir, "device": args.device,
              "batch_per_device": rl.prompts, "group_size": rl.group_size, "rollout_max_tokens": rl.max_tokens,
@@ -320,14 +333,16 @@ def row_grpo(args) -> dict:
                                                                    else str(v))])
     OnlineLoop(cfg, callbacks=[Clock()]).train()
     ours = (stamps[-1] - stamps[1]) / (len(stamps) - 2)  # the first step pays one-off costs: skipped
+    # where astrai's step goes: its rollout (generation, rewards) against the rest (the first step skipped)
+    detail["rollout_s_per_step"] = sum(rollout_s[2:]) / max(len(rollout_s) - 2, 1)
     try:
         import trl  # noqa: F401
     except ImportError as exc:
-        return result(ours, None, "s/step", "TRL GRPOTrainer", note=f"peer skipped: {exc}")
+        return result(ours, None, "s/step", "TRL GRPOTrainer", note=f"peer skipped: {exc}", detail=detail)
     peer = _trl_grpo(prompts, model_dir, tmp / "trl", rl, args)
     # seconds per step: the ratio is peer / astrai, so above 1 means astrai is faster, as in every row
     return {**result(ours, peer["step_s"], "s/step", "TRL GRPOTrainer"), "ratio": peer["step_s"] / ours,
-            "peer_detail": peer}
+            "detail": detail, "peer_detail": peer}
 
 
 def _trl_grpo(prompts: Path, model_dir: Path, out: Path, rl, args) -> dict:
@@ -498,6 +513,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--row_timeout", type=float, default=None, help="seconds per row (default 150; 300 with --quick on a slow CPU)")
     p.add_argument("--budget", type=float, default=450, help="seconds for the whole run: rows that would start "
                    "later are skipped (default 450, to stay under 8 minutes)")
+    p.add_argument("--profile", action="store_true", help="grpo row: profile one astrai step (the table goes "
+                   "into the row's detail)")
     p.add_argument("--in_process", action="store_true", help="run rows in this process (no time limit)")
     p.add_argument("--quiet", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args(argv)

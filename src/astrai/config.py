@@ -67,6 +67,7 @@ class TrainSection:
     val_max_batches: int | None = knob(None, ge=1)
     eval_interval: int = knob(0, ge=0)  # optimizer steps between generation evals on eval_data_path (and at 0 and the end); 0 = off
     eval_num_samples: int = knob(4, ge=0)  # sampled completions per eval prompt (rollout temperature) for eval/reward_mean; 0 = greedy only
+    eval_pass_k: list[int] = field(default_factory=list)  # pass@k of the sampled eval answers for each k (<= eval_num_samples), unbiased; [] = none
     eval_match: str = "exact"  # exact | final_number: how eval/accuracy scores a greedy completion against the answer
     early_stopping_metric: str | None = None  # e.g. val/loss; None disables early stopping
     early_stopping_patience: int = 3  # evaluations without improvement before stopping
@@ -106,10 +107,14 @@ class ObjectiveConfig:
 class RLConfig:
     group_size: int = knob(4, ge=1)  # samples per prompt (GRPO group; online DPO picks best and worst of them)
     rollout_interval: int = knob(1, ge=1)  # optimizer steps that reuse one rollout before it is regenerated
+    mini_batches: int = knob(1, ge=1)  # optimizer steps per pass over a fresh rollout, each on 1/mini_batches of its samples
+    ppo_epochs: int = knob(1, ge=1)  # passes over a rollout of mini_batches steps each
     rollout_max_tokens: int = knob(64, ge=1)  # new tokens per sample
     rollout_temperature: float = knob(1.0, ge=0)  # the trainer's log-probs use the same temperature
     rollout_top_p: float = knob(1.0, gt=0, le=1)
     rollout_top_k: int = knob(0, ge=-1)  # 0 = off
+    rollout_repetition_penalty: float = knob(1.0, gt=0, le=10)  # rollouts: logits of prompt and output tokens divided (positive) or multiplied by it; 1 = off
+    rollout_min_p: float = knob(0.0, ge=0, lt=1)  # min-p sampling in rollouts (0 = off); the trainer's log-probs truncate the same way
     max_prompt_len: int | None = knob(None, ge=1)  # None = 256 or what fits the model's positions; longer prompts are skipped
     max_policy_lag: int = knob(8, ge=0)  # a rollout more policy versions old than this is an error
     keep_kv_pool: bool = False  # the engine's KV pool stays allocated through training; false: made per rollout, freed after
@@ -117,22 +122,34 @@ class RLConfig:
     host_keep_heap: bool = True  # glibc: while the engine decodes, freed heap memory stays mapped (no trim, no page faults back)
     rollout_is_level: str = "token"  # none | token | sequence: truncated importance weights for sampler-trainer mismatch
     rollout_is_cap: float = knob(2.0, ge=1, note="(a weight of 1 is no correction)")  # the weight min(pi_trainer_old / pi_sampler, cap) is capped here
+    rollout_is_mode: str = "truncate"  # truncate: min(w, cap) | mask: w within [rollout_is_min, rollout_is_cap], else the token carries no loss (TRL's)
+    rollout_is_min: float | None = knob(None, ge=0, le=1)  # rollout_is_mode mask: the band's lower bound; None = 1 / rollout_is_cap
     clip_eps: float = knob(0.2, ge=0)  # PPO clip of the token ratio, below 1
-    clip_eps_high: float | None = None  # above 1 (DAPO); None = clip_eps
+    clip_eps_high: float | None = knob(None, ge=0)  # above 1 (DAPO); None = clip_eps
+    policy_loss: str = "clip"  # clip: PPO's clipped surrogate | cispo: REINFORCE weighted by the clipped, stop-gradient ratio (MiniMax-M1)
+    clip_ratio_c: float | None = knob(None, gt=1)  # dual-clip PPO: with A < 0 the loss is at most -clip_ratio_c * A; None = off (verl: 3)
+    entropy_coef: float = knob(0.0, ge=0)  # GRPO family and online_ppo: loss - entropy_coef * the policy's token entropy (a bonus)
     kl_coef: float = knob(0.0, ge=0)  # KL to the reference (kl_estimator); 0 loads no reference model
-    kl_estimator: str = "k3"  # k1: log(p/q) | k2: (log(p/q))^2 / 2 | k3: q/p - 1 - log(q/p)
+    ref_reset_interval: int = knob(0, ge=0)  # with a KL: every this many steps the reference becomes the current policy; 0 = never
+    ref_ema: float | None = knob(None, ge=0, lt=1)  # with a KL: after each step reference = ref_ema * reference + (1 - ref_ema) * policy; None = frozen
+    kl_estimator: str = "k3+"  # k1: log(p/q) | k2: (log(p/q))^2 / 2 | k3: q/p - 1 - log(q/p) | k1+, k3+: k1's, k3's value with k2's gradient
+    kl_in_reward: bool = False  # GRPO family: the KL goes into each sample's reward (score - kl_coef * sum of KL), not the loss
     advantage_estimator: str = "grpo"  # grpo | rloo (leave-one-out) | reinforce_pp (REINFORCE++)
-    importance_sampling_level: str = "token"  # token | sequence (GSPO: one ratio per sample)
+    importance_sampling_level: str = "token"  # token | sequence (GSPO: one ratio per sample) | sequence_token (GSPO-token)
     mask_truncated_completions: bool = False  # completions cut at rollout_max_tokens carry no loss
     dynamic_sampling: bool = False  # DAPO: drop groups with equal rewards, draw more prompts to refill
     max_resample_batches: int = knob(4, ge=0)  # dynamic_sampling: extra prompt batches drawn per rollout at most
-    scale_rewards: str = "group"  # group: (r - mean) / std per group | none: r - mean (Dr. GRPO)
+    scale_rewards: str = "group"  # group: (r - mean) / (std + reward_std_eps) per group | none: r - mean (Dr. GRPO)
+    reward_std_eps: float = knob(1e-4, ge=0)  # scale_rewards group: added to the group's std (TRL's 1e-4), so near-equal rewards get small advantages
     rl_loss_agg: str = "token_mean"  # token_mean | seq_mean | seq_mean_token_sum_norm
     rewards: list[str] = field(default_factory=lambda: ["exact_match"])  # exact_match | final_number | format | length | overlong | module:function | a reward model dir
     reward_weights: list[float] | None = None  # one per reward; None = all 1.0
     reward_timeout: float = knob(60.0, ge=0)  # seconds one user reward call may take; 0 = no limit
+    tool_timeout: float = knob(60.0, ge=0)  # multi-turn: seconds one tool call may take (past it: an error message to the model); 0 = no limit
+    env_timeout: float = knob(600.0, ge=0)  # multi-turn: seconds one environment call (constructor, reset, step) may take (past it: the run stops); 0 = no limit
     environment: str | None = None  # multi-turn: module:Class, one instance per sample (reset / step)
     tools: list[str] = field(default_factory=list)  # multi-turn: module:function tools offered to the model
+    turn_rewards: bool = False  # multi-turn, online_ppo / reinforce_pp: each environment step's reward on its turn's last sampled token, not summed at the end
     max_turns: int = knob(4, ge=1, note="(assistant turns per multi-turn episode)")  # multi-turn: assistant turns per episode; an episode that would go on is truncated
     format_pattern: str = r"^\s*-?\d+\s*$"  # the `format` reward: 1 when the completion matches
     length_target: int = 64  # the `length` reward: 0 up to this many characters, then down to -1 at twice
@@ -144,6 +161,13 @@ class RLConfig:
     critic_model_path: str | None = None  # online_ppo: the critic's start; None = the policy's trunk, zero head
     value_clip: float | None = knob(None, gt=0)  # online_ppo: clip V - V_old to +-value_clip; None = unclipped
     whiten_advantages: bool = False  # online_ppo: whiten advantages over each rollout
+    rollout_servers: list[str] = field(default_factory=list)  # `astrai serve` URLs that draw the rollouts; [] = the in-process engine
+    rollout_admin_key: str | None = None  # the servers' --admin_key (weight loads); None = $ASTRAI_ADMIN_KEY
+    rollout_weights_dir: str | None = None  # where rank 0 publishes each policy version for the servers (under their --weights_dir); None = <log_dir>/rollout_weights
+    rollout_timeout: float = knob(600.0, gt=0)  # seconds one HTTP call to a rollout server may take
+    rollout_retries: int = knob(2, ge=0)  # retries of a failed call (connection error, 5xx) before the run stops
+    rollout_weight_transport: str = "filesystem"  # filesystem (publish + /v1/load_weights by path) | broadcast (a gloo group with the servers)
+    rollout_replicas: int = knob(0, ge=0)  # `astrai train` starts this many local `astrai serve` replicas and draws from them; 0 = none
 
 
 @dataclass

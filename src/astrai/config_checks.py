@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING
 from astrai.config_values import (
     ALGORITHMS,
     CHOICES,
+    PER_TOKEN_ESTIMATORS,
     REPORTERS,
     TRAIN_TYPES,
     ConfigError,
@@ -28,7 +29,7 @@ from astrai.config_values import (
 from astrai.flags import is_optional
 
 if TYPE_CHECKING:
-    from astrai.config import Config
+    from astrai.config import Config, RLConfig
 
 
 def validate(cfg: Config) -> None:
@@ -55,10 +56,41 @@ def validate(cfg: Config) -> None:
     if "overlong" in rl.rewards and not 0 < rl.overlong_buffer <= rl.rollout_max_tokens:
         raise ConfigError(f"overlong_buffer={rl.overlong_buffer} must be within [1, rollout_max_tokens="
                           f"{rl.rollout_max_tokens}] for the overlong reward; set --overlong_buffer in that range")
-    if rl.rollout_interval - 1 > rl.max_policy_lag:
-        raise ConfigError(f"rollout_interval={rl.rollout_interval} reuses a rollout until it is "
-                          f"{rl.rollout_interval - 1} policy versions old, more than max_policy_lag={rl.max_policy_lag}; "
-                          f"raise --max_policy_lag to {rl.rollout_interval - 1} or lower --rollout_interval")
+    if rl.rollout_interval > 1 and rl.mini_batches * rl.ppo_epochs > 1:
+        raise ConfigError(f"rollout_interval={rl.rollout_interval} counts steps on a whole rollout, but mini_batches="
+                          f"{rl.mini_batches} and ppo_epochs={rl.ppo_epochs} split it; with mini-batches set the passes "
+                          "with --ppo_epochs and leave --rollout_interval 1")
+    uses = steps_per_rollout(rl)
+    if uses - 1 > rl.max_policy_lag:
+        what, fix = (f"rollout_interval={uses} reuses", "--rollout_interval") if rl.rollout_interval > 1 else \
+            (f"mini_batches={rl.mini_batches} x ppo_epochs={rl.ppo_epochs} = {uses} steps reuse", "them")
+        raise ConfigError(f"{what} a rollout until it is {uses - 1} policy versions old, more than max_policy_lag="
+                          f"{rl.max_policy_lag}; raise --max_policy_lag to {uses - 1} or lower {fix}")
+    if rl.mini_batches > 1 and cfg.data.train_type not in ("online_grpo", "online_ppo"):
+        raise ConfigError(f"mini_batches={rl.mini_batches} applies to online_grpo and online_ppo (samples split into "
+                          f"mini-batches), not {cfg.data.train_type}; set --mini_batches 1 (--ppo_epochs gives passes)")
+    _validate_objective_fields(cfg)
+    if rl.ref_reset_interval or rl.ref_ema is not None:
+        what = f"ref_reset_interval={rl.ref_reset_interval}" if rl.ref_reset_interval else f"ref_ema={rl.ref_ema}"
+        if cfg.data.train_type not in ("online_grpo", "online_ppo") or rl.kl_coef == 0:
+            raise ConfigError(f"{what} moves the reference of the KL term of online_grpo / online_ppo, but this run has "
+                              f"{'no KL (kl_coef 0)' if rl.kl_coef == 0 else cfg.data.train_type}; set --kl_coef > 0 "
+                              "on an online_grpo or online_ppo run, or remove it")
+        if cfg.lora.lora_r > 0 or cfg.dist.parallel_mode == "fsdp":
+            why = "under LoRA the reference is the base model with its adapters off, not a copy" if cfg.lora.lora_r \
+                else "under fsdp the policy is sharded and the reference is not"
+            raise ConfigError(f"{what} copies the policy into its reference, but {why}; remove it")
+    if rl.turn_rewards:
+        per_token = cfg.data.train_type == "online_ppo" or (cfg.data.train_type == "online_grpo"
+                                                            and rl.advantage_estimator == "reinforce_pp")
+        if not per_token or not rl.environment:
+            why = "an environment whose step gives them" if per_token else \
+                "per-token credit (online_ppo, or online_grpo with advantage_estimator reinforce_pp)"
+            raise ConfigError(f"turn_rewards=true places each environment step's reward on its turn, which needs {why}; "
+                              "set --environment / --train_type accordingly or --turn_rewards false")
+    if rl.kl_in_reward and cfg.data.train_type in ("grpo", "online_dpo"):
+        raise ConfigError(f"kl_in_reward=true applies to online_grpo (online_ppo always has the KL in its rewards), "
+                          f"not train_type {cfg.data.train_type}; set --kl_in_reward false")
     if cfg.data.train_type == "online_dpo" and rl.group_size < 2:
         raise ConfigError(f"online_dpo needs group_size >= 2 (a best and a worst sample per prompt), got "
                           f"{rl.group_size}; set --group_size 2 or more")
@@ -71,8 +103,42 @@ def validate(cfg: Config) -> None:
     if cfg.train.eval_interval > 0 and cfg.data.eval_data_path is None:
         raise ConfigError(f"eval_interval={cfg.train.eval_interval} needs eval_data_path (held-out prompt records "
                           "with answers); set --eval_data_path FILE.jsonl or --eval_interval 0")
+    bad = [k for k in cfg.train.eval_pass_k if not 1 <= k <= cfg.train.eval_num_samples]
+    if bad:
+        raise ConfigError(f"eval_pass_k has {bad}, but pass@k needs 1 <= k <= eval_num_samples="
+                          f"{cfg.train.eval_num_samples} sampled answers per prompt; raise --eval_num_samples or drop them")
     _validate_data_columns(cfg)
     _validate_report_to(cfg)
+
+
+def steps_per_rollout(rl: RLConfig) -> int:
+    """Optimizer steps taken on one rollout: ``rollout_interval`` whole-rollout steps, or
+    ``ppo_epochs`` passes of ``mini_batches`` steps (one of the two forms is 1)."""
+    return rl.rollout_interval * rl.mini_batches * rl.ppo_epochs
+
+
+def _validate_objective_fields(cfg: Config) -> None:
+    """Fields an objective would otherwise ignore, or combine into a loss nobody means."""
+    rl, train_type = cfg.rl, cfg.data.train_type
+    if train_type == "online_ppo":  # GAE per token, one ratio per token: these choices are the GRPO family's
+        for name, default in (("advantage_estimator", "grpo"), ("importance_sampling_level", "token")):
+            if getattr(rl, name) != default:
+                raise ConfigError(f"{name}={getattr(rl, name)!r} applies to the GRPO family, but online_ppo takes its "
+                                  f"advantages from its critic (GAE) with a ratio per token; remove --{name} or use "
+                                  "--train_type online_grpo")
+    if rl.importance_sampling_level == "sequence" and rl.advantage_estimator in PER_TOKEN_ESTIMATORS:
+        raise ConfigError(f"importance_sampling_level='sequence' (GSPO) needs one advantage per sample, but "
+                          f"{rl.advantage_estimator} gives one per token; use --importance_sampling_level sequence_token "
+                          "(GSPO-token) or another --advantage_estimator")
+    if rl.policy_loss == "cispo" and (rl.importance_sampling_level != "token" or rl.clip_ratio_c is not None):
+        what = "clip_ratio_c" if rl.clip_ratio_c is not None else "importance_sampling_level"
+        raise ConfigError(f"policy_loss='cispo' weighs each token by its own clipped ratio, so {what}="
+                          f"{getattr(rl, what)!r} (a form of PPO's clipped surrogate) does not apply; remove --{what} "
+                          "or use --policy_loss clip")
+    if rl.importance_sampling_level != "token" and rl.rl_loss_agg == "seq_mean_token_sum_norm":
+        raise ConfigError(f"importance_sampling_level={rl.importance_sampling_level!r} (GSPO) averages its loss per "
+                          "sequence, so rl_loss_agg='seq_mean_token_sum_norm' does not apply; use --rl_loss_agg "
+                          "seq_mean")
 
 
 def _validate_ranges(cfg: Config) -> None:

@@ -76,13 +76,21 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "parallel_mode": ("none", "ddp", "fsdp"),
     "scale_rewards": ("group", "none"),
     "rl_loss_agg": ("token_mean", "seq_mean", "seq_mean_token_sum_norm"),
+    "rollout_weight_transport": ("filesystem", "broadcast"),
     "rollout_is_level": ("none", "token", "sequence"),
-    "kl_estimator": ("k1", "k2", "k3"),
-    "advantage_estimator": ("grpo", "rloo", "reinforce_pp"),
-    "importance_sampling_level": ("token", "sequence"),
+    "rollout_is_mode": ("truncate", "mask"),
+    "policy_loss": ("clip", "cispo"),
+    "kl_estimator": ("k1", "k2", "k3", "k1+", "k3+"),
+    "advantage_estimator": ("grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline"),
+    "importance_sampling_level": ("token", "sequence", "sequence_token"),
     "eval_match": ("exact", "final_number"),  # data/tasks.py SCORERS
     "cpu_matmul": ("auto", "onednn", "blas"),  # model/matmul.py
 }
+
+
+# the advantage estimators that give one advantage per token (train/advantages.py's table states it
+# by its functions; tests/train/test_advantages.py checks the two agree)
+PER_TOKEN_ESTIMATORS = ("reinforce_pp", "reinforce_pp_baseline")
 
 
 def is_online(train_type: str) -> bool:

@@ -37,12 +37,18 @@ def test_log_samples_keeps_every_request(model_dir, task_dir, tmp_path, capsys):
     assert len(samples) == 2 and all(len(s["resps"]) == 4 for s in samples)  # four choices each
 
 
-def test_unknown_task_is_one_line_naming_include_path(model_dir, task_dir, capsys):
-    code = astrai_main(["eval", "--model", str(model_dir), "--tasks", "tiny_mc,no_such_task_xyz",
-                        "--include_path", str(task_dir)])
+def test_unknown_task_is_one_line_naming_include_path_and_a_damaged_yaml_in_it(model_dir, task_dir, tmp_path, capsys):
+    import shutil
+
+    shutil.copytree(task_dir, tmp_path / "tasks")  # lm-eval skips a YAML it cannot parse without a word
+    (tmp_path / "tasks" / "gen.yaml").write_text("task: tiny_gen\ndataset_path: json\n  test_split: [test\n")
+    code = astrai_main(["eval", "--model", str(model_dir), "--tasks", "tiny_mc,no_such_task_xyz,tiny_gen",
+                        "--include_path", str(tmp_path / "tasks")])
     err = capsys.readouterr().err.strip()
     assert code == 2 and "\n" not in err
     assert "no_such_task_xyz" in err and "--include_path" in err and "Tasks not found" in err
+    assert "Tasks not found: no_such_task_xyz, tiny_gen" in err
+    assert f"{tmp_path / 'tasks' / 'gen.yaml'} is not valid YAML" in err and "line 3" in err
 
 
 def test_a_misspelled_task_names_the_nearest_one(model_dir, task_dir, capsys):
@@ -159,3 +165,50 @@ def test_eval_names_the_file_and_line_of_broken_json(addition_model_dir, tmp_pat
     docs.write_text('{"text": "1+1=2"}\n{"text": \n')
     code, _, err = _eval(["--model", str(addition_model_dir), "--perplexity", str(docs)], capsys)
     assert code == 2 and f"{docs}:2: not valid JSON" in err
+
+
+def test_an_unknown_role_in_data_is_one_line_naming_the_file_and_record(addition_model_dir, tmp_path, capsys,
+                                                                        addition_task_dir):
+    records = [json.loads(line) for line in (addition_task_dir / "data" / "eval.jsonl").read_text().splitlines()][:2]
+    records[1]["messages"][0]["role"] = "robot"
+    data = tmp_path / "eval.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in records))
+    code, _, err = _eval(["--model", str(addition_model_dir), "--data", str(data)], capsys)
+    assert code == 2 and err.count("\n") == 1, err
+    assert f"{data}: eval record 2 cannot be rendered" in err and "unknown role robot" in err
+
+
+@pytest.mark.parametrize("mode, name", [("--data", "eval.jsonl"), ("--perplexity", "docs.jsonl"),
+                                        ("--perplexity", "doc.txt")])
+def test_a_binary_input_file_is_one_line_naming_it(addition_model_dir, tmp_path, capsys, mode, name):
+    path = tmp_path / name
+    path.write_bytes(b"\n" + bytes(range(128, 256)) + b"\n")  # line 2: no UTF-8
+    code, _, err = _eval(["--model", str(addition_model_dir), mode, str(path)], capsys)
+    assert code == 2 and err.count("\n") == 1, err
+    assert f"{path}:2: not UTF-8 text (byte 0x80" in err
+
+
+@pytest.mark.parametrize("answer", ["", None])
+def test_answers_that_are_all_empty_warn_that_nothing_can_be_scored(addition_model_dir, tmp_path, capsys,
+                                                                    addition_task_dir, answer):
+    records = [json.loads(line) for line in (addition_task_dir / "data" / "eval.jsonl").read_text().splitlines()][:2]
+    data = tmp_path / "eval.jsonl"
+    data.write_text("".join(json.dumps({**r, "answer": answer}) + "\n" for r in records))
+    code, out, err = _eval(["--model", str(addition_model_dir), "--data", str(data), "--max_tokens", "2"], capsys)
+    assert code == 0 and json.loads(out)["num_total"] == 2
+    assert f"every 'answer' of the 2 records of {data} is empty or null, so no reply can be scored" in err
+
+
+@pytest.mark.parametrize("choices, found", [([], "no choices"), (0, "0")])
+def test_a_multiple_choice_document_without_choices_is_one_line(model_dir, tmp_path, capsys, choices, found):
+    from tests.eval.conftest import MC_YAML, mc_records
+
+    rows = mc_records(3)
+    rows[1]["choices"] = choices
+    (tmp_path / "mc.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (tmp_path / "mc.yaml").write_text(MC_YAML.format(data=tmp_path / "mc.jsonl"))
+    code = astrai_main(["eval", "--model", str(model_dir), "--tasks", "tiny_mc", "--include_path", str(tmp_path)])
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert code == 2 and err.startswith("astrai eval: lm-eval task tiny_mc: document 1 has "), err
+    assert f"has {found} from doc_to_choice" in err
+

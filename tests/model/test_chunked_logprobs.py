@@ -122,6 +122,47 @@ def test_entropy_equals_the_metric_on_full_logits(temperature, top_k, bias):
     torch.testing.assert_close(out.logps, reference_logps(lm(h), t, temperature, top_k, 1.0), **TOL)
 
 
+@pytest.mark.parametrize("temperature,top_k", [(1.0, 0), (0.7, 5), (0.0, 0)])
+def test_entropy_gradient_equals_autograd_of_the_full_softmax(temperature, top_k):
+    """entropy_grad (the RL entropy bonus): the entropy of the tempered untruncated distribution
+    with its gradient, dH/dz = -p (log p + H), across chunks and beside a log-prob gradient (a
+    truncated row's log-probs and its untruncated entropy both reach the weights)."""
+    torch.manual_seed(0)
+    lm = torch.nn.Linear(16, 97, bias=True)
+    h, t = torch.randn(3, 7, 16, requires_grad=True), torch.randint(0, 97, (3, 7))
+    w_ent, w_lp = torch.randn(3, 7), torch.randn(3, 7)
+    out = head_logps(h, lm, t, temperature, top_k=top_k, entropy=True, chunk_rows=4, entropy_grad=True)
+    new = (out.entropy * w_ent).sum() + (out.logps * w_lp).sum()
+    z = lm(h).float() / (temperature if temperature > 0 else 1.0)
+    lp = torch.log_softmax(z, dim=-1)
+    ref = (-(lp.exp() * lp).sum(-1) * w_ent).sum() + (reference_logps(lm(h), t, temperature, top_k, 1.0) * w_lp).sum()
+    torch.testing.assert_close(new, ref, **TOL)
+    for a, b in zip(grads(new, [h, lm.weight, lm.bias]), grads(ref, [h, lm.weight, lm.bias]), strict=True):
+        assert_grad_close(a, b)
+
+
+def test_repetition_penalty_value_and_gradient_equal_the_full_logits_path():
+    """repetition_penalty 1.5 on each row's context tokens (input_ids[row, :col + 1]), before the
+    temperature: values and gradients equal autograd through the penalised full logits."""
+    torch.manual_seed(0)
+    lm = torch.nn.Linear(16, 97, bias=True)
+    h, t = torch.randn(6, 16, requires_grad=True), torch.randint(0, 97, (6,))
+    input_ids = torch.randint(0, 97, (2, 5))
+    rows, cols = torch.tensor([0, 0, 0, 1, 1, 1]), torch.tensor([0, 2, 4, 1, 3, 4])
+    out = head_logps(h, lm, t, 0.8, top_k=20, chunk_rows=4, repetition_penalty=1.5, context=(input_ids, rows, cols))
+    z = lm(h).float()
+    seen = torch.zeros(6, 97, dtype=torch.bool)
+    for m in range(6):
+        seen[m, input_ids[rows[m], : cols[m] + 1]] = True
+    ref = reference_logps(torch.where(seen, torch.where(z > 0, z / 1.5, z * 1.5), z), t, 0.8, 20, 1.0)
+    torch.testing.assert_close(out.logps, ref, **TOL)
+    for a, b in zip(grads(out.logps.sum(), [h, lm.weight, lm.bias]), grads(ref.sum(), [h, lm.weight, lm.bias]),
+                    strict=True):
+        assert_grad_close(a, b)
+    plain = head_logps(h, lm, t, 0.8, top_k=20)
+    assert not torch.allclose(plain.logps, out.logps)  # the penalty changed something here
+
+
 def test_low_precision_weights_take_the_allocating_path():
     """bf16 weights do not use the float32 block: values still match the full-logits path."""
     torch.manual_seed(0)

@@ -156,3 +156,11 @@ def test_bad_tool_definitions_get_anthropics_error_body(server):
     r = httpx.post(server.base_url + "/v1/messages", json=body, headers={"x-api-key": API_KEY}, timeout=30)
     assert r.status_code == 400 and r.json()["type"] == "error"
     assert "tools[0].name" in r.json()["error"]["message"]
+
+
+def test_two_tools_of_one_name_are_a_400_naming_it(server):
+    body = {"model": "tiny-model", "max_tokens": 5, "messages": ASK, "tools": [A_WEATHER, A_TIME, A_WEATHER]}
+    r = httpx.post(server.base_url + "/v1/messages", json=body, headers={"x-api-key": API_KEY}, timeout=30)
+    assert r.status_code == 400 and r.json()["type"] == "error", r.text
+    message = r.json()["error"]["message"]
+    assert "tool names must be unique" in message and "'get_weather'" in message and "'get_time'" not in message

@@ -38,6 +38,7 @@ class FakeEngine:
         self.aborted: list[str] = []
         self.num_steps = 0
         self.fail_at_step = fail_at_step
+        self.gate: threading.Event | None = None  # set: steps wait for it (a request held in flight)
 
     def add_request(self, rid, prompt_ids, params, with_logprobs=True):
         self.threads.add(threading.current_thread().name)
@@ -55,6 +56,8 @@ class FakeEngine:
 
     def step(self):
         self.threads.add(threading.current_thread().name)
+        if self.gate is not None:
+            assert self.gate.wait(30), "the test never opened the gate (guard)"
         self.num_steps += 1
         if self.num_steps == self.fail_at_step:
             raise RuntimeError("boom")
@@ -183,3 +186,32 @@ def test_submit_after_shutdown_is_refused():
             await loop_engine.submit([("late", [1])], _params())
 
     asyncio.run(main())
+
+
+def test_a_load_waits_for_the_requests_in_flight_and_holds_new_ones():
+    async def main():
+        engine = FakeEngine()
+        engine.gate = threading.Event()  # "old" stays in flight until the load and "new" have come
+        loop_engine = AsyncEngine(engine)
+        loop_engine.start()
+        first = await loop_engine.submit([("old", [1])], _params(max_tokens=5))
+        seen = {}
+
+        def load():  # on the engine thread, between steps
+            seen.update(running=set(engine.requests), steps=engine.num_steps)
+            return "loaded"
+
+        loading = asyncio.ensure_future(loop_engine.run_between_steps(load))
+        await asyncio.sleep(0)  # the load command is in the inbox before the next request's
+        second = asyncio.ensure_future(loop_engine.submit([("new", [1])], _params(max_tokens=2)))
+        await asyncio.sleep(0)
+        engine.gate.set()
+        old_tokens, _, _ = await _drain(first)
+        result = await loading
+        new_tokens, _, _ = await _drain(await second)
+        await loop_engine.shutdown()
+        return seen, result, old_tokens, new_tokens
+
+    seen, result, old_tokens, new_tokens = asyncio.run(main())
+    assert result == "loaded" and seen == {"running": set(), "steps": 5}  # "old" ran all 5 steps first
+    assert old_tokens[("old", 0)] == [0, 1, 2, 3, 4] and new_tokens[("new", 0)] == [0, 1]

@@ -46,3 +46,27 @@ def test_engine_flags_parse_by_the_fields_type_never_by_the_text(capsys):
                                       "--dtype", "1", "--max_request_kv_share", "1"])
     assert (args.engine_seed, args.max_model_len, args.dtype, args.max_request_kv_share) == (7, None, "1", 1.0)
     assert type(args.max_request_kv_share) is float
+
+
+def test_an_engine_that_cannot_be_built_exits_2_with_the_reason(model_dir, capsys):
+    """The model loads after the socket is bound; an engine that cannot be built (a KV cache
+    smaller than one block) stops the server, as a damaged model stops it before binding, instead of
+    a server that answers 503 forever."""
+    import os
+    import signal
+    import threading
+
+    from tests.serve.live import GUARD_S
+
+    handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
+    guard = threading.Timer(GUARD_S, os.kill, (os.getpid(), signal.SIGTERM))  # a server that stays up: stopped
+    guard.start()
+    try:  # main installs its own (no-op) handlers for uvicorn to re-raise into
+        code = main(["--model", str(model_dir), "--port", "0", "--kv_cache_tokens", "5", "--log_level", "critical"])
+    finally:
+        guard.cancel()
+        for sig, handler in handlers.items():
+            signal.signal(sig, handler)
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2
+    assert err[-1].startswith("astrai serve: error: the model could not be loaded: the KV cache holds 5 tokens")

@@ -62,6 +62,8 @@ def test_400_through_the_openai_client(client):
 def test_401_missing_or_wrong_key(server, headers):
     assert _error(_post(server, "/v1/chat/completions", headers=headers, json=CHAT), 401)["code"] == "invalid_api_key"
     assert httpx.get(server.base_url + "/v1/models", headers=headers).status_code == 401
+    _error(httpx.get(server.base_url + "/openapi.json", headers=headers), 401)  # the schema too
+    assert httpx.get(server.base_url + "/openapi.json", headers=AUTH).json()["info"]["title"] == "astrai"
 
 
 def test_404_unknown_model_and_route(server):

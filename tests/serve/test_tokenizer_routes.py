@@ -72,6 +72,40 @@ def test_tokenize_a_prompt_and_a_chat_as_the_model_sees_them(live, model_dir):
     assert answer["usage"]["prompt_tokens"] == chat["count"]
 
 
+class _GilHoldingEncode:
+    """The served tokenizer, whose single-text `encode` (which holds the GIL for the whole call: a
+    second for a megabyte, with the event loop's thread waiting) refuses a /tokenize text; the
+    route must take `encode_batch`, which releases the GIL while it works."""
+
+    def __init__(self, inner):
+        self.inner = inner
+
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        assert not text.startswith("LONG"), "a long /tokenize text went through encode, which holds the GIL"
+        return self.inner.encode(text, add_special_tokens=add_special_tokens)
+
+    def __getattr__(self, name: str):
+        return getattr(self.inner, name)
+
+
+def test_a_long_tokenize_encodes_with_the_gil_released(model_dir):
+    from astrai.serve.app import load_engine
+
+    def loader(config):
+        engine, tok = load_engine(config)
+        return engine, _GilHoldingEncode(tok)
+
+    config = ServeConfig(str(model_dir), api_key=API_KEY, engine_kwargs={"max_model_len": 64, "kv_cache_tokens": 512})
+    text = "LONG " + "the quick brown fox " * 5000  # 100 KB
+    with LiveApp(config, loader) as app:
+        app.wait_status("ready")
+        out = _post(app, "/tokenize", {"prompt": text, "return_token_strs": True})
+        assert out.status_code == 200, out.text
+    ids = load_tokenizer(model_dir).encode(text, add_special_tokens=True)
+    body = out.json()
+    assert body["tokens"] == ids and body["count"] == len(ids) and len(body["token_strs"]) == len(ids)
+
+
 def test_detokenize_round_trips_and_names_an_id_outside_the_vocabulary(live, model_dir):
     tok = load_tokenizer(model_dir)
     ids = _post(live, "/tokenize", {"messages": CHAT}).json()["tokens"]

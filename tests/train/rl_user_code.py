@@ -8,6 +8,7 @@ import asyncio
 import os
 import signal
 import sys
+import threading
 
 from astrai.train.rl.environments import EnvStep
 
@@ -95,3 +96,36 @@ def varied_reward(prompt, completion, record):
 
 def exits_zero(prompt, completion, record):
     sys.exit(0)
+
+
+RELEASE = threading.Event()  # set by a test's teardown: lets the hooks that hang here return
+HANGING = threading.Event()  # set when a hook starts hanging (in-process runs)
+
+
+def hang_marker() -> None:
+    """Say that a hook now hangs: the in-process event, and, with ASTRAI_TEST_HANG_FILE, a file
+    (a test that drives a subprocess waits for it before it sends SIGTERM)."""
+    HANGING.set()
+    if os.environ.get("ASTRAI_TEST_HANG_FILE"):
+        open(os.environ["ASTRAI_TEST_HANG_FILE"], "w").close()
+
+
+class HangingEnv(ScriptedEnv):
+    """ScriptedEnv whose step hangs (until RELEASE) from its N-th call on, N being
+    ASTRAI_TEST_HANG_AT_CALL (default 1): an environment that never answers."""
+
+    num_calls = 0
+
+    def step(self, messages):
+        HangingEnv.num_calls += 1
+        if HangingEnv.num_calls >= int(os.environ.get("ASTRAI_TEST_HANG_AT_CALL", "1")):
+            hang_marker()
+            RELEASE.wait()
+        return super().step(messages)
+
+
+def hanging_tool(x: int) -> int:
+    """A tool that hangs until the test releases it."""
+    hang_marker()
+    RELEASE.wait()
+    return x

@@ -1,11 +1,14 @@
 """Samplers without a model, for tests of the episode runner (``astrai.train.rl.sampler.Sampler``):
-each turn's samples come from a script."""
+each turn's samples come from a script; `scripted_episodes` runs episodes through one."""
 
 from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable
 
+from astrai.config import RLConfig
+from astrai.train.rl.rewards import RewardSet
+from astrai.train.rl.runner import Draw, EpisodeRunner
 from astrai.train.rl.sampler import SampledTurn, TurnRequest, TurnResult
 
 
@@ -44,3 +47,16 @@ class ScriptedSampler:
             out.append(TurnResult([turn] * r.n, self.policy_version, len(r.prompt_ids)))
         self.turn += 1
         return out
+
+
+def scripted_episodes(tok, script, records, max_model_len: int, max_tokens: int, environment=None, tools=(),
+                      group_size: int = 1, should_stop=None, **rl):
+    """`group_size` episodes per record, their turns from `script(turn)`, through the episode
+    runner's turn loop (`rl`: more RLConfig fields; `should_stop`: the run's stop flag)."""
+    cfg = RLConfig(group_size=group_size, rollout_max_tokens=max_tokens, max_turns=4, environment=environment,
+                   tools=list(tools), rewards=["exact_match"], **rl)
+    sampler = ScriptedSampler(lambda turn, ids: script(turn), max_model_len)
+    runner = EpisodeRunner(sampler, tok, cfg, RewardSet(cfg, tokenizer=tok, should_stop=should_stop),
+                           max_prompt_len=max_model_len)
+    [episodes] = runner.run(records, [], [Draw(runner.sampling, group_size, lambda *a: 0)], policy_version=0)
+    return episodes, sampler

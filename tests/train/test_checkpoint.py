@@ -140,6 +140,25 @@ def test_bad_manifests_are_errors(tmp_path, text, match):
     assert C.latest_checkpoint(tmp_path) is None
 
 
+@pytest.mark.parametrize("where", ["relative", "absolute"])
+def test_a_manifest_entry_outside_the_checkpoint_makes_it_damaged(tmp_path, where):
+    # the outside file is there with the listed size and sha256: only its name gives it away
+    from astrai.model.manifest import ManifestError, check_model_dir
+
+    outside = tmp_path / "hostname"
+    outside.write_bytes(b"somebody else's\n")
+    path = C.publish(tmp_path / "ckpt", 1, _writer())
+    manifest = json.loads((path / "manifest.json").read_text())
+    name = "../../hostname" if where == "relative" else str(outside)
+    manifest["files"][name] = {"size": outside.stat().st_size, "sha256": hashlib.sha256(outside.read_bytes()).hexdigest()}
+    (path / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(C.CheckpointError, match=f"entry '{name}' points outside the checkpoint"):
+        C.verify_checkpoint(path)
+    assert C.latest_checkpoint(tmp_path / "ckpt") is None
+    with pytest.raises(ManifestError, match="points outside"):
+        check_model_dir(path)  # serving and generation refuse it too
+
+
 def test_cleanup_restores_interrupted_republish_and_removes_leftovers(tmp_path):
     # a crash between retiring step 3 and renaming its new copy: only hidden copies remain
     good = C.publish(tmp_path, 3, _writer(b"new"))

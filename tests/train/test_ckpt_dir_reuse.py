@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import io
 import json
+import os
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -133,3 +134,17 @@ def test_a_symlinked_lock_file_is_refused_and_its_target_untouched(data, tmp_pat
     err = capsys.readouterr().err
     assert len([line for line in err.splitlines() if line.strip()]) == 1 and ".lock is a symlink" in err, err
     assert victim.read_text() == "precious\n"
+
+
+@pytest.mark.parametrize("kind", ["directory", "FIFO"])
+def test_a_lock_that_is_no_plain_file_is_one_line(data, tmp_path, capsys, kind):
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    if kind == "directory":
+        (ckpt / ".lock").mkdir()
+    else:
+        os.mkfifo(ckpt / ".lock")  # opening it for reading alone would wait for a writer
+    assert main(["--config", str(_config(data, tmp_path)), "--max_steps", "1"]) == 1
+    err = capsys.readouterr().err
+    assert len([line for line in err.splitlines() if line.strip()]) == 1, err
+    assert f".lock is a {kind}" in err and "remove" in err, err

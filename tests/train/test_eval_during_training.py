@@ -38,6 +38,7 @@ def test_online_grpo_logs_eval_rows_at_step_zero_every_interval_and_the_end(tmp_
     config = with_eval(write_rl_run(run, tok_dir), eval_file(tmp_path / "eval.jsonl"))
     cfg = yaml.safe_load(config.read_text())
     cfg["train"]["max_steps"] = 5
+    cfg["train"]["eval_pass_k"] = [1, 2]
     cfg["ckpt"]["keep_last"] = 1
     config.write_text(yaml.safe_dump(cfg, sort_keys=False))
     assert main(["--config", str(config)]) == 0
@@ -49,6 +50,9 @@ def test_online_grpo_logs_eval_rows_at_step_zero_every_interval_and_the_end(tmp_
         for key in ("eval/accuracy", "eval/sampled_accuracy", "eval/truncated_fraction"):
             assert 0.0 <= row[key] <= 1.0
         assert 0 < row["eval/response_length"] <= 6  # rollout_max_tokens
+        # pass@1 is the sampled accuracy (every prompt has its 2 samples); pass@2 at least that
+        assert row["eval/pass@1"] == pytest.approx(row["eval/sampled_accuracy"])
+        assert row["eval/pass@1"] <= row["eval/pass@2"] <= 1.0
     # the live weights at the last step are the final checkpoint's: an independent engine agrees
     final = latest_checkpoint(run / "ckpt")
     assert rows[-1]["eval/accuracy"] == greedy_accuracy(final, tmp_path / "eval.jsonl", max_tokens=6)
@@ -98,6 +102,21 @@ def test_a_resumed_run_logs_the_same_eval_rows(tmp_path, tok_dir):
     assert numbers(tmp_path / "stopped") == numbers(tmp_path / "straight")
 
 
+def test_pass_at_k_by_hand():
+    """n = 4 samples, c right: pass@1 = c / 4; pass@2 = 1 - C(4 - c, 2) / C(4, 2), so 1 right gives
+    1 - 3/6 = 0.5 and 3 right give 1 (no two samples both wrong); summarise averages over prompts."""
+    from astrai.train.evaluation import pass_at_k, summarise
+
+    assert [pass_at_k(4, c, 1) for c in range(5)] == [0.0, 0.25, 0.5, 0.75, 1.0]
+    assert [pass_at_k(4, c, 2) for c in range(5)] == pytest.approx([0.0, 0.5, 1 - 1 / 6, 1.0, 1.0])
+    totals = {"prompts": 2.0, "correct": 0.0, "greedy_reward": 0.0, "samples": 8.0, "sample_reward": 0.0,
+              "sample_correct": 4.0, "tokens": 8.0, "truncated": 0.0, "skipped": 0.0, "tool_episodes": 0.0,
+              "pass@2": 0.5 + 1.0}
+    assert summarise(totals, 0.0)["eval/pass@2"] == 0.75
+    with pytest.raises(ConfigError, match=r"eval_pass_k has \[8\], but pass@k needs 1 <= k <= eval_num_samples=4"):
+        load_config(None, ["--eval_pass_k", "1,8"])
+
+
 def test_eval_fields_are_checked():
     with pytest.raises(ConfigError, match="eval_interval=5 needs eval_data_path"):
         load_config(None, ["--eval_interval", "5"])
@@ -105,3 +124,21 @@ def test_eval_fields_are_checked():
         load_config(None, ["--eval_num_samples", "-1"])
     with pytest.raises(ConfigError, match="eval_match"):
         load_config(None, ["--eval_match", "fuzzy"])
+
+
+def test_eval_records_whose_answers_are_all_empty_warn_that_nothing_can_be_scored(tmp_path, tok_dir, capsys):
+    items = generate_items(4, ["add"], digits=2, seed=1)
+    (tmp_path / "sft.jsonl").write_text("".join(json.dumps(sft_record(it)) + "\n" for it in items))
+    records = [json.loads(line) for line in eval_file(tmp_path / "eval.jsonl", num=2).read_text().splitlines()]
+    (tmp_path / "eval.jsonl").write_text("".join(json.dumps({**r, "answer": a}) + "\n" for r, a in zip(records, ["", " "])))
+    cfg = {"model": MODEL,
+           "data": {"train_type": "sft", "data_path": str(tmp_path / "sft.jsonl"), "tokenizer_path": str(tok_dir),
+                    "max_seq_len": 48, "eval_data_path": str(tmp_path / "eval.jsonl")},
+           "train": {"max_steps": 1, "batch_per_device": 4, "device": "cpu", "eval_interval": 1, "eval_num_samples": 0},
+           "rl": {"rollout_max_tokens": 2},
+           "ckpt": {"ckpt_dir": str(tmp_path / "ckpt"), "ckpt_interval": 0},
+           "log": {"log_dir": str(tmp_path / "log"), "progress": False}}
+    (tmp_path / "run.yaml").write_text(yaml.safe_dump(cfg))
+    assert main(["--config", str(tmp_path / "run.yaml")]) == 0
+    err = capsys.readouterr().err
+    assert "every 'answer' of the 2 records of eval_data_path" in err and "no reply can be scored" in err, err[-2000:]

@@ -55,6 +55,9 @@ SETTINGS = {
     "top_p 0.9": {"rollout_top_p": 0.9},
     "top_k 20": {"rollout_top_k": 20},
     "top_k 5 + top_p 0.8, temperature 1.3": {"rollout_top_k": 5, "rollout_top_p": 0.8, "rollout_temperature": 1.3},
+    "min_p 0.9 + top_p 0.95, temperature 0.8": {"rollout_min_p": 0.9, "rollout_top_p": 0.95, "rollout_temperature": 0.8},
+    "repetition_penalty 1.5 + top_k 20, temperature 0.9": {"rollout_repetition_penalty": 1.5, "rollout_top_k": 20,
+                                                           "rollout_temperature": 0.9},
 }
 
 

@@ -176,6 +176,39 @@ def test_kl_estimators_hand_computed():
         L.kl_estimate(logp, ref, "k4")
 
 
+def test_kl_estimator_gradients_against_the_true_reverse_kl():
+    """On a 4-way categorical pi = softmax(theta) and a fixed reference: the expected gradient of
+    each estimator used as a loss, E_{x ~ pi}[grad kl(x)] (summed exactly over x, pi detached: the
+    samples are drawn, not differentiated), against autograd of the true KL. k2, k1+ and k3+ give
+    the reverse KL's gradient; k1 gives 0; k3 gives the forward KL(ref || pi)'s. The values of k1+
+    and k3+ are k1's and k3's exactly, and E[k1] = E[k3] = KL(pi || ref)."""
+    theta = torch.tensor([0.3, -0.2, 1.0, 0.1], dtype=torch.float64)
+    ref = torch.log_softmax(torch.tensor([0.0, 0.5, -0.4, 0.2], dtype=torch.float64), dim=0)
+
+    def grad(f):
+        t = theta.clone().requires_grad_(True)
+        f(torch.log_softmax(t, dim=0)).backward()
+        return t.grad
+
+    reverse = grad(lambda logp: (logp.exp() * (logp - ref)).sum())
+    forward = grad(lambda logp: (ref.exp() * (ref - logp)).sum())
+
+    def expected(kind):
+        return grad(lambda logp: (logp.exp().detach() * L.kl_estimate(logp, ref, kind)).sum())
+
+    for kind in ("k2", "k1+", "k3+"):
+        torch.testing.assert_close(expected(kind), reverse)
+    torch.testing.assert_close(expected("k1"), torch.zeros(4, dtype=torch.float64))
+    torch.testing.assert_close(expected("k3"), forward)
+    assert not torch.allclose(forward, reverse)  # the case tells the two apart
+    logp = torch.log_softmax(theta, dim=0)
+    true_kl = (logp.exp() * (logp - ref)).sum()
+    for kind in ("k1", "k3", "k1+", "k3+"):
+        torch.testing.assert_close((logp.exp() * L.kl_estimate(logp, ref, kind)).sum(), true_kl)
+    for kind in ("k1", "k3"):  # the straight-through value is the plain one, bit for bit
+        assert torch.equal(L.kl_estimate(logp, ref, kind + "+"), L.kl_estimate(logp, ref, kind))
+
+
 def test_clipped_surrogate_hand_computed():
     ratio = torch.tensor([[1.5, 1.5, 0.5, 0.5, 1.0]])
     adv = torch.tensor([[1.0, -1.0, 1.0, -1.0, 2.0]])
@@ -343,6 +376,38 @@ def test_k3_kl_is_never_negative():
     assert (L.kl_estimate(logps, ref, "k3") >= 0).all()
 
 
+def test_dual_clip_bounds_the_loss_of_negative_advantages():
+    """clip_ratio_c 3: with A = -1 the ratio 5 gives loss min(max(5, 1.2), 3) = 3 and no gradient;
+    ratio 0.5 keeps max(0.5, 0.8) = 0.8; positive advantages are untouched (ratio 5, A = 1: -1.2)."""
+    logps = torch.log(torch.tensor([[5.0, 0.5, 5.0]])).requires_grad_(True)
+    adv = torch.tensor([[-1.0, -1.0, 1.0]])
+    loss, clipped = L.clipped_surrogate(logps, torch.zeros(1, 3), adv, 0.2, clip_ratio_c=3.0)
+    assert loss.tolist()[0] == pytest.approx([3.0, 0.8, -1.2])
+    assert clipped.tolist() == [[True, True, True]]
+    loss.sum().backward()
+    assert logps.grad.tolist() == [[0.0, 0.0, 0.0]]  # every branch here is a constant
+    plain, was = L.clipped_surrogate(logps.detach(), torch.zeros(1, 3), adv, 0.2)
+    assert plain.tolist()[0] == pytest.approx([5.0, 0.8, -1.2]) and was.tolist() == [[False, True, True]]
+
+
+def test_cispo_clips_the_weight_not_the_gradient():
+    """CISPO, eps 0.2: ratios 1.5, 1.0, 0.5 with A = 1, -1, 1 get weights 1.2, 1.0, 0.8; the loss is
+    -w A logp and its gradient -w A on every token, the clipped ones included (PPO's clip gives the
+    first token none)."""
+    logps = torch.log(torch.tensor([[0.3, 0.2, 0.1]]))
+    old = logps - torch.log(torch.tensor([[1.5, 1.0, 0.5]]))
+    adv = torch.tensor([[1.0, -1.0, 1.0]])
+    x = logps.clone().requires_grad_(True)
+    loss, clipped = L.cispo_loss(x, old, adv, 0.2)
+    assert loss.tolist()[0] == pytest.approx([-1.2 * math.log(0.3), math.log(0.2), -0.8 * math.log(0.1)], rel=1e-5)
+    assert clipped.tolist() == [[True, False, True]]
+    loss.sum().backward()
+    assert x.grad.tolist()[0] == pytest.approx([-1.2, 1.0, -0.8], rel=1e-5)
+    y = logps.clone().requires_grad_(True)
+    L.clipped_surrogate(y, old, adv, 0.2)[0].sum().backward()
+    assert y.grad[0, 0] == 0
+
+
 def test_importance_weights_hand_computed():
     trainer = torch.tensor([[-1.0, -2.0, -0.5, 0.0]])
     sampler = torch.tensor([[-1.5, -1.0, -0.5, 0.0]])  # log-ratios 0.5, -1.0, 0.0; the last is padding
@@ -359,6 +424,25 @@ def test_importance_weights_hand_computed():
     assert w.tolist() == [[1.0, 1.0, 1.0, 0.0]] and not capped.any()
     with pytest.raises(ValueError, match="rollout_is_level"):
         L.importance_weights(trainer, sampler, mask, "tokens")
+
+
+def test_importance_weights_mask_mode_by_hand():
+    """rollout_is_mode mask: ratios e^0.5 = 1.65, e^-1 = 0.37, 1 and e^-0.6 = 0.55 against the band
+    [1/1.5, 1.5]: the first two leave it and weigh 0, the others keep their ratio; with the lower
+    bound 0.5 the last stays in; at sequence level the sample's ratio e^-1.1 = 0.33 leaves it."""
+    trainer = torch.tensor([[-1.0, -2.0, -0.5, -0.6, 0.0]])
+    sampler = torch.tensor([[-1.5, -1.0, -0.5, 0.0, 0.0]])
+    mask = torch.tensor([[1, 1, 1, 1, 0]])
+    w, out = L.importance_weights(trainer, sampler, mask, "token", cap=1.5, mode="mask")
+    assert w.tolist()[0] == pytest.approx([0.0, 0.0, 1.0, 0.0, 0.0])
+    assert out.tolist() == [[True, True, False, True, False]]
+    w, out = L.importance_weights(trainer, sampler, mask, "token", cap=1.5, mode="mask", low=0.5)
+    assert w.tolist()[0] == pytest.approx([0.0, 0.0, 1.0, math.exp(-0.6), 0.0])
+    assert out.tolist() == [[True, True, False, False, False]]
+    w, out = L.importance_weights(trainer, sampler, mask, "sequence", cap=2.0, mode="mask")
+    assert w.tolist() == [[0.0] * 5] and out.tolist() == [[True] * 4 + [False]]
+    with pytest.raises(ValueError, match="rollout_is_mode"):
+        L.importance_weights(trainer, sampler, mask, "token", mode="clip")
 
 
 def test_token_entropy_hand_computed():

@@ -99,8 +99,9 @@ def test_online_ppo_pins_targets_across_replayed_steps_and_checkpoints_the_criti
         assert all(torch.equal(a[k], b[k]) for k in a)
     lines = read_metrics(tmp_path)
     for key in ("policy_loss", "value_loss", "explained_variance", "clip_fraction", "approx_kl", "value_mean",
-                "return_mean", "critic_grad_norm"):
+                "return_mean", "critic_grad_norm", "kl"):
         assert key in lines[0], key
+    assert abs(lines[0]["kl"]) < 1e-6 < abs(lines[2]["kl"])  # the policy equals its reference at first only
     ckpt = latest_checkpoint(tmp_path / "ckpt")
     files = json.loads((ckpt / "manifest.json").read_text())["files"]
     assert "value_model.pt" in files and "value_optimizer.pt" in files

@@ -79,3 +79,31 @@ def test_resume_from_ckpt_dir_names_the_damaged_file(trained, tmp_path, capsys):
     (ckpt / "optimizer.pt").write_bytes(data[:100])
     code, err = _resume(config, capsys)
     assert code != 0 and "optimizer.pt" in err and "no complete checkpoint" in err
+
+
+def test_resume_with_another_model_shape_exits_naming_the_fields(trained, tmp_path, capsys):
+    # the checkpoint's model has hidden_size 32 and 2 KV heads; training it under a YAML asking
+    # for another shape would be a silent lie
+    config, _ = _fresh_copy(trained, tmp_path)
+    code, err = _resume(config, capsys, "--hidden_size", "64", "--num_key_value_heads", "4")
+    assert code != 0
+    [line] = [ln for ln in err.splitlines() if "error" in ln]
+    assert "hidden_size=64 (checkpoint: 32)" in line and "num_key_value_heads=4 (checkpoint: 2)" in line
+    assert "--ckpt_dir" in line  # the fix: set them back, or a new run elsewhere
+    assert [m["step"] for m in read_metrics(config.parent)] == [1, 2]
+
+
+def test_resume_with_another_rope_theta_warns_it_is_ignored(trained, tmp_path, capsys):
+    config, _ = _fresh_copy(trained, tmp_path)
+    code, err = _resume(config, capsys, "--rope_theta", "20000")
+    assert code == 0
+    assert "model fields rope_theta=20000.0 (checkpoint: 10000.0) are ignored on resume" in err
+
+
+def test_resume_past_max_steps_says_how_to_extend_the_run(trained, tmp_path, capsys):
+    config, _ = _fresh_copy(trained, tmp_path)
+    code, err = _resume(config, capsys, "--max_steps", "1")  # the checkpoint is at step 2
+    assert code != 0
+    [line] = [ln for ln in err.splitlines() if "error" in ln]
+    assert "at step 2" in line and "max_steps=1" in line and "--max_steps above 2" in line
+    assert [m["step"] for m in read_metrics(config.parent)] == [1, 2]

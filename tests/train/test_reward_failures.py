@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from astrai.config import ConfigError, RLConfig, load_config
-from astrai.train.rl.guard import RewardsInterrupted
+from astrai.train.rl.guard import UserCodeInterrupted
 from astrai.train.rl.rewards import RewardSet
 
 MOD = "tests.train.test_reward_failures:"
@@ -153,7 +153,7 @@ def test_an_async_reward_past_reward_timeout_names_its_prompt():
 @pytest.mark.parametrize("timeout", [0.0, 60.0])  # 0 = no limit: only the stop request ends the wait
 def test_a_stop_request_interrupts_a_slow_reward(timeout):
     STARTED.clear()
-    with pytest.raises(RewardsInterrupted, match=r"stop request interrupted reward .*sleeps_on_prompt_1' on "
+    with pytest.raises(UserCodeInterrupted, match=r"stop request interrupted reward .*sleeps_on_prompt_1' on "
                                                  r"completion 1 of prompt 0"):
         score([MOD + "sleeps_on_prompt_1"], timeout=timeout, should_stop=STARTED.is_set)  # set once it sleeps
 

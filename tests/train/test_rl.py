@@ -95,7 +95,7 @@ def test_online_grpo_runs_and_logs_rollout_metrics(tmp_path, tok_dir):
     assert [m["policy_version"] for m in lines] == [1, 2, 3, 4]
     assert [m["rollout_policy_version"] for m in lines] == [0, 0, 2, 2]  # each rollout serves two steps
     first = lines[0]
-    for key in ("reward_mean", "reward_std", "rewards/exact_match", "rewards/exact_match_rate", "rewards/format",
+    for key in ("reward_mean", "reward_std", "reward_std_batch", "rewards/exact_match", "rewards/exact_match_rate", "rewards/format",
                 "response_length_mean", "response_length_max", "clip_fraction", "approx_kl", "rollout_tokens_per_s",
                 "rollout_time_share", "skipped_prompts"):
         assert key in first, key
@@ -201,8 +201,8 @@ def test_offline_grpo_without_logprobs_uses_the_policys_own_hand_checked_loss(tm
     ds = build_dataset("rollout", path, load_tokenizer(tok_dir), 128)
     lengths = [len(r) for r in ds[0]["responses"]]
     assert len(set(lengths)) == 3  # the loss weighs each response by its tokens
-    # rewards [1, 0, 0.5]: mean 0.5, population std sqrt(1/6)
-    std = (1 / 6) ** 0.5
+    # rewards [1, 0, 0.5]: mean 0.5, population std sqrt(1/6), plus reward_std_eps 1e-4
+    std = (1 / 6) ** 0.5 + 1e-4
     adv = [0.5 / std, -0.5 / std, 0.0]
     expected = -sum(a * n for a, n in zip(adv, lengths)) / sum(lengths)
     assert abs(expected) > 0.1
@@ -239,3 +239,56 @@ def test_online_dpo_under_ddp_when_one_rank_has_no_pairs(tmp_path, tok_dir):
     lines = read_metrics(tmp_path)
     assert [m["step"] for m in lines] == [1, 2]
     assert all(m["num_loss_units"] > 0 for m in lines)  # rank 0's pairs trained; rank 1 only joined the sync
+
+
+# ------------------------------------------------------------------------------ mini-batches
+
+
+def test_mini_batches_clip_and_count_their_steps(tmp_path, tok_dir):
+    """mini_batches 4: each rollout of 16 samples gives 4 optimizer steps of 4 samples; the old
+    log-probs are pinned before the first, so the later ones see their ratio move and the clip act
+    (with rollout_interval alone, one step per rollout, clip_fraction is 0 on every step)."""
+    from astrai.train.rl.loop import OnlineLoop
+
+    config = write_rl_run(tmp_path, tok_dir, mini_batches=4, clip_eps=0.02, max_policy_lag=3,
+                          rewards=["tests.train.rl_user_code:varied_reward"])
+    config.write_text(config.read_text().replace("max_steps: 4", "max_steps: 8"))
+    assert main(["--config", str(config)]) == 0
+    rows = read_metrics(tmp_path)
+    assert [m["rollout_policy_version"] for m in rows] == [0, 0, 0, 0, 4, 4, 4, 4]
+    assert rows[0]["clip_fraction"] == 0.0 and rows[4]["clip_fraction"] == 0.0  # the weights of the rollout
+    assert max(m["clip_fraction"] for m in rows) > 0
+    assert all(m["clip_fraction"] > 0 for i, m in enumerate(rows) if i % 4 == 3)
+    assert "sampler_logp_diff" in rows[0] and "sampler_logp_diff" not in rows[1]
+    # the schedule's length counts mini-batch steps: 16 prompts / 4 per rollout x 4 steps x 2 passes
+    loop = OnlineLoop(load_config(config, ["--max_steps", "null", "--ppo_epochs", "2", "--max_policy_lag", "7"]))
+    assert loop.total_steps == 4 * 4 * 2 and loop.steps_per_rollout == 8
+    with pytest.raises(ConfigError, match=r"mini_batches=4 x ppo_epochs=2 = 8 steps reuse a rollout until it is 7 "
+                                          "policy versions old, more than max_policy_lag=3"):
+        load_config(config, ["--ppo_epochs", "2"])
+    with pytest.raises(ConfigError, match="with mini-batches set the passes with --ppo_epochs"):
+        load_config(config, ["--rollout_interval", "2"])
+    with pytest.raises(ConfigError, match="mini_batches=4 applies to online_grpo and online_ppo"):
+        load_config(config, ["--train_type", "online_dpo"])
+
+
+@pytest.mark.slow
+def test_a_stop_inside_a_rollouts_mini_batches_resumes_exactly(tmp_path, tok_dir):
+    """mini_batches 2, ppo_epochs 2: a stop after step 3 (the second pass's first mini-batch) resumes
+    into the same mini-batch order and the same pinned old log-probs, bit for bit; with ref_ema 0.5
+    the moved KL reference comes back too (reference_model.pt), so the kl term matches."""
+    runs = {}
+    for name in ("straight", "stopped"):
+        runs[name] = write_rl_run(tmp_path / name, tok_dir, mini_batches=2, ppo_epochs=2, clip_eps=0.02,
+                                  kl_coef=0.1, ref_ema=0.5, rewards=["tests.train.rl_user_code:varied_reward"])
+        runs[name].write_text(runs[name].read_text().replace("max_steps: 4", "max_steps: 6"))
+    assert main(["--config", str(runs["straight"])]) == 0
+    sigterm_after_step(runs["stopped"], 3, tmp_path)
+    assert main(["--config", str(runs["stopped"]), "--resume"]) == 0
+    keys = ("step", "policy_version", "rollout_policy_version", "loss", "grad_norm", "clip_fraction", "kl", "lr")
+    got = [{k: m.get(k) for k in keys} for m in read_metrics(tmp_path / "stopped")]
+    want = [{k: m.get(k) for k in keys} for m in read_metrics(tmp_path / "straight")]
+    assert got == want and [m["rollout_policy_version"] for m in want] == [0, 0, 0, 0, 4, 4]
+    assert want[4]["kl"] > 0  # the reference moved (step 5 runs after the resume)
+    a, b = checkpoint_weights(tmp_path / "stopped"), checkpoint_weights(tmp_path / "straight")
+    assert a.keys() == b.keys() and all(a[k].equal(b[k]) for k in a)

@@ -35,24 +35,27 @@ EXACT = ("step", "policy_version", "rollout_policy_version", "loss", "grad_norm"
          "response_length_mean", "response_length_max")
 
 
-@pytest.fixture(scope="module")
-def policy_dir(tmp_path_factory):
+def write_policy(out: Path, tied: bool = False) -> Path:
     """A tiny policy (and its tokenizer) that stops early often: every embedding shares a constant
     first coordinate and the stop token's lm_head row reads it, so p(stop) is about 0.2 after any
-    token and completions end at lengths from 1 to 16 tokens."""
+    token and completions end at lengths from 1 to 16 tokens. `tied`: the head is the embedding."""
     from astrai.data.tokenizer import load_tokenizer
     from astrai.model.config import ModelConfig
     from astrai.model.hf import save_model
     from astrai.model.transformer import CausalLM
 
-    out = tmp_path_factory.mktemp("policy")
     tok = load_tokenizer(write_tokenizer(out / "tok"))
-    model = CausalLM(ModelConfig.from_dict(MODEL), seed=0)
+    model = CausalLM(ModelConfig.from_dict({**MODEL, "tie_word_embeddings": tied}), seed=0)
     with torch.no_grad():
         model.model.embed_tokens.weight[:, 0] = 8.0
         model.lm_head.weight[tok.stop_token_ids[-1], 0] = 0.7
     save_model(model, out / "model", tok)
     return out / "model"
+
+
+@pytest.fixture(scope="module")
+def policy_dir(tmp_path_factory):
+    return write_policy(tmp_path_factory.mktemp("policy"))
 
 
 def jitter(prompt: str, completion: str, record: dict) -> float:
@@ -62,7 +65,7 @@ def jitter(prompt: str, completion: str, record: dict) -> float:
     return 0.1 * draws[-1]
 
 
-def write_run(run_dir: Path, policy: Path, ckpt_interval: int = 0) -> Path:
+def write_run(run_dir: Path, policy: Path, ckpt_interval: int = 0, max_steps: int = 6) -> Path:
     """online_grpo over 16 prompts: 2 per rank per rollout, 4 samples each, a rollout reused for 2
     steps; the ``length`` reward gives every group a spread, so every step moves the weights."""
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -70,7 +73,7 @@ def write_run(run_dir: Path, policy: Path, ckpt_interval: int = 0) -> Path:
     (run_dir / "prompts.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
     cfg = {
         "data": {"train_type": "online_grpo", "data_path": str(run_dir / "prompts.jsonl")},
-        "train": {"param_path": str(policy), "max_steps": 6, "batch_per_device": 2, "grad_accum_steps": 2,
+        "train": {"param_path": str(policy), "max_steps": max_steps, "batch_per_device": 2, "grad_accum_steps": 2,
                   "device": "cpu", "random_seed": 0, "stop_timeout": 60},
         "optim": {"max_lr": 1e-2, "warmup_steps": 0},
         "rl": {"group_size": 4, "rollout_max_tokens": 16, "max_prompt_len": 100, "rollout_interval": 2,
@@ -155,16 +158,19 @@ def stop_after_step_3_and_resume(config: Path, tmp_path: Path, *flags: str) -> P
     return ckpt
 
 
-def test_the_fsdp_replica_carries_the_policys_adapters_and_computes_its_logits():
+@pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
+def test_the_fsdp_replica_carries_the_policys_adapters_and_computes_its_logits(tied):
     """In one process: a LoRA policy's replica (the engine's model under FSDP) is a plain module in
-    eval mode whose logits after `copy_full_weights` are the policy's own, adapters included."""
+    eval mode whose logits after `copy_full_weights` are the policy's own, adapters included; a
+    tied policy's replica keeps its head tied (one weight, as in the policy: the tour's model, the
+    tools demo's and SmolLM2 are all tied)."""
     from astrai.model.config import ModelConfig
     from astrai.model.lora import adapters_disabled, apply_lora
     from astrai.model.transformer import CausalLM
     from astrai.train import dist
     from astrai.train.rl.engine_sampler import unsharded_replica
 
-    policy = CausalLM(ModelConfig.from_dict(MODEL), seed=0)
+    policy = CausalLM(ModelConfig.from_dict({**MODEL, "tie_word_embeddings": tied}), seed=0)
     apply_lora(policy, 4, 8.0, 0.0, ["q", "v", "down"])
     gen = torch.Generator().manual_seed(0)
     with torch.no_grad():
@@ -173,6 +179,7 @@ def test_the_fsdp_replica_carries_the_policys_adapters_and_computes_its_logits()
                 param.copy_(torch.randn(param.shape, generator=gen) * 0.1)
     replica = unsharded_replica(policy)
     dist.copy_full_weights(policy, replica)
+    assert (replica.lm_head.weight is replica.model.embed_tokens.weight) == tied
     assert not replica.training and not any(p.requires_grad for p in replica.parameters())
     ids = torch.randint(0, MODEL["vocab_size"], (2, 12), generator=gen)
     policy.eval()
@@ -218,3 +225,18 @@ def test_fsdp_online_rl_generates_on_a_replica_and_resumes_exactly(tmp_path, pol
     stopped = write_run(tmp_path / "stopped", policy_dir, ckpt_interval=1)
     stop_after_step_3_and_resume(stopped, tmp_path, "--parallel_mode", "fsdp")
     assert_same_run(tmp_path / "stopped", tmp_path / "straight")
+
+
+@pytest.mark.slow
+def test_fsdp_online_rl_on_a_tied_policy_publishes_its_checkpoints(tmp_path):
+    """The tour's model, the tools demo's and SmolLM2 tie their head to the embedding: under FSDP
+    the engine's replica must keep the tie (it stopped both ranks before their first rollout).
+    One step: a rollout, an update, a checkpoint."""
+    config = write_run(tmp_path / "run", write_policy(tmp_path / "policy", tied=True), max_steps=1)
+    train(config, "--parallel_mode", "fsdp")
+    [(step, path)] = list_checkpoints(tmp_path / "run" / "ckpt")
+    assert step == 1
+    verify_checkpoint(path)
+    assert json.loads((path / "config.json").read_text())["tie_word_embeddings"] is True
+    fresh = [m["sampler_logp_diff"] for m in read_metrics(tmp_path / "run") if "sampler_logp_diff" in m]
+    assert len(fresh) == 1 and fresh[0] < 1e-5, fresh  # the replica computes the trainer's log-probs

@@ -121,6 +121,16 @@ def score_completions(completions: list[str], answers: list[Any], match: str = "
     return [scorer(c, a) for c, a in zip(completions, answers)]
 
 
+def no_answers_warning(answers: list[Any], source: str) -> str | None:
+    """The warning for records none of whose answers can be scored (every one empty, blank or
+    null): evaluation would report 0 (or a match of empty replies) and mean nothing. None when
+    some answer is there. Said by ``astrai eval --data`` and by evaluation during training."""
+    if any(a is not None and str(a).strip() for a in answers):
+        return None
+    return (f"warning: every 'answer' of the {len(answers)} records of {source} is empty or null, so no reply can "
+            "be scored; give each record its reference answer")
+
+
 def corrupt(item: TaskItem, rng: random.Random) -> str:
     """A plausible wrong answer (for DPO rejected replies): off by a little, or letters swapped."""
     if item.task in _OPERATORS:

@@ -6,7 +6,8 @@ generation `parse_tool_calls` splits a text into content and calls; while stream
 `ToolCallStream` holds back text that may be the start of a call and releases each call whole
 once its closing tag arrived; `function_schema` turns a typed, documented Python function into
 the tool the template shows. A block whose JSON does not parse, or that names a function that
-was not offered, stays in the content verbatim: a call is never invented. Pure text handling in
+was not offered, or whose JSON nests objects and arrays deeper than `MAX_JSON_DEPTH`, stays in
+the content verbatim: a call is never invented. Pure text handling in
 the data layer, so the server (`serve/render.py`'s OpenAI `tool_calls`, `serve/anthropic.py`'s
 `tool_use` blocks) and online RL's multi-turn rollouts (`train/rl/tools.py`) read the model's
 calls with one parser. The JSON inside a block is read with the standard library's `json`;
@@ -28,6 +29,9 @@ from typing import Any
 
 TOOL_CALL_OPEN = "<tool_call>"
 TOOL_CALL_CLOSE = "</tool_call>"
+MAX_JSON_DEPTH = 64  # objects and arrays nested deeper in a block: not a call (json would recurse that deep)
+_JSON_STRING = re.compile(r'"(?:[^"\\]|\\.)*"')
+_JSON_BRACKET = re.compile(r"[\[\]{}]")
 
 
 @dataclass
@@ -44,7 +48,10 @@ class ToolCall:
 
 
 def read_call(block: str, known_names: set[str]) -> ToolCall | None:
-    """The call in the text between the tags, or None when it is not a valid call of a known tool."""
+    """The call in the text between the tags, or None when it is not a valid call of a known tool
+    (its JSON nested deeper than MAX_JSON_DEPTH included: a parse error, never a RecursionError)."""
+    if too_deep(block):
+        return None
     try:
         obj = json.loads(block)
     except ValueError:
@@ -53,6 +60,8 @@ def read_call(block: str, known_names: set[str]) -> ToolCall | None:
         return None
     args = obj.get("arguments", obj.get("parameters", {}))
     if isinstance(args, str):  # some models send arguments already as JSON text
+        if too_deep(args):
+            return None
         try:
             json.loads(args)
         except ValueError:
@@ -61,6 +70,17 @@ def read_call(block: str, known_names: set[str]) -> ToolCall | None:
     if not isinstance(args, dict):
         return None
     return ToolCall(obj["name"], json.dumps(args, ensure_ascii=False))
+
+
+def too_deep(text: str, limit: int = MAX_JSON_DEPTH) -> bool:
+    """Whether JSON `text` nests objects and arrays deeper than `limit` (brackets inside strings
+    do not count); one pass, no recursion."""
+    depth = 0
+    for m in _JSON_BRACKET.finditer(_JSON_STRING.sub("", text)):
+        depth += 1 if m.group() in "[{" else -1
+        if depth > limit:
+            return True
+    return False
 
 
 def parse_tool_calls(text: str, known_names: set[str], parallel: bool = True) -> tuple[str, list[ToolCall]]:

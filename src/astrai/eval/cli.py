@@ -15,7 +15,7 @@ import json
 import sys
 from typing import Any
 
-from astrai.data.tasks import SCORERS
+from astrai.data.tasks import SCORERS, no_answers_warning
 from astrai.flags import ArgumentParser, value_type
 from astrai.model.manifest import VERIFY_HELP
 
@@ -78,8 +78,10 @@ def _run_exact(args: Any) -> int:
     from astrai.infer.llm import LLM
 
     records = read_prompt_records(args.data, args.limit)
+    if (warning := no_answers_warning([r["answer"] for r in records], args.data)) is not None:
+        print(f"astrai eval: {warning}", file=sys.stderr)
     llm = LLM(args.model, **({"lora": args.lora} if args.lora else {}))
-    result = evaluate_model(llm, records, args.max_tokens, match=args.match)
+    result = evaluate_model(llm, records, args.max_tokens, match=args.match, source=args.data)
     if result.num_skipped:
         print(f"astrai eval: warning: skipped {result.num_skipped} of {result.num_total} prompts of {args.data} "
               f"longer than the model's max_model_len {llm.engine.max_model_len} tokens (counted wrong); shorten "
@@ -133,10 +135,19 @@ def _run_tasks(args: Any) -> int:
                          seed=args.seed)
         seeds = {} if args.seed is None else {"random_seed": args.seed, "numpy_random_seed": args.seed,
                                               "torch_random_seed": args.seed, "fewshot_random_seed": args.seed}
-        results = lm_eval.simple_evaluate(
-            model=model, tasks=task_names, num_fewshot=args.num_fewshot, limit=args.limit,
-            task_manager=task_manager, log_samples=args.log_samples, apply_chat_template=args.apply_chat_template,
-            **seeds)
+        try:
+            results = lm_eval.simple_evaluate(
+                model=model, tasks=task_names, num_fewshot=args.num_fewshot, limit=args.limit,
+                task_manager=task_manager, log_samples=args.log_samples, apply_chat_template=args.apply_chat_template,
+                **seeds)
+        except (ValueError, KeyError, IndexError, TypeError) as err:
+            # lm-eval fails deep inside on a document without usable choices: name the task and document
+            from astrai.eval.task_checks import bad_choices
+
+            problem = bad_choices(task_names, task_manager)
+            if problem is None and isinstance(err, IndexError | TypeError):
+                raise  # not the data: a bug, kept with its traceback
+            return _fail(problem or err)
     except (OSError, ValueError, KeyError) as err:
         return _fail(err)
     if not args.log_samples:
@@ -164,6 +175,13 @@ def _task_manager(task_names: list[str], include_path: str | None) -> Any:
     missing = _missing(manager, task_names)
     if missing:
         hint = ("" if include_path is None else f" (nor in --include_path {include_path})")
+        if include_path is not None:
+            from astrai.eval.task_checks import damaged_task_files
+
+            damaged = damaged_task_files(include_path)
+            if damaged:  # lm-eval skipped them without a word: the likely reason a task is not found
+                more = f" (and {len(damaged) - 1} more)" if len(damaged) > 1 else ""
+                hint += f"; {damaged[0]}{more}, so lm-eval skipped it: fix that file"
         known = list(manager.all_tasks)
         close = [f"{name}: did you mean {m[0]}?" for name in missing
                  if (m := difflib.get_close_matches(name, known, n=1, cutoff=0.75))]

@@ -14,7 +14,7 @@ import math
 from pathlib import Path
 from typing import Any
 
-from astrai.eval.exact import read_json_line
+from astrai.eval.exact import read_json_line, text_lines
 from astrai.eval.scoring import Scorer, encode_text, prefix_token_id
 
 
@@ -22,20 +22,20 @@ def read_documents(path: str | Path) -> list[str]:
     """The texts of a .jsonl file (each record's "text") or the whole of any other text file."""
     path = Path(path)
     if path.suffix != ".jsonl":
-        text = path.read_text(encoding="utf-8")
+        # read as read_text does (universal newlines, a BOM kept); a binary file is an error naming its line
+        text = "".join(line for _, line in text_lines(path, strip_bom=False)).replace("\r\n", "\n").replace("\r", "\n")
         if not text:
             raise ValueError(f"{path} is empty; give a text file or JSONL with 'text' records")
         return [text]
     docs = []
-    with path.open(encoding="utf-8") as f:
-        for line_no, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            record = read_json_line(path, line_no, line)
-            if not isinstance(record, dict) or not isinstance(record.get("text"), str):
-                raise ValueError(f"{path}:{line_no}: a perplexity record needs a string 'text', got "
-                                 f"{sorted(record) if isinstance(record, dict) else type(record).__name__}")
-            docs.append(record["text"])
+    for line_no, line in text_lines(path):
+        if not line.strip():
+            continue
+        record = read_json_line(path, line_no, line)
+        if not isinstance(record, dict) or not isinstance(record.get("text"), str):
+            raise ValueError(f"{path}:{line_no}: a perplexity record needs a string 'text', got "
+                             f"{sorted(record) if isinstance(record, dict) else type(record).__name__}")
+        docs.append(record["text"])
     if not docs:
         raise ValueError(f"{path} holds no 'text' records")
     return docs

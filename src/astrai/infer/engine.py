@@ -226,6 +226,29 @@ class LLMEngine:
         self.block_manager.set_policy_version(version)
         self.policy_version = version
 
+    def load_weights(self, state_dict: dict[str, torch.Tensor], policy_version: int) -> None:
+        """Copy `state_dict` (this model's names and shapes: a checkpoint of it) into the model in
+        place (tensors keep their storage, so compiled graphs stay valid) and take `policy_version`;
+        only while no request is in flight. Every cached prefix is dropped, so the version may also
+        go back (a trainer resumed from an older checkpoint): no KV of other weights is read again."""
+        self._check_idle("load_weights")
+        own = self.model.state_dict()
+        missing, unexpected = sorted(set(own) - set(state_dict)), sorted(set(state_dict) - set(own))
+        if missing or unexpected:
+            raise ValueError(f"the weights do not fit the served model: missing {missing[:3]}, unexpected "
+                             f"{unexpected[:3]}; load a checkpoint of the same architecture")
+        for name, tensor in state_dict.items():
+            if tuple(tensor.shape) != tuple(own[name].shape):
+                raise ValueError(f"the weights do not fit the served model: {name} has shape {tuple(tensor.shape)}, "
+                                 f"the served model's {tuple(own[name].shape)}; load a checkpoint of the same "
+                                 "architecture")
+        with torch.no_grad():
+            for name, tensor in state_dict.items():
+                own[name].copy_(tensor)
+        self.block_manager.reset_prefix_cache()
+        self.block_manager.set_policy_version(policy_version)
+        self.policy_version = policy_version
+
     def reset_prefix_cache(self) -> None:
         """Forget every cached prefix (blocks in use are untouched); e.g. between benchmark runs."""
         self.block_manager.reset_prefix_cache()

@@ -38,7 +38,7 @@ class HeadLogps:
 
     logps: Tensor  # log pi(target) under the (tempered, truncated) distribution; differentiable
     mean_logps: Tensor | None = None  # mean over the vocabulary of log pi (label smoothing); differentiable
-    entropy: Tensor | None = None  # entropy of the tempered, untruncated distribution; detached
+    entropy: Tensor | None = None  # entropy of the tempered, untruncated distribution; detached unless entropy_grad
 
 
 def chunk_rows_for(vocab_size: int) -> int:
@@ -47,26 +47,36 @@ def chunk_rows_for(vocab_size: int) -> int:
 
 def head_logps(hidden: Tensor, lm_head: nn.Module, targets: Tensor, temperature: float = 1.0, top_k: int = 0,
                top_p: float = 1.0, smoothing: bool = False, entropy: bool = False,
-               chunk_rows: int | None = None) -> HeadLogps:
+               chunk_rows: int | None = None, entropy_grad: bool = False, min_p: float = 0.0,
+               repetition_penalty: float = 1.0, context: tuple[Tensor, Tensor, Tensor] | None = None) -> HeadLogps:
     """log pi(targets) for hidden states (..., C) through `lm_head` (an nn.Linear), targets (...).
 
     temperature 0 means greedy: the plain logits, no truncation (as the sampler records it);
-    otherwise logits / temperature truncated to top_k then top_p (0 / 1.0: off), with the target
-    always kept. `smoothing` adds mean_v log pi_v (untruncated only), `entropy` the entropy of
-    the tempered untruncated distribution, both per row.
+    otherwise logits / temperature truncated to top_k, then top_p, then min_p (0 / 1.0 / 0: off), with
+    the target always kept. `repetition_penalty` (!= 1) acts first, as the engine's does (vLLM's
+    semantics): the raw logit of every token already in the row's context is divided by it when
+    positive, multiplied when not; `context` = (input_ids (B, T), rows (N,), cols (N,)) says each
+    row's context, input_ids[rows, :cols + 1] (the row predicts the token after column cols). `smoothing` adds mean_v log pi_v (untruncated only), `entropy` the entropy of
+    the tempered untruncated distribution, both per row; `entropy_grad` makes that entropy
+    differentiable (an entropy bonus in a loss: dH/dz_v = -p_v (log p_v + H), recomputed per chunk
+    in backward like the rest).
     """
     weight, bias = lm_head.weight, getattr(lm_head, "bias", None)
     V = weight.size(0)
-    truncate = temperature > 0 and ((0 < top_k < V) or top_p < 1.0)
+    truncate = temperature > 0 and ((0 < top_k < V) or top_p < 1.0 or min_p > 0)
     if smoothing and truncate:
-        raise ValueError(f"label smoothing needs the untruncated distribution, got top_k={top_k}, top_p={top_p}; "
-                         "set top_k 0 and top_p 1.0")
+        raise ValueError(f"label smoothing needs the untruncated distribution, got top_k={top_k}, top_p={top_p}, "
+                         f"min_p={min_p}; set top_k 0, top_p 1.0 and min_p 0")
     shape = targets.shape
     flat = hidden.reshape(-1, hidden.size(-1))  # (N, C)
     rows = chunk_rows or chunk_rows_for(V)
     options = (float(temperature), int(top_k) if truncate and 0 < top_k < V else V,
-               float(top_p) if truncate else 1.0, bool(smoothing), bool(entropy), rows)
-    logps, means, ent = ChunkedHeadLogps.apply(flat, weight, bias, targets.reshape(-1), options)
+               float(top_p) if truncate else 1.0, bool(smoothing), bool(entropy), rows, bool(entropy and entropy_grad),
+               float(min_p) if truncate else 0.0)
+    if repetition_penalty != 1.0 and context is None:
+        raise ValueError("repetition_penalty needs each row's context (input_ids, rows, cols) to know the seen tokens")
+    penalty = Penalty(float(repetition_penalty), *context) if repetition_penalty != 1.0 else None
+    logps, means, ent = ChunkedHeadLogps.apply(flat, weight, bias, targets.reshape(-1), (*options, penalty))
     return HeadLogps(logps.reshape(shape), means.reshape(shape) if smoothing else None,
                      ent.reshape(shape) if entropy else None)
 
@@ -81,9 +91,35 @@ def _block(h: Tensor, weight: Tensor, rows: int) -> Tensor | None:
     return torch.empty(min(rows, h.size(0)), weight.size(0), dtype=torch.float32, device=h.device)
 
 
-def _tempered(h: Tensor, weight: Tensor, bias: Tensor | None, temperature: float, block: Tensor | None) -> Tensor:
-    """One chunk's float32 logits (n, V) / temperature (greedy, 0: as they are), written into
-    `block` (from `_block`) when there is one."""
+@dataclass
+class Penalty:
+    """The repetition penalty of a call: its value and where each row's context is."""
+
+    value: float
+    input_ids: Tensor  # (B, T)
+    rows: Tensor  # (N,) the row of input_ids each head row reads
+    cols: Tensor  # (N,) its last context column
+
+    def seen(self, sl: slice, vocab_size: int) -> Tensor:
+        """(n, V) bool: the tokens of each row of chunk `sl`'s context."""
+        rows, cols = self.rows[sl], self.cols[sl]
+        ids = self.input_ids[rows]  # (n, T)
+        inside = torch.arange(ids.size(1), device=ids.device)[None] <= cols[:, None]
+        ids = torch.where(inside, ids, vocab_size)  # outside: an extra column, dropped
+        seen = torch.zeros(ids.size(0), vocab_size + 1, dtype=torch.bool, device=ids.device)
+        return seen.scatter_(1, ids, True)[:, :vocab_size]
+
+    def factor(self, raw: Tensor, seen: Tensor) -> Tensor:
+        """d penalised / d raw logit (n, V): 1 / value (seen, positive), value (seen, not), else 1."""
+        rep = raw.new_tensor(self.value)
+        return torch.where(seen, torch.where(raw > 0, 1 / rep, rep), torch.ones_like(raw))
+
+
+def _tempered(h: Tensor, weight: Tensor, bias: Tensor | None, temperature: float, block: Tensor | None,
+              penalty: tuple[Penalty, Tensor] | None = None) -> Tensor:
+    """One chunk's float32 logits (n, V), repetition-penalised when `penalty` (with the chunk's
+    seen mask) is given, / temperature (greedy, 0: as they are), written into `block` (from
+    `_block`) when there is one."""
     if block is None:
         z = nn.functional.linear(h, weight, bias).float()  # (n, V), this chunk's own
     else:
@@ -92,19 +128,22 @@ def _tempered(h: Tensor, weight: Tensor, bias: Tensor | None, temperature: float
             mm_into(h, weight.t(), z)
         else:
             torch.addmm(bias, h, weight.t(), out=z)
+    if penalty is not None:  # as infer/sampling.py's apply_penalties, in float32
+        rep = z.new_tensor(penalty[0].value)
+        z = torch.where(penalty[1], torch.where(z > 0, z / rep, z * rep), z)
     return z.div_(temperature) if temperature > 0 and temperature != 1.0 else z  # x / 1 == x: skip the pass
 
 
 def _truncated(z: Tensor, targets: Tensor, options: tuple) -> Tensor:
     """Tempered logits (n, V) as the sampler truncates them: top_k, then top_p, masked entries
     -inf, the target always kept (chosen on these values, so a constant for the gradient)."""
-    temperature, top_k, top_p = options[:3]
+    temperature, top_k, top_p, min_p = *options[:3], options[7]
     n, V = z.shape
-    if temperature <= 0 or (top_k >= V and top_p >= 1.0):
+    if temperature <= 0 or (top_k >= V and top_p >= 1.0 and min_p <= 0):
         return z
     k = torch.full((n,), top_k, device=z.device)
     p = torch.full((n,), top_p, device=z.device)
-    kept = torch.isfinite(apply_truncation(z, k, p, torch.zeros(n, device=z.device)))  # (n, V)
+    kept = torch.isfinite(apply_truncation(z, k, p, torch.full((n,), min_p, device=z.device)))  # (n, V)
     kept[torch.arange(n, device=z.device), targets] = True
     return z.masked_fill(~kept, -math.inf)
 
@@ -116,7 +155,7 @@ class ChunkedHeadLogps(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden: Tensor, weight: Tensor, bias: Tensor | None, targets: Tensor,
                 options: tuple) -> tuple[Tensor, Tensor, Tensor]:
-        temperature, _, _, smoothing, want_entropy, rows = options
+        temperature, _, _, smoothing, want_entropy, rows, entropy_grad, min_p, penalty = options
         N = hidden.size(0)
         logps = hidden.new_zeros(N, dtype=torch.float32)
         lse = torch.zeros_like(logps)
@@ -124,11 +163,12 @@ class ChunkedHeadLogps(torch.autograd.Function):
         ent = torch.zeros_like(logps)
         block = _block(hidden, weight, rows)
         # the one-exp-pass entropy runs only on untruncated chunks (`z is tempered` below)
-        truncates = temperature > 0 and (options[1] < weight.size(0) or options[2] < 1.0)
+        truncates = temperature > 0 and (options[1] < weight.size(0) or options[2] < 1.0 or min_p > 0)
         p_block = torch.empty_like(block) if block is not None and want_entropy and not truncates else None
         for start in range(0, N, rows):
             sl = slice(start, start + rows)
-            tempered = _tempered(hidden[sl], weight, bias, temperature, block)  # (n, V)
+            seen = (penalty, penalty.seen(sl, weight.size(0))) if penalty is not None else None
+            tempered = _tempered(hidden[sl], weight, bias, temperature, block, seen)  # (n, V)
             z = _truncated(tempered, targets[sl], options)
             logps[sl] = z.gather(-1, targets[sl, None]).squeeze(-1)
             if smoothing:
@@ -152,15 +192,16 @@ class ChunkedHeadLogps(torch.autograd.Function):
             logps[sl] -= lse[sl]
             if smoothing:
                 means[sl] -= lse[sl]
-        ctx.save_for_backward(hidden, weight, bias, targets, lse)
+        ctx.save_for_backward(hidden, weight, bias, targets, lse, ent)
         ctx.options = options
-        ctx.mark_non_differentiable(ent)
+        if not entropy_grad:
+            ctx.mark_non_differentiable(ent)
         return logps, means, ent
 
     @staticmethod
-    def backward(ctx, g_logps: Tensor, g_means: Tensor, _g_ent: Tensor) -> tuple:
-        hidden, weight, bias, targets, lse = ctx.saved_tensors
-        temperature, _, _, smoothing, _, rows = ctx.options
+    def backward(ctx, g_logps: Tensor, g_means: Tensor, g_ent: Tensor) -> tuple:
+        hidden, weight, bias, targets, lse, ent = ctx.saved_tensors
+        temperature, _, _, smoothing, _, rows, entropy_grad, _, penalty = ctx.options
         need_h, need_w, need_b = ctx.needs_input_grad[0], ctx.needs_input_grad[1], bias is not None and ctx.needs_input_grad[2]
         # every row of g_h is written, chunk by chunk
         g_h = torch.empty(hidden.shape, dtype=hidden.dtype, device=hidden.device) if need_h else None
@@ -171,16 +212,29 @@ class ChunkedHeadLogps(torch.autograd.Function):
         for start in range(0, hidden.size(0), rows):
             sl = slice(start, start + rows)
             h, t = hidden[sl], targets[sl]
-            z = _truncated(_tempered(h, weight, bias, temperature, block), t, ctx.options)  # (n, V), recomputed
+            factor = None
+            if penalty is not None:  # the penalty's slope, from the raw logits (before the block is reused)
+                seen = penalty.seen(sl, V)
+                factor = penalty.factor(nn.functional.linear(h, weight, bias).float(), seen)
+            tempered = _tempered(h, weight, bias, temperature, block, (penalty, seen) if penalty is not None else None)
+            scale = 1.0 / temperature if temperature > 0 and temperature != 1.0 else 1.0
+            dz_ent = None
+            if entropy_grad:  # d/dz of ge * H, H of the untruncated tempered distribution: -ge p (log p + H)
+                lp = torch.log_softmax(tempered, dim=-1)  # (n, V)
+                dz_ent = lp.exp().mul_(lp.add_(ent[sl, None])).mul_((-g_ent[sl].float() * scale)[:, None])
+            z = _truncated(tempered, t, ctx.options)
             probs = z.sub_(lse[sl, None]).exp_()  # in place (z is this chunk's own); 0 where truncated
             ga = g_logps[sl].float()
             total = ga + g_means[sl].float() if smoothing else ga
             # d/dz of ga * log p_t + gm * mean_v log p_v, with the 1 / temperature of the tempering
-            scale = 1.0 / temperature if temperature > 0 and temperature != 1.0 else 1.0
             dz = probs.mul_(-total[:, None] * scale)
             dz[torch.arange(dz.size(0), device=dz.device), t] += ga * scale
             if smoothing:
                 dz += g_means[sl].float()[:, None] * (scale / V)
+            if dz_ent is not None:
+                dz += dz_ent
+            if factor is not None:
+                dz *= factor
             dz = dz.to(weight.dtype)
             if need_h:
                 if g_h.dtype == dz.dtype == weight.dtype:

@@ -60,10 +60,18 @@ def read_manifest(path: str | os.PathLike) -> dict[str, Any]:
     if not isinstance(manifest.get("step"), int) or not isinstance(files, dict):
         raise ManifestError(f"{mpath}: needs an integer 'step' and a 'files' mapping")
     for name, entry in files.items():
+        if not name_is_inside(name):  # never read: verify would hash, and report on, a file of somebody else's
+            raise ManifestError(f"{mpath}: entry {name!r} points outside the checkpoint; the checkpoint is damaged")
         if not (isinstance(entry, dict) and isinstance(entry.get("size"), int)
                 and isinstance(entry.get("sha256"), str)):
             raise ManifestError(f"{mpath}: entry for {name!r} needs 'size' (int) and 'sha256' (hex)")
     return manifest
+
+
+def name_is_inside(name: str) -> bool:
+    """Whether a manifest entry names a file inside its directory: a relative POSIX path without
+    empty, '.' or '..' parts (publish writes every name so)."""
+    return "\0" not in name and not name.startswith("/") and all(p not in ("", ".", "..") for p in name.split("/"))
 
 
 def sha256_file(path: str | os.PathLike) -> str:

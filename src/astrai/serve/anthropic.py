@@ -152,6 +152,16 @@ class MessagesRequest(StrictModel):
         check_stops(value or [])
         return value
 
+    @field_validator("tools")
+    @classmethod
+    def _unique_tool_names(cls, value: list[AnthropicTool] | None) -> list[AnthropicTool] | None:
+        names = [t.name for t in value or []]
+        twice = sorted({n for n in names if names.count(n) > 1})
+        if twice:  # a call names its tool: two of one name would make the call ambiguous (Anthropic refuses too)
+            raise ValueError(f"tool names must be unique, but {', '.join(repr(n) for n in twice)} is given more than "
+                             "once; rename or drop the duplicates")
+        return value
+
     @field_validator("tool_choice")
     @classmethod
     def _choice_needs_tools(cls, value: AnthropicToolChoice | None, info: ValidationInfo) -> Any:

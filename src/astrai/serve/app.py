@@ -25,6 +25,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
+import json
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -37,6 +39,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from astrai.infer.guided import Guide
 from astrai.infer.sampling import SamplingParams
+from astrai.serve import admin
+from astrai.serve.admin import ADMIN_ROUTES
 from astrai.serve.anthropic import MessagesRenderer, MessagesRequest
 from astrai.serve.async_engine import AsyncEngine, Engine, EngineDeadError, OutputStream, QueueFullError
 from astrai.serve.metrics import ServerMetrics
@@ -62,7 +66,7 @@ from astrai.serve.state import ServeConfig, ServerState, load_engine
 
 logger = logging.getLogger("astrai.serve")
 ROUTES = ("/v1/chat/completions", "/v1/completions", "/v1/messages", "/v1/models", "/health", "/metrics",
-          "/tokenizer_info", "/tokenize", "/detokenize")
+          "/tokenizer_info", "/tokenize", "/detokenize", "/openapi.json", *ADMIN_ROUTES)
 ANTHROPIC_ROUTES = ("/v1/messages",)  # errors there use Anthropic's body
 RETRY_AFTER_S = 1  # what a 429 tells the client to wait
 
@@ -93,10 +97,17 @@ async def metrics(request: Request) -> Response:
 async def models(request: Request) -> Response:
     state = _state(request)
     state.check_auth(request)
-    state.check_ready()
+    engine = state.check_ready()
     card = {"id": state.model_name, "object": "model", "created": state.created, "owned_by": "astrai",
-            "max_model_len": state.max_model_len or None}
+            "max_model_len": state.max_model_len or None,
+            "policy_version": getattr(engine.engine, "policy_version", 0)}  # astrai's: the weights served now
     return JSONResponse({"object": "list", "data": [card]})
+
+
+@router.get("/openapi.json", include_in_schema=False)
+async def openapi(request: Request) -> Response:
+    _state(request).check_auth(request)
+    return JSONResponse(request.app.openapi())
 
 
 # ---- lm-eval's remote tokenizer (vLLM's routes and shapes) -------------------------------------
@@ -139,12 +150,31 @@ async def _tokenizer_request(request: Request, model: type) -> tuple[ServerState
 @router.post("/tokenize")
 async def tokenize(request: Request) -> Response:
     state, req = await _tokenizer_request(request, TokenizeRequest)
-    ids, strs = await state.off_loop(_tokenize, state, req)
-    return JSONResponse({"count": len(ids), "max_model_len": state.max_model_len, "tokens": ids, "token_strs": strs})
+    # a megabyte of text is a million ids: encoding them, their strings and the JSON body all run on
+    # the prep pool, each in a way that lets the loop in (see _tokenize and json_list)
+    return Response(await state.off_loop(_tokenize_body, state, req), media_type="application/json")
+
+
+def _tokenize_body(state: ServerState, req: TokenizeRequest) -> bytes:
+    """The /tokenize response as JSON bytes (vLLM's fields, in its order)."""
+    ids, strs = _tokenize(state, req)
+    return (f'{{"count":{len(ids)},"max_model_len":{json.dumps(state.max_model_len)},"tokens":{json_list(ids)},'
+            f'"token_strs":{"null" if strs is None else json_list(strs)}}}').encode()
+
+
+def json_list(items: list[Any], chunk: int = 16384) -> str:
+    """A JSON array of `items` as JSONResponse writes it, encoded a chunk at a time: the C encoder
+    holds the GIL for a whole call (0.1 s for a million token strings), and between chunks the
+    event loop's thread gets its turn."""
+    parts = (json.dumps(items[i : i + chunk], ensure_ascii=False, separators=(",", ":"))[1:-1]
+             for i in range(0, len(items), chunk))
+    return "[" + ",".join(parts) + "]"
 
 
 def _tokenize(state: ServerState, req: TokenizeRequest) -> tuple[list[int], list[str] | None]:
-    """vLLM's defaults: special tokens added to a prompt, not to a rendered chat (it has them)."""
+    """vLLM's defaults: special tokens added to a prompt, not to a rendered chat (it has them).
+    Encoded through `encode_batch`, which releases the GIL while the tokenizer works (a single
+    `encode` holds it: a second for a megabyte, with the event loop's thread waiting)."""
     tok, text = state.tokenizer, req.prompt
     if req.messages is not None:
         try:
@@ -153,7 +183,7 @@ def _tokenize(state: ServerState, req: TokenizeRequest) -> tuple[list[int], list
         except Exception as exc:  # noqa: BLE001 - template errors (e.g. role order) are the client's
             raise APIError(400, f"the chat template cannot render these messages: {exc}", param="messages") from None
     add_special = req.add_special_tokens if req.add_special_tokens is not None else req.messages is None
-    ids = tok.encode(text, add_special_tokens=add_special)
+    ids = tok.encode_batch([text], add_special_tokens=add_special)[0]
     return ids, [state.token_text(i) for i in ids] if req.return_token_strs else None
 
 
@@ -195,7 +225,10 @@ async def _serve(endpoint: Endpoint, request: Request) -> Response:
     params = state.sampling_params(req, guide=guide)
     _check_admissible(engine, prompts, params)
     renderer = endpoint.renderer(state, req, prompts)
-    stream = await _submit(engine, renderer, params, endpoint.want_logprobs(req))
+    seeds = getattr(req, "seeds", None)  # completions: one seed per prompt
+    per_prompt = [dataclasses.replace(params, seed=seed) for seed in seeds] if seeds is not None else params
+    processed = getattr(req, "logprobs_mode", "raw_logprobs") == "processed_logprobs"
+    stream = await _submit(engine, renderer, per_prompt, endpoint.want_logprobs(req), processed)
     return await _respond(state, request, renderer, stream, req.stream)
 
 
@@ -283,10 +316,10 @@ def _check_admissible(engine: AsyncEngine, prompts: list[list[int]], params: Sam
                         "--max_waiting", param="n" if params.n > 1 else "prompt", code="request_too_large")
 
 
-async def _submit(engine: AsyncEngine, renderer: Renderer, params: SamplingParams,
-                  want_logprobs: bool) -> OutputStream:
+async def _submit(engine: AsyncEngine, renderer: Renderer, params: SamplingParams | list[SamplingParams],
+                  want_logprobs: bool, processed_logprobs: bool = False) -> OutputStream:
     try:
-        return await engine.submit(renderer.engine_requests(), params, want_logprobs)
+        return await engine.submit(renderer.engine_requests(), params, want_logprobs, processed_logprobs)
     except QueueFullError as exc:
         if engine.metrics is not None:
             engine.metrics.count_queue_full()
@@ -361,7 +394,8 @@ def create_app(config: ServeConfig, loader: Callable[[ServeConfig], tuple[Any, A
             await state.engine.shutdown()
         state.prep.shutdown(wait=False, cancel_futures=True)
 
-    app = FastAPI(title="astrai", lifespan=lifespan, docs_url=None, redoc_url=None)
+    # the schema is served by a route of ours (`openapi`), behind the key like every route but /health and /metrics
+    app = FastAPI(title="astrai", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.serve = state
     app.add_middleware(_AccessLog, metrics=state.metrics)
     app.add_exception_handler(APIError, _api_error)
@@ -369,6 +403,7 @@ def create_app(config: ServeConfig, loader: Callable[[ServeConfig], tuple[Any, A
     app.add_exception_handler(StarletteHTTPException, _http_error)
     app.add_exception_handler(Exception, _internal_error)
     app.include_router(router)
+    app.include_router(admin.router)
     return app
 
 

@@ -9,6 +9,11 @@ with one `loop.call_soon_threadsafe`, which puts them on the per-request asyncio
 Copying the deltas on the engine thread means the loop never reads lists that the engine is
 still appending to. `Engine` (a Protocol) is what the loop calls on the engine: `LLMEngine`'s
 add_request / step / abort. Data flow: app -> inbox -> engine thread -> step -> updates -> queues -> SSE.
+
+A weight load (`run_between_steps`, the admin route `/v1/load_weights`) goes through the same
+inbox: from then on new requests are held, the requests in flight finish on the weights they
+started with (and report that policy version), then the load runs on the engine thread and the
+held requests are admitted under the new weights. No request is dropped or sees two versions.
 """
 
 from __future__ import annotations
@@ -18,7 +23,7 @@ import collections
 import logging
 import threading
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -84,6 +89,7 @@ class RequestUpdate:
     finished: bool
     num_cached_tokens: int = 0
     prompt_logprobs: list[Any] | None = None  # only on the first update, when requested
+    policy_version: int = 0  # the weights that produced this update
 
 
 @dataclass
@@ -94,6 +100,7 @@ class _Tracked:
     arrival: float
     want_logprobs: bool
     n: int
+    processed_logprobs: bool = False  # the sampler's behaviour log-probs rather than the raw model's
     num_sent: dict[int, int] = field(default_factory=dict)  # sequence index -> tokens sent
     first_token_at: float | None = None
     sent_prompt_logprobs: bool = False
@@ -144,6 +151,8 @@ class AsyncEngine:
         self._inbox: collections.deque[tuple] = collections.deque()
         self._wakeup = threading.Event()
         self._tracked: dict[str, _Tracked] = {}  # engine thread only
+        self._loads: list[tuple[Callable[[], Any], asyncio.Future]] = []  # engine thread: waiting for idle
+        self._held: list[tuple] = []  # engine thread: "add" commands that came while a load waited
         self._thread: threading.Thread | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._stop = False  # engine thread: leave the loop
@@ -156,14 +165,16 @@ class AsyncEngine:
         self._thread = threading.Thread(target=self._run, name="astrai-engine", daemon=True)
         self._thread.start()
 
-    async def submit(self, requests: Sequence[tuple[str, list[int]]], params: SamplingParams,
-                     want_logprobs: bool = False) -> OutputStream:
-        """Add one engine request per (request_id, prompt_ids); raise ValueError if the engine
-        rejects any of them (then none of them runs)."""
+    async def submit(self, requests: Sequence[tuple[str, list[int]]], params: SamplingParams | list[SamplingParams],
+                     want_logprobs: bool = False, processed_logprobs: bool = False) -> OutputStream:
+        """Add one engine request per (request_id, prompt_ids), with `params` or each with its own
+        (the same n); raise ValueError if the engine rejects any of them (then none of them runs).
+        `processed_logprobs`: report the sampler's behaviour log-probs instead of the raw model's."""
         assert self._loop is not None, "AsyncEngine.start() was not called"
         if self._closed:
             raise EngineDeadError("the server is shutting down; retry on another replica")
-        need = len(requests) * int(getattr(params, "n", 1) or 1)
+        per_request = list(params) if isinstance(params, list) else [params] * len(requests)
+        need = sum(int(getattr(p, "n", 1) or 1) for p in per_request)
         with self._admit_lock:
             if self.num_admitted + need > self.capacity:
                 raise QueueFullError(
@@ -171,7 +182,8 @@ class AsyncEngine:
                     f"{self.capacity}: max_num_seqs plus max_waiting {self.max_waiting}); retry later")
             self.num_admitted += need
         stream = OutputStream(self._loop, [rid for rid, _ in requests])
-        self._send(("add", list(requests), params, want_logprobs, stream, time.perf_counter()))
+        self._send(("add", list(requests), per_request, want_logprobs, stream, time.perf_counter(),
+                    processed_logprobs))
         try:
             await stream.accepted
         except asyncio.CancelledError:  # the client left while the engine thread was adding it
@@ -182,6 +194,16 @@ class AsyncEngine:
     def abort(self, request_ids: Sequence[str]) -> None:
         """Abort requests (e.g. the client went away); their KV blocks are freed at once."""
         self._send(("abort", list(request_ids)))
+
+    async def run_between_steps(self, fn: Callable[[], Any]) -> Any:
+        """Run `fn()` on the engine thread once no request is in flight (the requests running now
+        finish first; new ones wait until it is done); its result, or its exception."""
+        assert self._loop is not None, "AsyncEngine.start() was not called"
+        if self._closed:
+            raise EngineDeadError("the server is shutting down")
+        done: asyncio.Future = self._loop.create_future()
+        self._send(("load", fn, done))
+        return await done
 
     def abort_all(self) -> None:
         """Finish every in-flight request with finish_reason "abort" (graceful-shutdown deadline)."""
@@ -214,7 +236,11 @@ class AsyncEngine:
         while True:
             self._drain_inbox()
             if self._stop:
+                self._fail_waiting()
                 return
+            if self._loads and not self.engine.has_unfinished_requests():
+                self._apply_loads()
+                continue
             if self.engine.has_unfinished_requests():
                 self._step()
             else:
@@ -225,9 +251,17 @@ class AsyncEngine:
     def _drain_inbox(self) -> None:
         while self._inbox:
             command = self._inbox.popleft()
-            if command[0] == "add":
+            if command[0] == "add" and self._loads:
+                self._held.append(command)  # admitted once the waiting loads ran
+            elif command[0] == "add":
                 self._add(*command[1:])
+            elif command[0] == "load":
+                self._loads.append(command[1:])
             elif command[0] == "abort":
+                gone = set(command[1])
+                for held in [h for h in self._held if gone & {rid for rid, _ in h[1]}]:
+                    self._held.remove(held)
+                    self._release(sum(int(getattr(p, "n", 1) or 1) for p in held[2]))
                 for rid in command[1]:
                     if rid in self._tracked:
                         self.engine.abort(rid)
@@ -237,18 +271,41 @@ class AsyncEngine:
                 self._abort_all(reason="abort")
                 self._stop = command[0] == "stop"
 
-    def _add(self, requests: list[tuple[str, list[int]]], params: SamplingParams, want_logprobs: bool,
-             stream: OutputStream, arrival: float) -> None:
-        num_seqs = len(requests) * int(getattr(params, "n", 1) or 1)
+    def _apply_loads(self) -> None:
+        """The engine is idle: run every waiting load, then admit the requests held meanwhile."""
+        loads, self._loads = self._loads, []
+        for fn, done in loads:
+            try:
+                result = fn()
+            except Exception as exc:  # noqa: BLE001 - the load's caller gets it; serving goes on
+                self._call_loop(_set_exception, done, exc)
+            else:
+                self._call_loop(_set_value, done, result)
+        held, self._held = self._held, []
+        for command in held:
+            self._add(*command[1:])
+
+    def _fail_waiting(self) -> None:
+        """Stopping: the loads and the held requests that never ran get an error, not silence."""
+        error = EngineDeadError("the server is shutting down")
+        for _, done in self._loads:
+            self._call_loop(_set_exception, done, error)
+        for command in self._held:
+            self._call_loop(_set_exception, command[4].accepted, error)
+        self._loads, self._held = [], []
+
+    def _add(self, requests: list[tuple[str, list[int]]], params: list[SamplingParams], want_logprobs: bool,
+             stream: OutputStream, arrival: float, processed_logprobs: bool = False) -> None:
+        num_seqs = sum(int(getattr(p, "n", 1) or 1) for p in params)
         if self._stop:
             self._release(num_seqs)
             self._call_loop(_set_exception, stream.accepted, EngineDeadError("the server is shutting down"))
             return
         added: list[str] = []
         try:
-            for rid, prompt_ids in requests:
+            for (rid, prompt_ids), p in zip(requests, params):
                 # without logprobs the engine skips copying per-token logprob lists every step
-                self.engine.add_request(rid, prompt_ids, params, with_logprobs=want_logprobs)
+                self.engine.add_request(rid, prompt_ids, p, with_logprobs=want_logprobs)
                 added.append(rid)
         except Exception as exc:  # noqa: BLE001 - any rejection goes back to the handler
             for rid in added:
@@ -256,8 +313,9 @@ class AsyncEngine:
             self._release(num_seqs)
             self._call_loop(_set_exception, stream.accepted, exc)
             return
-        for rid, prompt_ids in requests:
-            self._tracked[rid] = _Tracked(stream, arrival, want_logprobs, int(getattr(params, "n", 1) or 1))
+        for (rid, prompt_ids), p in zip(requests, params):
+            self._tracked[rid] = _Tracked(stream, arrival, want_logprobs, int(getattr(p, "n", 1) or 1),
+                                          processed_logprobs)
             if self.metrics is not None:
                 self.metrics.count_prompt(len(prompt_ids))
         self._call_loop(_set_result, stream.accepted)
@@ -298,7 +356,8 @@ class AsyncEngine:
             num_new += len(new_ids)
             lps = None
             if tracked.want_logprobs:
-                source = c.raw_logprobs if getattr(c, "raw_logprobs", None) else c.logprobs
+                raw = getattr(c, "raw_logprobs", None)
+                source = raw if raw and not tracked.processed_logprobs else c.logprobs
                 lps = list(source[sent:sent + len(new_ids)]) if source else []
             seqs.append(SeqUpdate(c.index, c.text, new_ids, lps, c.finish_reason,
                                   getattr(c, "stop_reason", None)))
@@ -317,7 +376,8 @@ class AsyncEngine:
         if not seqs and not out.finished:
             return None
         return RequestUpdate(out.request_id, seqs, bool(out.finished),
-                             int(getattr(out, "num_cached_tokens", 0) or 0), prompt_lps)
+                             int(getattr(out, "num_cached_tokens", 0) or 0), prompt_lps,
+                             int(getattr(out, "policy_version", 0) or 0))
 
     def _finish_metrics(self, rid: str, reason: str) -> None:
         tracked = self._tracked.get(rid)
@@ -339,7 +399,8 @@ class AsyncEngine:
             self._finish_metrics(rid, reason)
             seqs = [SeqUpdate(i, "", [], [] if tracked.want_logprobs else None, reason)
                     for i in range(tracked.n)]
-            deliveries.append((tracked.stream.queue, RequestUpdate(rid, seqs, True, 0, None)))
+            deliveries.append((tracked.stream.queue, RequestUpdate(rid, seqs, True, 0, None,
+                                                                   int(getattr(self.engine, "policy_version", 0)))))
             self._untrack(rid)
         if deliveries:
             self._call_loop(_deliver, deliveries)
@@ -377,6 +438,11 @@ def _deliver(deliveries: list[tuple[asyncio.Queue, Any]]) -> None:
 def _set_result(future: asyncio.Future) -> None:
     if not future.done():
         future.set_result(None)
+
+
+def _set_value(future: asyncio.Future, value: Any) -> None:
+    if not future.done():
+        future.set_result(value)
 
 
 def _set_exception(future: asyncio.Future, exc: BaseException) -> None:

@@ -3,7 +3,8 @@
 `main(argv)` is what `astrai serve` runs (src/astrai/cli.py's command table points here): it parses
 the server's flags plus one flag per `EngineConfig` field, refuses an unusable command line with
 one line on stderr (exit 2) before anything loads, builds the app of `app.py` and runs it on
-uvicorn. SIGTERM stops accepting connections, lets in-flight requests finish for
+uvicorn; a model that fails to load in the background (an engine that cannot be built) stops the
+server with that reason, exit 2. SIGTERM stops accepting connections, lets in-flight requests finish for
 `--shutdown_timeout` seconds, aborts the rest (each stream ends with finish_reason "abort") and
 exits 0. Connections are bounded too (`uvicorn_config`): one that has not sent a complete
 request head within `--header_timeout` seconds of connecting or of its previous response (idle,
@@ -41,6 +42,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--api_key", default=os.environ.get("ASTRAI_API_KEY"),
                    help="require 'Authorization: Bearer KEY' on /v1 routes (default: $ASTRAI_API_KEY)")
+    p.add_argument("--admin_key", default=os.environ.get("ASTRAI_ADMIN_KEY"),
+                   help="turn on the admin routes (POST /v1/load_weights), which require 'Authorization: Bearer "
+                        "KEY'; distinct from --api_key (default: $ASTRAI_ADMIN_KEY; unset: the routes are off)")
+    p.add_argument("--weights_dir", default=None,
+                   help="/v1/load_weights loads only model directories under this one (a trainer publishes "
+                        "its policy versions there)")
     p.add_argument("--served_model_name", default=None, help="model id clients send (default: directory name)")
     p.add_argument("--max_request_bytes", type=int, default=8 * 2**20, help="larger bodies get 413")
     p.add_argument("--max_waiting", type=int, default=None,
@@ -69,7 +76,7 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-_SERVER_FLAGS = ("model", "host", "port", "api_key", "served_model_name", "max_request_bytes", "max_waiting",
+_SERVER_FLAGS = ("model", "host", "port", "api_key", "admin_key", "weights_dir", "served_model_name", "max_request_bytes", "max_waiting",
                  "body_timeout", "verify", "shutdown_timeout", "log_level", "generation_config", "header_timeout",
                  "limit_concurrency", "max_guide_bytes")
 
@@ -94,7 +101,12 @@ def _graceful_server_class(state: ServerState) -> type:
     class GracefulServer(uvicorn.Server):
         """uvicorn stops accepting and waits `timeout_graceful_shutdown` for open connections, then
         cancels them mid-stream. Aborting the engine requests just before that deadline ends each
-        stream properly instead: a last chunk with finish_reason "abort", then [DONE]."""
+        stream properly instead: a last chunk with finish_reason "abort", then [DONE]. A model
+        whose engine cannot be built (the load runs after the socket is bound) stops the server,
+        as a damaged model stops it before: nothing could ever be served but 503s."""
+
+        async def on_tick(self, counter: int) -> bool:
+            return await super().on_tick(counter) or state.status == "failed"
 
         async def shutdown(self, sockets: Any = None) -> None:
             delay = max(0.0, (self.config.timeout_graceful_shutdown or 0.0) - 0.5)
@@ -141,6 +153,11 @@ def _check_args(args: argparse.Namespace) -> str | None:
     if args.api_key is not None and not args.api_key.strip():
         return ("the API key is empty (--api_key or $ASTRAI_API_KEY set to ''); give a key, or unset "
                 "ASTRAI_API_KEY to serve without authentication")
+    if args.admin_key is not None and not args.admin_key.strip():
+        return ("the admin key is empty (--admin_key or $ASTRAI_ADMIN_KEY set to ''); give a key, or unset "
+                "ASTRAI_ADMIN_KEY to keep the admin routes off")
+    if args.weights_dir is not None and not Path(args.weights_dir).is_dir():
+        return f"--weights_dir '{args.weights_dir}' is not a directory; create it or point it at one"
     model_dir = Path(args.model)
     if not (model_dir / "config.json").is_file():
         return (f"--model '{args.model}' is not a model directory (no config.json); point it at a "
@@ -186,7 +203,8 @@ def main(argv: list[str] | None = None) -> int:
     engine_kwargs = {k: v for k, v in vars(args).items() if k not in _SERVER_FLAGS}
     config = ServeConfig(str(model_dir), args.served_model_name, args.api_key, args.max_request_bytes,
                          engine_kwargs, args.max_waiting, args.body_timeout, args.verify,
-                         generation_config=args.generation_config, max_guide_bytes=args.max_guide_bytes)
+                         generation_config=args.generation_config, max_guide_bytes=args.max_guide_bytes,
+                         admin_key=args.admin_key, weights_dir=args.weights_dir)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     app = create_app(config)
     server_class = _graceful_server_class(app.state.serve)
@@ -198,4 +216,8 @@ def main(argv: list[str] | None = None) -> int:
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: None)
     server.run()
+    state = app.state.serve
+    if state.status == "failed":
+        print(f"astrai serve: error: the model could not be loaded: {state.error}", file=sys.stderr)
+        return 2
     return 0 if server.started else 1

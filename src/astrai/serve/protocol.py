@@ -123,6 +123,12 @@ class _SamplingFields(StrictModel):
     ignore_eos: bool = False
     min_tokens: int = sampling_field("min_tokens", 0)
     user: str | None = None
+    # vLLM's token-in/token-out fields: the prompt's and each choice's token ids in the response
+    return_token_ids: bool = False
+    # vLLM's logprobs modes: raw_logprobs (the unprocessed model at temperature 1, the default) or
+    # processed_logprobs (the sampler's behaviour log-probs: after penalties, temperature and
+    # truncation, the distribution each token was drawn from; what an RL trainer needs)
+    logprobs_mode: Literal["raw_logprobs", "processed_logprobs"] = "raw_logprobs"
 
     @field_validator("logit_bias")
     @classmethod
@@ -268,6 +274,16 @@ class CompletionRequest(_SamplingFields):
     logprobs: int | None = sampling_field("logprobs")
     echo: bool = False
     suffix: str | None = None
+    prompt_logprobs: int | None = sampling_field("prompt_logprobs")  # vLLM's: k alternatives per prompt token
+    # astrai's: one seed per prompt (several prompts in one request, each with its own streams)
+    seeds: list[Annotated[int, Field(**field_range(SamplingParams, "seed").bounds())]] | None = None
+
+    @model_validator(mode="after")
+    def _one_seed_per_prompt(self) -> CompletionRequest:
+        if self.seeds is not None and len(self.seeds) != len(self.prompt_list()):
+            raise ValueError(f"'seeds' has {len(self.seeds)} entries for {len(self.prompt_list())} prompt(s); "
+                             "give one seed per prompt, or 'seed' for all")
+        return self
 
     @field_validator("prompt")
     @classmethod
@@ -357,6 +373,7 @@ class ChatChoice(BaseModel):
     logprobs: dict[str, Any] | None = None
     finish_reason: str | None
     stop_reason: int | str | None = None
+    token_ids: list[int] | None = None  # with return_token_ids
 
 
 class ChatCompletionResponse(BaseModel):
@@ -366,6 +383,8 @@ class ChatCompletionResponse(BaseModel):
     model: str
     choices: list[ChatChoice]
     usage: Usage
+    prompt_token_ids: list[int] | None = None  # with return_token_ids
+    policy_version: int | None = None  # astrai's: the weights that produced every choice
 
 
 class CompletionChoice(BaseModel):
@@ -374,6 +393,9 @@ class CompletionChoice(BaseModel):
     logprobs: dict[str, Any] | None = None
     finish_reason: str | None
     stop_reason: int | str | None = None
+    prompt_token_ids: list[int] | None = None  # with return_token_ids
+    token_ids: list[int] | None = None  # with return_token_ids
+    prompt_logprobs: list[dict[str, dict[str, Any]] | None] | None = None  # with prompt_logprobs
 
 
 class CompletionResponse(BaseModel):
@@ -383,6 +405,7 @@ class CompletionResponse(BaseModel):
     model: str
     choices: list[CompletionChoice]
     usage: Usage
+    policy_version: int | None = None  # astrai's: the weights that produced every choice
 
 
 def make_usage(num_prompt_tokens: int, num_completion_tokens: int, num_cached_tokens: int = 0) -> Usage:
@@ -442,6 +465,15 @@ def chat_logprobs(token_ids: list[int], entries: list[Any], k: int,
             "top_logprobs": [{"token": token_text(a), "logprob": lp, "bytes": list(token_text(a).encode())}
                              for a, lp in top_alternatives(entry, k)]})
     return {"content": content}
+
+
+def prompt_logprobs_entries(entries: list[Any], token_text: Any) -> list[dict[str, dict[str, Any]] | None]:
+    """vLLM's `prompt_logprobs` of a completion choice: None for the first prompt token (nothing
+    predicts it), then per token `{token_id: {"logprob", "rank", "decoded_token"}}`: the prompt's
+    own token first, then the k most likely alternatives (the engine's entry as it is)."""
+    return [{str(tid): {"logprob": logprob_value(lp, tid), "rank": getattr(lp, "rank", None),
+                        "decoded_token": token_text(tid)} for tid, lp in entry.items()}
+            if isinstance(entry, dict) else None for entry in entries]
 
 
 def completion_logprobs(token_ids: list[int], entries: list[Any], k: int, token_text: Any,

@@ -7,7 +7,10 @@
 and legacy completions differ only in chunk shape, echo and logprob format, so they share the
 accumulator and the SSE skeleton: a first chunk (role or echo), one chunk per batch of ready
 updates with the text delta of each changed choice, exactly one finish_reason per choice, an
-optional usage chunk with empty `choices`, then `data: [DONE]`.
+optional usage chunk with empty `choices`, then `data: [DONE]`. vLLM's token-in/token-out fields
+ride along when asked for (`return_token_ids`: the prompt's ids in the body or a choice's first
+chunk, each chunk's new ids; completions' `prompt_logprobs`), and every body and every chunk
+after the first engine update names the `policy_version` of the weights that produced it.
 """
 
 from __future__ import annotations
@@ -35,6 +38,7 @@ from astrai.serve.protocol import (
     completion_logprobs,
     error_body,
     make_usage,
+    prompt_logprobs_entries,
 )
 
 DONE = "data: [DONE]\n\n"
@@ -102,6 +106,8 @@ class Renderer:
         self.num_cached = dict.fromkeys(self.engine_ids, 0)
         self.prompt_logprobs: dict[str, list[Any]] = {}  # engine request id -> entries, when asked for
         self.include_usage = bool(req.stream and req.stream_options and req.stream_options.include_usage)
+        self.return_ids = bool(getattr(req, "return_token_ids", False))  # Anthropic's route has none
+        self.policy_version: int | None = None  # of the engine updates so far (all the same: serve/async_engine.py)
 
     def engine_requests(self) -> list[tuple[str, list[int]]]:
         return list(zip(self.engine_ids, self.prompts))
@@ -110,6 +116,7 @@ class Renderer:
         """Fold a batch of updates in; per changed choice: (choice, new ids, new logprobs, finished now)."""
         changed: dict[int, tuple[Choice, list[int], list[Any], list[bool]]] = {}
         for update in batch:
+            self.policy_version = update.policy_version
             self.num_cached[update.request_id] = max(self.num_cached[update.request_id], update.num_cached_tokens)
             if update.prompt_logprobs is not None:
                 self.prompt_logprobs[update.request_id] = update.prompt_logprobs
@@ -148,14 +155,18 @@ class Renderer:
                 rendered = [self.chunk_choice(*change) for change in self.apply(batch)]
                 choices = [c for c in rendered if c is not None]
                 if choices:
-                    yield sse(self.chunk(choices))
+                    yield sse(self.versioned(self.chunk(choices)))
         except Exception as exc:  # noqa: BLE001 - the status line is already sent; report in-band
             yield sse(error_body(str(exc), "internal_error"))
             yield DONE
             return
         if self.include_usage:
-            yield sse(self.chunk([], self.usage()))
+            yield sse(self.versioned(self.chunk([], self.usage())))
         yield DONE
+
+    def versioned(self, chunk: dict[str, Any]) -> dict[str, Any]:
+        chunk["policy_version"] = self.policy_version
+        return chunk
 
     # ---- per endpoint -------------------------------------------------------------------
     def first_chunks(self) -> list[dict[str, Any]]:
@@ -195,7 +206,10 @@ class ChatRenderer(Renderer):
     def first_chunks(self) -> list[dict[str, Any]]:
         role = [{"index": c.index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                  "finish_reason": None} for c in self.ordered_choices()]
-        return [self.chunk(role)]
+        chunk = self.chunk(role)
+        if self.return_ids:
+            chunk["prompt_token_ids"] = self.prompts[0]
+        return [chunk]
 
     def chunk_choice(self, choice: Choice, new_ids: list[int], new_lps: list[Any],
                      finished_now: bool) -> dict[str, Any] | None:
@@ -207,7 +221,7 @@ class ChatRenderer(Renderer):
             text = "".join(p for p in pieces if isinstance(p, str))
             calls = [p for p in pieces if isinstance(p, ToolCall)]
         logprobs = self._logprobs(new_ids, new_lps) if new_ids else None
-        if not text and not calls and logprobs is None and not finished_now:
+        if not text and not calls and logprobs is None and not finished_now and not (self.return_ids and new_ids):
             return None
         delta: dict[str, Any] = {"content": text} if text or logprobs else {}
         if calls:
@@ -215,8 +229,11 @@ class ChatRenderer(Renderer):
             delta["tool_calls"] = [{"index": first + i, **call.to_openai()} for i, call in enumerate(calls)]
             self.num_calls_sent[choice.index] = first + len(calls)
         made_calls = self.num_calls_sent.get(choice.index, 0) > 0
-        return {"index": choice.index, "delta": delta, "logprobs": logprobs,
-                "finish_reason": self._finish_reason(choice, made_calls) if finished_now else None}
+        out = {"index": choice.index, "delta": delta, "logprobs": logprobs,
+               "finish_reason": self._finish_reason(choice, made_calls) if finished_now else None}
+        if self.return_ids:
+            out["token_ids"] = new_ids
+        return out
 
     def chunk(self, choices: list[dict[str, Any]], usage: Usage | None = None) -> dict[str, Any]:
         return chat_chunk(self.request_id, self.created, self.state.model_name, choices, usage, self.include_usage)
@@ -231,9 +248,12 @@ class ChatRenderer(Renderer):
             message = ChatResponseMessage(content=content if content or not calls else None,
                                           tool_calls=[call.to_openai() for call in calls] or None)
             choices.append(ChatChoice(index=c.index, message=message, logprobs=self._logprobs(c.token_ids, c.logprobs),
-                                      finish_reason=self._finish_reason(c, bool(calls)), stop_reason=c.stop_reason))
+                                      finish_reason=self._finish_reason(c, bool(calls)), stop_reason=c.stop_reason,
+                                      token_ids=c.token_ids if self.return_ids else None))
         return ChatCompletionResponse(id=self.request_id, created=self.created, model=self.state.model_name,
-                                      choices=choices, usage=self.usage())
+                                      choices=choices, usage=self.usage(),
+                                      prompt_token_ids=self.prompts[0] if self.return_ids else None,
+                                      policy_version=self.policy_version)
 
 
 class CompletionRenderer(Renderer):
@@ -244,6 +264,7 @@ class CompletionRenderer(Renderer):
         super().__init__(state, req, prompts)
         self.echo: list[str] = []
         self.echo_pending: set[int] = set()  # streamed choices whose echo waits for prompt log-probs
+        self.prompt_sent: set[int] = set()  # streamed choices whose first chunk (prompt ids) went out
         if req.echo:
             given = req.prompt_list()
             self.echo = [p if isinstance(p, str) else state.decode(ids)
@@ -278,8 +299,25 @@ class CompletionRenderer(Renderer):
         if self.echo_logprobs:  # sent with the first update, which carries the prompt log-probs
             self.echo_pending = {c.index for c in self.choices.values()}
             return []
-        return [self.chunk([{"index": c.index, "text": self.echo[c.prompt_index], "logprobs": None,
-                             "finish_reason": None} for c in self.ordered_choices()])]
+        return [self.chunk([self._first({"index": c.index, "text": self.echo[c.prompt_index], "logprobs": None,
+                                         "finish_reason": None}, c) for c in self.ordered_choices()])]
+
+    def _prompt_logprobs(self, choice: Choice) -> list[Any] | None:
+        entries = self.prompt_logprobs.get(self.engine_ids[choice.prompt_index])
+        if self.req.prompt_logprobs is None or entries is None:
+            return None
+        return prompt_logprobs_entries(entries, self.state.token_text)
+
+    def _first(self, out: dict[str, Any], choice: Choice) -> dict[str, Any]:
+        """A streamed choice's first chunk: the prompt's ids and log-probs, when asked for."""
+        if choice.index in self.prompt_sent:
+            return out
+        self.prompt_sent.add(choice.index)
+        if self.return_ids:
+            out["prompt_token_ids"] = self.prompts[choice.prompt_index]
+        if self.req.prompt_logprobs is not None:
+            out["prompt_logprobs"] = self._prompt_logprobs(choice)
+        return out
 
     def chunk_choice(self, choice: Choice, new_ids: list[int], new_lps: list[Any],
                      finished_now: bool) -> dict[str, Any] | None:
@@ -289,10 +327,13 @@ class CompletionRenderer(Renderer):
             self.echo_pending.discard(choice.index)
             delta = self.echo[choice.prompt_index] + delta
             logprobs = self._with_prompt(choice, logprobs)
-        if not delta and logprobs is None and not finished_now:
+        if not delta and logprobs is None and not finished_now and not (self.return_ids and new_ids):
             return None
-        return {"index": choice.index, "text": delta, "logprobs": logprobs,
-                "finish_reason": choice.finish_reason if finished_now else None}
+        out = {"index": choice.index, "text": delta, "logprobs": logprobs,
+               "finish_reason": choice.finish_reason if finished_now else None}
+        if self.return_ids:
+            out["token_ids"] = new_ids
+        return self._first(out, choice)
 
     def chunk(self, choices: list[dict[str, Any]], usage: Usage | None = None) -> dict[str, Any]:
         return completion_chunk(self.request_id, self.created, self.state.model_name, choices, usage,
@@ -306,7 +347,9 @@ class CompletionRenderer(Renderer):
             logprobs = self._logprobs(c, c.token_ids, c.logprobs)
             if self.echo_logprobs:
                 logprobs = self._with_prompt(c, logprobs)
-            choices.append(CompletionChoice(index=c.index, text=prefix + c.text, logprobs=logprobs,
-                                            finish_reason=c.finish_reason, stop_reason=c.stop_reason))
+            choices.append(CompletionChoice(
+                index=c.index, text=prefix + c.text, logprobs=logprobs, finish_reason=c.finish_reason,
+                stop_reason=c.stop_reason, prompt_token_ids=self.prompts[c.prompt_index] if self.return_ids else None,
+                token_ids=c.token_ids if self.return_ids else None, prompt_logprobs=self._prompt_logprobs(c)))
         return CompletionResponse(id=self.request_id, created=self.created, model=self.state.model_name,
-                                  choices=choices, usage=self.usage())
+                                  choices=choices, usage=self.usage(), policy_version=self.policy_version)

@@ -230,8 +230,11 @@ def renamed_fields(req: SamplingRequest) -> dict[str, Any]:
         out["logprobs"] = (req.top_logprobs or 0) if req.logprobs else None
     elif isinstance(req, CompletionRequest):
         out["logprobs"] = req.logprobs
-        # echo with logprobs: the prompt's tokens get log-probs too (computed by the engine)
-        out["prompt_logprobs"] = req.logprobs if req.echo and req.logprobs is not None else None
+        # echo with logprobs: the prompt's tokens get log-probs too (computed by the engine); vLLM's
+        # prompt_logprobs asks for them alone; both: the larger k serves both
+        echoed = req.logprobs if req.echo and req.logprobs is not None else None
+        asked = [k for k in (echoed, req.prompt_logprobs) if k is not None]
+        out["prompt_logprobs"] = max(asked) if asked else None
     return out
 
 

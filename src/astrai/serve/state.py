@@ -48,6 +48,8 @@ class ServeConfig:
     verify: bool | None = None  # recompute manifest sha256s before loading; None: when small (check_model_dir)
     generation_config: str = "auto"  # unset sampling fields: the model's defaults (auto), none, or a dir
     max_guide_bytes: int = 4 * 2**20  # grammar bytes x n a constrained request may carry (infer/guided.py)
+    admin_key: str | None = None  # the admin routes (serve/admin.py) are on only with a key
+    weights_dir: str | None = None  # /v1/load_weights loads only directories under this one
 
     @property
     def model_name(self) -> str:
@@ -87,6 +89,9 @@ class ServerState:
         self._guides: GuideCompiler | None = None  # built on the first constrained request
         self._guides_lock = threading.Lock()
         self._ignored_logged: set[str] = set()
+        self.loaded_path: str | None = None  # the weights the last /v1/load_weights put in place
+        self.weight_group: Any = None  # the broadcast transport's gloo group (serve/admin.py), once joined
+        self.weight_names: list[str] = []  # the tensors it sends, in order
         # the model's sampling defaults, for the fields a request leaves unset (vLLM's behaviour)
         self.generation_defaults = generation_defaults(config.model_dir, config.generation_config)
 

@@ -13,6 +13,7 @@ the config imports nothing of ``train``), checked against this table by the test
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -23,6 +24,8 @@ from astrai.config import RLConfig
 from astrai.config_values import ConfigError
 from astrai.train.losses import (
     grpo_advantages,
+    kl_estimate,
+    masked_mean,
     reward_to_go,
     rloo_advantages,
     token_rewards,
@@ -39,14 +42,18 @@ class AdvantageInputs:
     behaviour_logps: Tensor  # (N, T) the sampler's log-probs of those tokens (0 elsewhere)
     ref_logps: Tensor | None  # (N, T) the reference's, when the estimator folds the KL in and there is one
     scale: bool  # scale_rewards "group": divide by the group's std (grpo)
+    std_eps: float  # reward_std_eps: added to that std
     kl_coef: float
     kl_estimator: str
     all_reduce: Callable[[Tensor], Tensor] | None  # sums a tensor over the ranks (None: one rank)
+    # (N, T) turn_rewards: the environment's per-turn rewards at their turns' last tokens (then
+    # `rewards` holds the scores without them); None: they are in `rewards`
+    turn_rewards: Tensor | None = None
 
 
 def grpo(x: AdvantageInputs) -> Tensor:
     """(N,) the group-relative advantage: reward minus the group's mean, over its std when scaled."""
-    return grpo_advantages(x.rewards.reshape(-1), x.rewards.size(-1), scale=x.scale)
+    return grpo_advantages(x.rewards.reshape(-1), x.rewards.size(-1), scale=x.scale, eps=x.std_eps)
 
 
 def rloo(x: AdvantageInputs) -> Tensor:
@@ -59,7 +66,35 @@ def reinforce_pp(x: AdvantageInputs) -> Tensor:
     times the KL estimate to the reference on every one), reward-to-go, whitened over every
     response token of the batch on all ranks; 0 outside the response."""
     rewards = token_rewards(x.rewards.reshape(-1), x.mask, x.behaviour_logps, x.ref_logps, x.kl_coef, x.kl_estimator)
+    if x.turn_rewards is not None:
+        rewards = rewards + x.turn_rewards
     return whiten_with_sums(reward_to_go(rewards, x.mask), x.mask, x.all_reduce)
+
+
+def reinforce_pp_baseline(x: AdvantageInputs) -> Tensor:
+    """(N, T) REINFORCE++-baseline (OpenRLHF's reinforce_baseline): each score minus its group's
+    mean, then REINFORCE++ (KL per token, reward-to-go, whitened over the batch of all ranks)."""
+    centred = x.rewards - x.rewards.float().mean(dim=-1, keepdim=True)  # (B, G)
+    return reinforce_pp(dataclasses.replace(x, rewards=centred))
+
+
+def with_kl_in_scores(x: AdvantageInputs) -> AdvantageInputs:
+    """``kl_in_reward`` for a per-sample estimator: each sample's score becomes score - kl_coef *
+    the sum over its response tokens of the KL estimate to the reference (verl's use_kl_in_reward,
+    the per-token rewards of ``token_rewards`` summed), before the group baseline is taken."""
+    if x.ref_logps is None:
+        return x
+    per_token = token_rewards(x.rewards.reshape(-1), x.mask, x.behaviour_logps, x.ref_logps, x.kl_coef,
+                              x.kl_estimator)  # (N, T)
+    return dataclasses.replace(x, rewards=per_token.sum(dim=-1).reshape(x.rewards.shape))
+
+
+def reward_kl(x: AdvantageInputs) -> float:
+    """The ``kl`` metric when the KL sits in the rewards: the mean estimate over the response tokens
+    (the sampler's log-probs against the reference's); 0 without a reference."""
+    if x.ref_logps is None:
+        return 0.0
+    return masked_mean(kl_estimate(x.behaviour_logps.float(), x.ref_logps.float(), x.kl_estimator), x.mask).item()
 
 
 @dataclass(frozen=True)
@@ -77,6 +112,8 @@ ADVANTAGE_ESTIMATORS: dict[str, AdvantageEstimator] = {
                                why_min_group="a baseline of the other samples"),
     "reinforce_pp": AdvantageEstimator(reinforce_pp, group_relative=False, min_group_size=1,
                                        why_min_group="one sample", kl_in_rewards=True),
+    "reinforce_pp_baseline": AdvantageEstimator(reinforce_pp_baseline, group_relative=True, min_group_size=2,
+                                                why_min_group="a group mean to remove", kl_in_rewards=True),
 }
 
 

@@ -12,6 +12,7 @@ A graceful stop (signal, early stopping) publishes a checkpoint and exits 0.
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import sys
 import typing
@@ -34,6 +35,7 @@ section is optional; a boolean takes --pack, --pack false or --no-pack. For exam
   --resume              restore the full training state (from --param_path or the newest
                         complete checkpoint in --ckpt_dir)
   --nprocs N            run N local ranks (gloo on CPU, nccl on CUDA)
+  --rollout_replicas N  also start N local `astrai serve` replicas that draw the rollouts
   --num_threads N       torch intra-op threads per rank (alias --threads; default OMP_NUM_THREADS
                         when set, else 1 on CPU)
 """
@@ -113,7 +115,10 @@ def run(cfg: Config, ctx: TrainContext, threads_line: str = "") -> int:
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    ctx = TrainContext(command=argv)
+    # under --rollout_replicas the trainer's command line has the launcher's additions; the run
+    # summary's resume line shows the user's own (train/replicas.py passes it)
+    shown = os.environ.get("ASTRAI_REPLICAS_ARGV")
+    ctx = TrainContext(command=json.loads(shown) if shown else argv)
     from astrai.train import signals
 
     signals.install_signal_handlers(ctx)  # before anything slow: a signal during setup is kept
@@ -137,6 +142,13 @@ def main(argv: list[str] | None = None) -> int:
     if args.dry_run:
         print(cfg.to_yaml(), end="")
         return 0
+    if cfg.rl.rollout_replicas > 0 and "WORLD_SIZE" not in os.environ:
+        from astrai.train.replicas import launch_with_replicas
+
+        try:
+            return launch_with_replicas(argv, cfg)
+        except (ValueError, FileNotFoundError, OSError) as e:
+            return _fail(str(e), 1)
     if cfg.dist.nprocs > 1 and "WORLD_SIZE" not in os.environ:
         from astrai.train.launch import launch
 

@@ -21,6 +21,7 @@ itself, also used by the tools demo.
 from __future__ import annotations
 
 import json
+import math
 import sys
 import time
 from dataclasses import dataclass
@@ -31,7 +32,7 @@ import torch
 from torch import Tensor
 
 from astrai.config import Config
-from astrai.data.tasks import score_completions
+from astrai.data.tasks import no_answers_warning, score_completions
 from astrai.train import dist
 from astrai.train.rl.engine_sampler import engine_runner
 from astrai.train.rl.episode import Episode, episode_stats
@@ -41,6 +42,14 @@ from astrai.train.traces import eval_records
 
 SUMS = ("prompts", "correct", "greedy_reward", "samples", "sample_reward", "sample_correct", "tokens",
         "truncated", "skipped", "tool_episodes")
+
+
+def pass_at_k(num_samples: int, num_correct: int, k: int) -> float:
+    """The unbiased pass@k of one prompt (Chen et al. 2021) from n samples of which c are right:
+    1 - C(n - c, k) / C(n, k), the chance that k of the n drawn without replacement hold a right one."""
+    if num_samples - num_correct < k:
+        return 1.0
+    return 1.0 - math.comb(num_samples - num_correct, k) / math.comb(num_samples, k)
 
 
 def eval_seed(random_seed: int, step: int, prompt_index: int, *more: int) -> int:
@@ -94,6 +103,7 @@ class GenerationEval:
         self.traces = traces  # a TraceLog (train/traces.py): the episodes are written there too
         self.answers: list[tuple[str, Answers]] = []  # the last evaluation's draws, until traced
         self.interval, self.num_samples = cfg.train.eval_interval, cfg.train.eval_num_samples
+        self.sum_keys = (*SUMS, *(f"pass@{k}" for k in cfg.train.eval_pass_k))  # summed over prompts and ranks
         self.path = Path(cfg.log.log_dir) / "metrics.jsonl"
         self.records: list[dict[str, Any]] = []
         self.runner: EpisodeRunner | None = None
@@ -112,6 +122,9 @@ class GenerationEval:
                              "with 'messages' (or 'instruction') and 'answer', or set --eval_interval 0")
         rank, world = trainer.dist.rank, trainer.dist.world_size
         self.records = [data[i] for i in range(rank, len(data), world)]
+        warning = no_answers_warning([data[i]["answer"] for i in range(len(data))], f"eval_data_path {cfg.data.eval_data_path!r}")
+        if warning is not None and trainer.is_main:
+            print(warning, file=sys.stderr)
         self.rewards = RewardSet(cfg.rl, trainer.device, tokenizer=trainer.tokenizer)
         too_long = sum(len(data[i]["prompt_ids"]) > cfg.rl.max_prompt_len for i in range(len(data)))
         if too_long == len(data):
@@ -142,8 +155,9 @@ class GenerationEval:
                 self.traces.write(eval_records(step, trainer.ctx.policy_version, draw, answers,
                                                self.config.log.trace_samples, trainer.tokenizer))
         self.answers = []
-        totals = dict(zip(SUMS, dist.all_reduce_sum(torch.tensor([sums[k] for k in SUMS], dtype=torch.float64,
-                                                                 device=trainer.device)).tolist()))
+        totals = dict(zip(self.sum_keys, dist.all_reduce_sum(torch.tensor([sums[k] for k in self.sum_keys],
+                                                                          dtype=torch.float64,
+                                                                          device=trainer.device)).tolist()))
         seconds = time.perf_counter() - start
         self.seconds += seconds
         metrics = summarise(totals, seconds, self.runner.multi_turn)
@@ -172,7 +186,7 @@ class GenerationEval:
     def _answer(self, runner: EpisodeRunner, step: int, policy_version: int) -> dict[str, float]:
         """Greedy and sampled episodes for this rank's records, scored; the sums of SUMS."""
         rl, seed = self.config.rl, self.config.train.random_seed
-        sums = dict.fromkeys(SUMS, 0.0)
+        sums = dict.fromkeys(self.sum_keys, 0.0)
         kept = [r for r in self.records if len(r["prompt_ids"]) <= rl.max_prompt_len]
         sums["skipped"] = float(len(self.records) - len(kept))
         if not kept:
@@ -195,6 +209,10 @@ class GenerationEval:
             sums["samples"] = float(len(sampled[0].episodes))
             sums["sample_reward"] = float(sampled[0].rewards.double().sum())
             sums["sample_correct"] = float(sum(sampled[0].correct))
+            n = self.num_samples  # a prompt's samples are contiguous
+            per_prompt = [int(sum(sampled[0].correct[i:i + n])) for i in range(0, len(sampled[0].correct), n)]
+            for k in self.config.train.eval_pass_k:
+                sums[f"pass@{k}"] = sum(pass_at_k(n, c, k) for c in per_prompt)
         return sums
 
 
@@ -210,4 +228,5 @@ def summarise(t: dict[str, float], seconds: float, multi_turn: bool = False) -> 
                 "eval/num_prompts": t["prompts"], "eval/skipped_prompts": t["skipped"], "eval/seconds": seconds})
     if multi_turn:
         out["eval/tool_use_rate"] = t["tool_episodes"] / max(completions, 1.0)
+    out.update({f"eval/{key}": value / prompts for key, value in t.items() if key.startswith("pass@")})
     return out

@@ -37,7 +37,7 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _die_with_parent(launcher_pid: int) -> None:
+def die_with_parent(launcher_pid: int) -> None:
     """In the child before exec: get SIGTERM if the launcher dies (Linux), so no rank is orphaned.
     (Each rank's watchdog, train/signals.py, also notices a changed parent pid, and ends a rank still
     blocked `stop_timeout` seconds after the signal.)"""
@@ -106,7 +106,7 @@ def launch(argv: list[str], nprocs: int, stop_timeout: float = 600, program: lis
             # the rank's watchdog (train/signals.py) takes a change of its parent pid as the launcher's death
             env = {**_rank_env(rank, nprocs, port, stop_timeout), "ASTRAI_LAUNCHER_PID": str(os.getpid())}
             procs.append(subprocess.Popen(cmd, env=env, cwd=os.getcwd(),
-                                          start_new_session=True, preexec_fn=partial(_die_with_parent, os.getpid())))
+                                          start_new_session=True, preexec_fn=partial(die_with_parent, os.getpid())))
         if signals.last_signal() is not None:  # a signal arrived while the ranks were starting
             forward(signals.last_signal(), None)
         return _wait(procs, deadline, stop_timeout)
@@ -124,7 +124,7 @@ def _wait(procs: list[subprocess.Popen], deadline: list[float], stop_timeout: fl
             bad = [(rank, c) for rank, c in enumerate(codes) if c != 0]
             if bad:
                 print(f"astrai launch: rank {bad[0][0]} exited with {bad[0][1]}", file=sys.stderr)
-                return _exit_code(bad[0][1])
+                return exit_code(bad[0][1])
             return 0
         if failed_rank is None:
             failed = [rank for rank, c in enumerate(codes) if c not in (None, 0)]
@@ -146,6 +146,6 @@ def _wait(procs: list[subprocess.Popen], deadline: list[float], stop_timeout: fl
         time.sleep(POLL_S)
 
 
-def _exit_code(code: int) -> int:
+def exit_code(code: int) -> int:
     # a rank killed by signal N reports -N; the shell's convention is 128 + N
     return 128 - code if code < 0 else code

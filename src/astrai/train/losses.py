@@ -227,13 +227,22 @@ def aggregate_token_loss(per_token: Tensor, mask: Tensor, mode: str = "token_mea
     return per_seq.sum(), torch.tensor(float(per_token.size(0)), device=per_token.device)
 
 
-def kl_estimate(logps: Tensor, ref_logps: Tensor, kind: str = "k3") -> Tensor:
+def kl_estimate(logps: Tensor, ref_logps: Tensor, kind: str = "k3+") -> Tensor:
     """Per-token estimate of KL(pi || pi_ref) from tokens sampled from pi (Schulman's k1/k2/k3).
 
     With log r = ref_logps - logps:  k1 = -log r,  k2 = (log r)^2 / 2,  k3 = (r - 1) - log r.
-    k1 is unbiased but can be negative; k3 is unbiased and never negative; k2 is biased, low
-    variance. Shapes broadcast; the result has the shape of the inputs.
+    As values, k1 and k3 are unbiased (k1 can be negative, k3 never is) and k2 is biased with low
+    variance. As a loss, only k2's expected gradient is the reverse KL's, E[(log pi - log ref)
+    grad log pi]: k1's is E[grad log pi] = 0 and k3's is -E_ref[grad log pi], the forward KL's.
+    The straight-through ``k1+`` and ``k3+`` take the value of k1 / k3 and the gradient of k2.
+    Shapes broadcast; the result has the shape of the inputs.
     """
+    if kind in ("k1+", "k3+"):
+        value = kl_estimate(logps, ref_logps, kind[:-1])
+        if not (torch.is_grad_enabled() and (logps.requires_grad or ref_logps.requires_grad)):
+            return value  # a value only (rewards, metrics): exactly k1's / k3's
+        surrogate = kl_estimate(logps, ref_logps, "k2")
+        return value.detach() + (surrogate - surrogate.detach())  # exactly the value forward: + 0.0
     log_ratio = ref_logps - logps
     if kind == "k1":
         return -log_ratio
@@ -250,13 +259,16 @@ def clipped_surrogate(
     advantages: Tensor,
     clip_eps: float = 0.2,
     clip_eps_high: float | None = None,
+    clip_ratio_c: float | None = None,
 ) -> tuple[Tensor, Tensor]:
     """PPO's clipped policy loss per token, and which tokens the clip was active on.
 
     logps, old_logps: (B, T) log-probs of the taken tokens under the current and the behaviour
     policy; advantages: (B, T), or (B,) for one advantage per sequence (GRPO). Returns
     (loss, clipped), both (B, T): loss = -min(ratio * A, clip(ratio, 1 - eps, 1 + eps_high) * A).
-    `clip_eps_high` (default `clip_eps`) allows DAPO's asymmetric clip.
+    `clip_eps_high` (default `clip_eps`) allows DAPO's asymmetric clip. `clip_ratio_c` (> 1) is
+    dual-clip PPO for negative advantages: the loss is at most -clip_ratio_c * A, so a token whose
+    ratio ran far above 1 with A < 0 sends no gradient (verl's name; `clipped` marks it too).
     """
     high = clip_eps if clip_eps_high is None else clip_eps_high
     if advantages.dim() == logps.dim() - 1:
@@ -266,7 +278,27 @@ def clipped_surrogate(
     clipped_obj = torch.clamp(ratio, 1 - clip_eps, 1 + high) * advantages
     loss = -torch.minimum(unclipped, clipped_obj)
     clipped = clipped_obj < unclipped  # the clipped branch won the min
+    if clip_ratio_c is not None:
+        bound = -clip_ratio_c * advantages  # (B, T) or (B, 1)
+        dual = (advantages < 0) & (loss > bound)
+        loss = torch.where(dual, bound.expand_as(loss), loss)
+        clipped = clipped | dual
     return loss, clipped
+
+
+def cispo_loss(logps: Tensor, old_logps: Tensor, advantages: Tensor, clip_eps: float = 0.2,
+               clip_eps_high: float | None = None) -> tuple[Tensor, Tensor]:
+    """CISPO's policy loss per token (MiniMax-M1), and where the weight was clipped: a REINFORCE
+    loss weighted by the clipped, stop-gradient importance ratio,
+    loss = -sg(clip(ratio, 1 - eps, 1 + eps_high)) * A * logp. Unlike PPO's clip, a clipped token
+    still sends a gradient (its weight is bounded, not its update zeroed). Shapes as
+    ``clipped_surrogate``'s."""
+    high = clip_eps if clip_eps_high is None else clip_eps_high
+    if advantages.dim() == logps.dim() - 1:
+        advantages = advantages.unsqueeze(-1)  # (B, 1)
+    ratio = torch.exp(logps - old_logps).detach()  # (B, T)
+    weight = torch.clamp(ratio, 1 - clip_eps, 1 + high)
+    return -weight * advantages * logps, weight != ratio
 
 
 def gae(
@@ -345,14 +377,18 @@ def explained_variance(values: Tensor, returns: Tensor, mask: Tensor) -> Tensor:
 
 
 def importance_weights(trainer_logps: Tensor, sampler_logps: Tensor, mask: Tensor, level: str = "token",
-                       cap: float = 2.0) -> tuple[Tensor, Tensor]:
-    """Truncated importance sampling for the sampler-trainer mismatch: (weights, capped), (B, T).
+                       cap: float = 2.0, mode: str = "truncate", low: float | None = None) -> tuple[Tensor, Tensor]:
+    """Importance sampling for the sampler-trainer mismatch: (weights, capped), (B, T).
 
     The samples were drawn by the engine (pi_sampler) but the ratio is taken against the trainer's
     own log-probs at the same weights (pi_trainer_old); where the two differ (bf16, kernels), each
     token's loss is weighted by w = min(pi_trainer_old / pi_sampler, cap) (level "token"), or every
     token of a sample by w = min(exp(sum over its tokens of log(pi_trainer_old / pi_sampler)), cap)
-    (level "sequence"); level "none" gives ones. Weights are detached; 0 outside the mask.
+    (level "sequence"); level "none" gives ones. Mode "mask" (TRL's default) keeps the weight
+    w = pi_trainer_old / pi_sampler where low <= w <= cap and zeroes the token (or the sample) where
+    it leaves that band (low None: 1 / cap), so a token the sampler and trainer disagree on carries
+    no loss instead of a capped one; `capped` is then where it left the band. Weights are
+    detached; 0 outside the mask.
     """
     mask = mask.bool()
     if level == "none":
@@ -363,6 +399,11 @@ def importance_weights(trainer_logps: Tensor, sampler_logps: Tensor, mask: Tenso
     elif level != "token":
         raise ValueError(f"unknown rollout_is_level {level!r}; expected none, token or sequence")
     raw = log_ratio.exp()
+    if mode == "mask":
+        out = ((raw > cap) | (raw < (1 / cap if low is None else low))) & mask
+        return torch.where(mask & ~out, raw, 0.0), out
+    if mode != "truncate":
+        raise ValueError(f"unknown rollout_is_mode {mode!r}; expected truncate or mask")
     capped = (raw > cap) & mask
     return torch.where(mask, raw.clamp(max=cap), 0.0), capped
 
@@ -389,14 +430,18 @@ def rloo_advantages(rewards: Tensor, group_size: int) -> Tensor:
 
 
 def reward_to_go(rewards: Tensor, mask: Tensor, gamma: float = 1.0) -> Tensor:
-    """Per-token returns G_t = sum_{s >= t} gamma^(s - t) r_s over each row's masked tokens, (B, T);
-    0 outside the mask. REINFORCE++ (with the KL folded into the per-token rewards)."""
+    """Per-token returns G_t = sum_{s >= t} gamma^(k(s) - k(t)) r_s over each row's masked tokens,
+    (B, T), k counting masked tokens; 0 outside the mask. REINFORCE++ (with the KL folded into the
+    per-token rewards). As in ``gae``, the trajectory is the row's masked tokens in order: an
+    unmasked gap of a multi-turn row (tool and environment tokens) is skipped, so the episode's
+    final reward reaches every earlier turn; rewards outside the mask are ignored."""
     mask = mask.to(torch.float32)
     returns = torch.zeros_like(mask)
     running = torch.zeros(mask.size(0), device=mask.device)
     for t in range(mask.size(1) - 1, -1, -1):
-        running = (rewards[:, t].float() + gamma * running) * mask[:, t]
-        returns[:, t] = running
+        keep = mask[:, t].bool()
+        running = torch.where(keep, rewards[:, t].float() + gamma * running, running)
+        returns[:, t] = running * mask[:, t]
     return returns
 
 
@@ -412,6 +457,15 @@ def whiten_with_sums(values: Tensor, mask: Tensor, all_reduce: Any = None, eps: 
     mean = sums[0] / count
     var = (sums[1] / count - mean**2).clamp(min=0)
     return (values - mean) * torch.rsqrt(var + eps) * mask
+
+
+def sequence_token_log_ratio(logps: Tensor, old_logps: Tensor, mask: Tensor) -> Tensor:
+    """GSPO-token's log ratio per token, (B, T): the value of the sample's ``sequence_log_ratio`` on
+    every token, the gradient of that token's own log-prob (log s_i,t = sg[log s_i] + log pi_t -
+    sg[log pi_t]), so that a per-token advantage weighs its own token; with one advantage per
+    sample its gradient is GSPO's."""
+    seq = sequence_log_ratio(logps.detach(), old_logps, mask)  # (B, 1)
+    return seq + (logps - logps.detach())
 
 
 def sequence_log_ratio(logps: Tensor, old_logps: Tensor, mask: Tensor) -> Tensor:

@@ -20,6 +20,7 @@ import os
 import re
 import shutil
 import socket
+import stat
 import threading
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -368,13 +369,21 @@ def run_lock(ckpt_dir: str | os.PathLike) -> Iterator[None]:
     ckpt_dir.mkdir(parents=True, exist_ok=True)
     lock = ckpt_dir / LOCK_FILE
     try:  # never through a symlink: the lock file is truncated and written, it must be this directory's own
-        fd = os.open(lock, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o644)
+        # O_NONBLOCK: opening a FIFO must not wait for a writer (it is refused below)
+        fd = os.open(lock, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK, 0o644)
     except OSError as e:
+        if e.errno == errno.EISDIR:
+            raise CheckpointError(f"{lock} is a directory; a run's lock file must be a plain file in its ckpt_dir: "
+                                  "remove the directory") from None
         if e.errno != errno.ELOOP and not lock.is_symlink():
             raise
         raise CheckpointError(f"{lock} is a symlink (to {os.readlink(lock)!r}); a run's lock file must be a plain "
                               "file in its ckpt_dir: remove the link") from None
     try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            kind = "a FIFO" if stat.S_ISFIFO(os.fstat(fd).st_mode) else "not a plain file"
+            raise CheckpointError(f"{lock} is {kind}; a run's lock file must be a plain file in its ckpt_dir: "
+                                  "remove it")
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:

@@ -79,10 +79,38 @@ def initial_config(cfg: Config, ckpt: Path) -> Config:
             saved = {}  # load_training_checkpoint reports the corrupt file by name
     init_path = saved.get("train", {}).get("param_path")
     out.train.param_path = init_path if init_path and Path(init_path).is_dir() else None
+    if cfg.model and saved.get("model"):
+        check_model(cfg.model, saved["model"], ckpt)
     out.model = dict(saved.get("model") or cfg.model)
     if out.train.param_path is None and not out.model:
         out.train.param_path = str(ckpt)  # no record of the initial model: start from the checkpoint
     return out
+
+
+def check_model(asked: dict[str, Any], saved: dict[str, Any], ckpt: Path) -> None:
+    """A resume trains the checkpoint's model. A ``model`` section whose fields give other weight
+    shapes (hidden size, layers, vocabulary, KV heads, ...) cannot be that model: an error naming
+    each differing field with both values. Other differences (e.g. rope_theta) are ignored, with a
+    warning on rank 0. Both sections are resolved first, so a default written out is no change."""
+    from astrai.model.config import ModelConfig
+    from astrai.model.transformer import CausalLM
+
+    new, old = ModelConfig.from_dict(asked).to_dict(), ModelConfig.from_dict(saved).to_dict()
+    diff = [k for k in new if new[k] != old.get(k)]
+    if not diff:
+        return
+    # the fields either section writes out; the derived ones (head_dim from hidden_size) only when nothing else differs
+    diff = [k for k in diff if k in asked or k in saved] or diff
+    shapes = [{n: tuple(p.shape) for n, p in CausalLM(ModelConfig.from_dict(c), seed=None, device="meta")
+               .named_parameters()} for c in (asked, saved)]
+    fields = ", ".join(f"{k}={new[k]!r} (checkpoint: {old.get(k)!r})" for k in diff)
+    if shapes[0] != shapes[1]:
+        raise ValueError(f"--resume: the model section asks for {fields}, a model of other weight shapes than "
+                         f"{ckpt}'s; a resumed run trains the checkpoint's model: set these fields back (or remove "
+                         "them), or train the new shape as a new run with another --ckpt_dir")
+    if dist.get_rank() == 0:
+        print(f"warning: model fields {fields} are ignored on resume; the checkpoint's model is trained",
+              file=sys.stderr)
 
 
 def restore(loop: Loop, ckpt: Path) -> None:
@@ -96,6 +124,7 @@ def restore(loop: Loop, ckpt: Path) -> None:
     state = load_training_checkpoint(ckpt, model=loop.raw_model, optimizer=loop.optimizer,
                                      scheduler=loop.scheduler, verify=True,
                                      metrics_path=Path(cfg.log.log_dir) / "metrics.jsonl")
+    check_not_past_end(int(state.get("step", 0)), loop.total_steps, cfg, ckpt)
     for group, values in zip(loop.optimizer.param_groups, configured, strict=True):
         group.update(values)
     loop.scheduler.apply()
@@ -106,6 +135,18 @@ def restore(loop: Loop, ckpt: Path) -> None:
     restore_rank_state(loop, ckpt, int(state.get("world_size", 1)))  # after the RNG: a rank's own wins
     if loop.is_main:
         print(f"resumed from {ckpt} at step {loop.ctx.step}", file=sys.stderr)
+
+
+def check_not_past_end(step: int, total_steps: int, cfg: Config, ckpt: Path) -> None:
+    """A checkpoint past this run's last step has nothing to resume: an error saying how to extend
+    the run (a checkpoint at exactly the last step resumes to "finished", as a restarted
+    container does)."""
+    if step <= total_steps:
+        return
+    length = (f"max_steps={cfg.train.max_steps}" if cfg.train.max_steps is not None
+              else f"{total_steps} steps from n_epoch={cfg.train.n_epoch}")
+    raise ValueError(f"--resume: {ckpt} is at step {step}, past this run's end ({length}); to extend the run, "
+                     f"resume with --max_steps above {step} (the LR schedule takes the new length)")
 
 
 def restore_rank_state(loop: Loop, ckpt: Path, saved_world_size: int) -> None:
@@ -171,19 +212,17 @@ APPLIED_ON_RESUME = frozenset({
     "log_dir", "progress", "summary_hints", "tensorboard", "report_to", "report_project", "run_name", "log_metrics", "trace_samples", "report_html", "val_interval", "val_max_batches", "stop_timeout",
     "early_stopping_metric", "early_stopping_patience", "early_stopping_min_delta", "early_stopping_mode",
     "max_nonfinite_steps", "device", "nprocs", "max_policy_lag", "keep_kv_pool", "host_mmap_threshold_mb", "host_keep_heap",
+    # where the rollout servers are and how to reach them (a restarted fleet has new ports)
+    "rollout_servers", "rollout_admin_key", "rollout_weights_dir", "rollout_timeout", "rollout_retries",
+    "rollout_replicas",
 })
 
 
 def report_mismatches(state: dict[str, Any], cfg: Config, world_size: int, total_steps: int) -> None:
     """Settings that differ from the checkpoint's run: say so, never silently. Model fields come
-    from the checkpoint; every other new value is applied, and those outside APPLIED_ON_RESUME
+    from the checkpoint (``check_model``); every other new value is applied, and those outside APPLIED_ON_RESUME
     (sample order, batch shape, optimizer, objective) mean the run is no longer exact."""
     saved_cfg = state.get("config", {})
-    for k, v in cfg.model.items():
-        old = saved_cfg.get("model", {}).get(k)
-        if old is not None and old != v:
-            print(f"warning: model field {k}={v!r} is ignored on resume; the checkpoint's model has {k}={old!r}",
-                  file=sys.stderr)
     saved = {k: v for name, section in saved_cfg.items() if name != "model" and isinstance(section, dict)
              for k, v in section.items()}
     now = {k: v for name, section in cfg.to_dict().items() if name != "model" for k, v in section.items()}

@@ -18,6 +18,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
+import torch
 from torch import Tensor, nn
 
 from astrai.config import Config
@@ -77,12 +78,13 @@ class Objective(Protocol):
 class RolloutObjective(Objective, Protocol):
     """An objective of the online loop (``train/rl/loop.py``), which trains on rollouts: ``prepare``
     pins a fresh rollout's targets once (advantages, pairs, values); each optimizer step on it
-    runs ``batches(rollout, grad_accum_steps)``; under DDP a rank with fewer micro-batches than
+    runs ``batches(rollout, grad_accum_steps)`` (with ``mini_batches`` > 1, ``batches(rollout,
+    grad_accum_steps, samples)`` on that step's mini-batch of sample indices); under DDP a rank with fewer micro-batches than
     another runs ``filler_batch(rollout, batches)`` for each missing one, a pass whose loss and
     units the loop zeroes, so that every rank joins every gradient all-reduce."""
 
     def prepare(self, rollout: Rollout) -> None: ...
-    def batches(self, rollout: Rollout, num_micro: int) -> list[Batch]: ...
+    def batches(self, rollout: Rollout, num_micro: int, samples: Tensor | None = None) -> list[Batch]: ...
     def filler_batch(self, rollout: Rollout, batches: list[Batch]) -> Batch: ...
 
 
@@ -163,6 +165,26 @@ def add_moe_terms(out: Any, loss: Tensor, units: Tensor, coef: float, metrics: d
             candidates[f"router/{name}"] = lambda v=value: v * units
     metrics.update(computed(candidates, requested))
     return loss + coef * aux
+
+
+@torch.no_grad()
+def update_reference(reference: nn.Module | None, policy: nn.Module, step: int, reset_interval: int,
+                     ema: float | None) -> None:
+    """After optimizer step `step`: ``ref_reset_interval`` (every that many steps the reference
+    becomes the policy) and ``ref_ema`` (after each other step, reference = ema * reference +
+    (1 - ema) * policy), parameter by parameter, the reference's names being the policy's."""
+    reset = bool(reset_interval) and step % reset_interval == 0
+    if reference is None or not (reset or ema is not None):
+        return
+    params = dict(policy.named_parameters())
+    for name, ref in reference.named_parameters():
+        if name not in params:
+            raise ValueError(f"reference parameter {name!r} is not the policy's; ref_reset_interval and ref_ema need a "
+                             "reference of the policy's architecture (drop ref_model_path or these settings)")
+        if reset:
+            ref.copy_(params[name])
+        else:
+            ref.lerp_(params[name].to(ref.dtype), 1 - ema)
 
 
 def frozen_reference(ref_model_path: str | None, model: nn.Module) -> Any:

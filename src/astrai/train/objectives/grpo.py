@@ -23,7 +23,7 @@ from torch import Tensor, nn
 
 from astrai.config import Config
 from astrai.train import dist
-from astrai.train.advantages import ADVANTAGE_ESTIMATORS, AdvantageInputs
+from astrai.train.advantages import ADVANTAGE_ESTIMATORS, AdvantageInputs, reward_kl, with_kl_in_scores
 from astrai.train.losses import (
     IGNORE_INDEX,
     aggregate_token_loss,
@@ -31,6 +31,7 @@ from astrai.train.losses import (
     grpo_advantages,
     kl_estimate,
     sequence_log_ratio,
+    sequence_token_log_ratio,
 )
 from astrai.train.objectives.base import Batch, Companion, LossOutput, frozen_reference, wants
 from astrai.train.objectives.logps import (
@@ -47,8 +48,10 @@ from astrai.train.objectives.rollout_steps import (
     loss_mask,
     micro_batches,
     num_units,
+    per_turn,
     per_unit,
     pin_keep,
+    policy_surrogate,
 )
 from astrai.train.rl.sampler import rollout_sampling
 
@@ -71,15 +74,20 @@ class GRPOObjective:
     def __init__(self, cfg: Config, model: nn.Module, online: bool = False):
         rl = self.rl = cfg.rl
         self.online = online
-        self.agg, self.max_len = rl.rl_loss_agg, rl.rollout_max_tokens
+        self.level = rl.importance_sampling_level
+        # GSPO's loss is one value per sample: averaged per sequence, as the paper, verl and TRL do
+        # (token_mean would weigh a sample by its length)
+        self.agg = rl.rl_loss_agg if self.level == "token" else "seq_mean"
+        self.max_len = rl.rollout_max_tokens
         self.clip_eps, self.clip_eps_high, self.kl_coef = rl.clip_eps, rl.clip_eps_high, rl.kl_coef
         self.scale = rl.scale_rewards == "group"
         self.estimator = ADVANTAGE_ESTIMATORS[rl.advantage_estimator]
         self.device = next(model.parameters()).device
-        self.sequence_ratio = rl.importance_sampling_level == "sequence"
         self.reference = frozen_reference(cfg.objective.ref_model_path, model) if rl.kl_coef > 0 else None
-        # REINFORCE++ folds the KL into its per-token rewards: no KL term in the loss then
-        self.kl_in_loss = self.reference is not None and not self.estimator.kl_in_rewards
+        # REINFORCE++ folds the KL into its per-token rewards, kl_in_reward into each sample's score:
+        # no KL term in the loss then
+        self.kl_in_reward = self.estimator.kl_in_rewards or rl.kl_in_reward
+        self.kl_in_loss = self.reference is not None and not self.kl_in_reward
 
     def setup(self, run: Run, total_steps: int) -> None:
         """Nothing is trained beside the policy."""
@@ -87,9 +95,9 @@ class GRPOObjective:
     def num_units(self, batch: Batch) -> Tensor:
         return num_units(batch, self.agg)
 
-    def logps(self, model: nn.Module, batch: Batch, entropy: bool = False) -> PolicyLogps:
+    def logps(self, model: nn.Module, batch: Batch, entropy: bool = False, entropy_grad: bool = False) -> PolicyLogps:
         """``token_logps`` at the rollout's sampling, in this objective's layout."""
-        return token_logps(model, batch, rollout_sampling(self.rl), entropy, self.layout)
+        return token_logps(model, batch, rollout_sampling(self.rl), entropy, self.layout, entropy_grad)
 
     def _group_advantages(self, batch: Batch) -> Tensor:
         """Offline records: advantages per record's group (groups may differ in size)."""
@@ -97,24 +105,32 @@ class GRPOObjective:
         advantages = torch.empty_like(rewards)
         for g in groups.unique():
             rows = (groups == g).nonzero().squeeze(1)
-            advantages[rows] = grpo_advantages(rewards[rows], len(rows), scale=self.scale)
+            advantages[rows] = grpo_advantages(rewards[rows], len(rows), scale=self.scale, eps=self.rl.reward_std_eps)
         return advantages
 
     def __call__(self, model: nn.Module, batch: Batch) -> LossOutput:
-        pol = self.logps(model, batch, entropy=wants(self.requested_metrics, "entropy"))
+        bonus = self.rl.entropy_coef > 0  # the entropy bonus needs the entropy with its gradient
+        grad = {"entropy_grad": True} if bonus else {}  # (only then: a replaced logps may not take it)
+        pol = self.logps(model, batch, entropy=bonus or wants(self.requested_metrics, "entropy"), **grad)
         logps, idx = pol.logps, pol.idx
         mask = loss_mask(batch, pol.mask)
         # the ratio's old log-probs and the importance weights
-        beh = behaviour(batch, logps, mask, idx, self.online, self.rl.rollout_is_level, self.rl.rollout_is_cap)
+        beh = behaviour(batch, logps, mask, idx, self.online, self.rl)
         advantages = batch["advantages"] if "advantages" in batch else self._group_advantages(batch)
         if advantages.dim() == 2 and idx is not None:
             advantages = advantages[:, idx]  # REINFORCE++: per-token advantages at the labelled positions
-        if self.sequence_ratio:  # GSPO: one ratio per sample, exp(mean log-ratio), clipped per sequence
-            seq = sequence_log_ratio(logps, beh.old, mask).expand_as(logps)
-            loss, clipped = clipped_surrogate(seq, torch.zeros_like(seq), advantages, self.clip_eps, self.clip_eps_high)
+        if self.level != "token":  # GSPO: one ratio per sample, exp(mean log-ratio), clipped per sequence
+            if self.level == "sequence":
+                seq = sequence_log_ratio(logps, beh.old, mask).expand_as(logps)
+            else:  # GSPO-token: the same value per token, each token's gradient its own
+                seq = sequence_token_log_ratio(logps, beh.old, mask)
+            loss, clipped = clipped_surrogate(seq, torch.zeros_like(seq), advantages, self.clip_eps,
+                                              self.clip_eps_high, self.rl.clip_ratio_c)
         else:
-            loss, clipped = clipped_surrogate(logps, beh.old, advantages, self.clip_eps, self.clip_eps_high)
+            loss, clipped = policy_surrogate(self.rl, logps, beh.old, advantages)
         loss = loss * beh.weights  # the sampler-trainer mismatch correction (1 in fp32 on a fresh rollout)
+        if bonus:
+            loss = loss - self.rl.entropy_coef * pol.entropy
         metrics: dict[str, Tensor] = {}
         if self.kl_in_loss:
             with torch.no_grad():
@@ -132,16 +148,22 @@ class GRPOObjective:
     def prepare(self, rollout: Rollout) -> None:
         """Online: pin the rollout's advantages (computed once, reused by every step on it)."""
         mask = rollout.labels != IGNORE_INDEX
-        with_ref = self.estimator.kl_in_rewards and self.reference is not None
+        with_ref = self.kl_in_reward and self.reference is not None
         ref = reference_logps(self.reference, rollout, rollout_sampling(self.rl), self.device) if with_ref else None
-        inputs = AdvantageInputs(rollout.rewards, mask, rollout.old_logps, ref, self.scale, self.kl_coef,
-                                 self.rl.kl_estimator, dist.all_reduce_sum if dist.is_distributed() else None)
+        scores, turns = per_turn(rollout)
+        inputs = AdvantageInputs(scores, mask, rollout.old_logps, ref, self.scale, self.rl.reward_std_eps,
+                                 self.kl_coef, self.rl.kl_estimator,
+                                 dist.all_reduce_sum if dist.is_distributed() else None, turns)
+        if with_ref:
+            rollout.stats["kl"] = reward_kl(inputs)
+            if not self.estimator.kl_in_rewards:  # kl_in_reward: the KL leaves each score before the baseline
+                inputs = with_kl_in_scores(inputs)
         rollout.pinned["advantages"] = self.estimator.function(inputs)
         pin_keep(rollout, self.rl.mask_truncated_completions)
         unknown_trainer_logps(rollout)
 
-    def batches(self, rollout: Rollout, num_micro: int) -> list[Batch]:
-        return micro_batches(rollout, num_micro, self.layout)
+    def batches(self, rollout: Rollout, num_micro: int, samples: Tensor | None = None) -> list[Batch]:
+        return micro_batches(rollout, num_micro, self.layout, samples)
 
     def filler_batch(self, rollout: Rollout, batches: list[Batch]) -> Batch:
         """Every rank has samples: its last micro-batch again (the loop zeroes its loss)."""

@@ -45,14 +45,15 @@ class PolicyLogps:
 
 
 def token_logps(model: Any, batch: Batch, sampling: RolloutSampling, entropy: bool = False,
-                layout: str = "share") -> PolicyLogps:
+                layout: str = "share", entropy_grad: bool = False) -> PolicyLogps:
     """The labelled tokens' log-probs under the distribution the rollout sampler drew from:
     logits / temperature, truncated to top_k and top_p and renormalised (docs/training.md, "The
     log-prob contract"); temperature 0 (greedy) uses the plain logits, as the sampler does. The
     rows run through the model in `layout` (``packing.py``: padding-free by default; "sort" runs
     each micro-batch trimmed to its longest row) and the lm head runs chunked on the labelled
     tokens only (``model/chunked_head.py``: no (rows, vocab) logits tensor); results come back in
-    the padded (B, K) layout, 0 off-label."""
+    the padded (B, K) layout, 0 off-label. `entropy_grad`: the entropy carries a gradient (an
+    entropy bonus in the loss), else it is a detached metric."""
     labels = batch["labels"]
     labelled = labels != IGNORE_INDEX
     layout = "trim" if layout == "sort" else layout
@@ -62,9 +63,13 @@ def token_logps(model: Any, batch: Batch, sampling: RolloutSampling, entropy: bo
     keep = rows.keep()
     targets = labels[rows.src]  # (M,)
 
+    # a repetition penalty reads each labelled token's context: its row of input_ids up to its column
+    context = (batch["input_ids"], *rows.src) if sampling.repetition_penalty != 1.0 else None
+
     def head(hidden: Tensor, lm_head: nn.Module) -> HeadLogps:
         return head_logps(rows.gather(hidden, keep), lm_head, targets, sampling.temperature, sampling.top_k,
-                          sampling.top_p, entropy=entropy)
+                          sampling.top_p, entropy=entropy, entropy_grad=entropy_grad, min_p=sampling.min_p,
+                          repetition_penalty=sampling.repetition_penalty, context=context)
 
     out = model(**rows.inputs(batch["input_ids"], batch["attention_mask"]), logits_indices=keep, head=head)
     idx = labelled_positions(labels)
@@ -106,22 +111,33 @@ def at_labels(batch: Batch, key: str, idx: Tensor | None) -> Tensor:
     return batch[key] if idx is None else batch[key][:, idx]
 
 
-def behaviour(batch: Batch, logps: Tensor, mask: Tensor, idx: Tensor | None, online: bool, is_level: str,
-              is_cap: float) -> Behaviour:
+def behaviour(batch: Batch, logps: Tensor, mask: Tensor, idx: Tensor | None, online: bool, rl: Any) -> Behaviour:
     """The ratio's denominator and the importance weights (docs/training.md, "The log-prob
     contract"). Offline records (`online` false), and rows without behaviour log-probs (NaN), use
     the policy's own log-probs: weights 1. Online, the first step on a rollout takes the trainer's
-    log-probs (`logps`, at the rollout's weights) as the old ones and pins them."""
+    log-probs (`logps`, at the rollout's weights) as the old ones and pins them. The weights follow
+    `rl`'s ``rollout_is_level``, ``rollout_is_mode``, ``rollout_is_cap`` and ``rollout_is_min``."""
     current, recorded = logps.detach(), at_labels(batch, "old_logps", idx)
     sampler = torch.where(torch.isnan(recorded), current, recorded)
     if not online or "trainer_logps" not in batch:
         return Behaviour(sampler, mask.float(), torch.zeros_like(mask), {})
     known = at_labels(batch, "trainer_logps", idx)
     old = torch.where(torch.isnan(known), current, known)  # NaN: this is the rollout's first step
-    weights, capped = importance_weights(old, sampler, mask, is_level, is_cap)
+    weights, capped = importance_weights(old, sampler, mask, rl.rollout_is_level, rl.rollout_is_cap,
+                                         rl.rollout_is_mode, rl.rollout_is_min)
     full = batch["trainer_logps"].clone()
     full[:, idx if idx is not None else slice(None)] = old
     return Behaviour(old, weights, capped, {"trainer_logps": full})
+
+
+def trainer_logps_pins(objective: Any, model: Any, batch: Batch) -> dict[str, Tensor]:
+    """The ``trainer_logps`` pin of `batch` from a forward of `objective`'s log-probs (no loss): what
+    ``behaviour`` pins on a rollout's first step, taken before any step when the rollout's steps
+    train on mini-batches (the later ones would otherwise see moved weights as the old ones)."""
+    pol = objective.logps(model, batch)
+    full = batch["trainer_logps"].clone()
+    full[:, pol.idx if pol.idx is not None else slice(None)] = pol.logps.detach().to(full.dtype)
+    return {"trainer_logps": full}
 
 
 def unknown_trainer_logps(rollout: Rollout) -> None:

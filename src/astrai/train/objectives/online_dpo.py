@@ -47,7 +47,9 @@ class OnlineDPOObjective:
         rollout.pairs = torch.stack([base + best, base + worst], dim=1)[distinct]  # (P, 2)
         rollout.stats["skipped_groups"] = float((~distinct).sum())
 
-    def batches(self, rollout: Rollout, num_micro: int) -> list[Batch]:
+    def batches(self, rollout: Rollout, num_micro: int, samples: Tensor | None = None) -> list[Batch]:
+        if samples is not None:  # the config refuses mini_batches for online_dpo: a mini-batch would cut pairs
+            raise ValueError("online_dpo trains on whole pairs; mini-batches of samples do not apply (mini_batches 1)")
         pairs = rollout.pairs
         out = []
         for chunk in pairs.tensor_split(min(num_micro, max(len(pairs), 1))):

@@ -23,9 +23,9 @@ from astrai.train import dist
 from astrai.train.losses import (
     IGNORE_INDEX,
     aggregate_token_loss,
-    clipped_surrogate,
     explained_variance,
     gae,
+    kl_estimate,
     masked_mean,
     masked_whiten,
     token_rewards,
@@ -46,8 +46,10 @@ from astrai.train.objectives.rollout_steps import (
     loss_mask,
     micro_batches,
     num_units,
+    per_turn,
     per_unit,
     pin_keep,
+    policy_surrogate,
 )
 from astrai.train.rl.sampler import rollout_sampling
 
@@ -139,9 +141,9 @@ class PPOObjective:
     def num_units(self, batch: Batch) -> Tensor:
         return num_units(batch, self.agg)
 
-    def logps(self, model: nn.Module, batch: Batch, entropy: bool = False) -> PolicyLogps:
+    def logps(self, model: nn.Module, batch: Batch, entropy: bool = False, entropy_grad: bool = False) -> PolicyLogps:
         """``token_logps`` at the rollout's sampling, in this objective's layout."""
-        return token_logps(model, batch, rollout_sampling(self.rl), entropy, self.layout)
+        return token_logps(model, batch, rollout_sampling(self.rl), entropy, self.layout, entropy_grad)
 
     @torch.no_grad()
     def prepare(self, rollout: Rollout) -> None:
@@ -155,8 +157,12 @@ class PPOObjective:
         sampling = rollout_sampling(rl)
         ref_logps = reference_logps(self.reference, rollout, sampling, device) if self.reference is not None else None
         values = values * mask
-        rewards = token_rewards(rollout.rewards.reshape(-1), mask, rollout.old_logps, ref_logps, rl.kl_coef,
-                                rl.kl_estimator)
+        if ref_logps is not None:  # the KL sits in the rewards: its mean estimate is the kl metric
+            rollout.stats["kl"] = masked_mean(kl_estimate(rollout.old_logps.float(), ref_logps, rl.kl_estimator), mask).item()
+        scores, turns = per_turn(rollout)
+        rewards = token_rewards(scores.reshape(-1), mask, rollout.old_logps, ref_logps, rl.kl_coef, rl.kl_estimator)
+        if turns is not None:
+            rewards = rewards + turns
         advantages, returns = gae(rewards, values, mask, rl.ppo_gamma, rl.ppo_gae_lambda)
         if rl.whiten_advantages:
             advantages = masked_whiten(advantages, mask) * mask
@@ -168,8 +174,8 @@ class PPOObjective:
             "value_mean": masked_mean(values, mask).item(), "return_mean": masked_mean(returns, mask).item(),
         })
 
-    def batches(self, rollout: Rollout, num_micro: int) -> list[Batch]:
-        return micro_batches(rollout, num_micro, self.layout)
+    def batches(self, rollout: Rollout, num_micro: int, samples: Tensor | None = None) -> list[Batch]:
+        return micro_batches(rollout, num_micro, self.layout, samples)
 
     def filler_batch(self, rollout: Rollout, batches: list[Batch]) -> Batch:
         """Every rank has samples: its last micro-batch again (the loop zeroes its loss)."""
@@ -186,7 +192,9 @@ class PPOObjective:
 
     def __call__(self, model: nn.Module, batch: Batch) -> LossOutput:
         rl, requested = self.rl, self.requested_metrics
-        pol = self.logps(model, batch, entropy=wants(requested, "entropy"))
+        bonus = rl.entropy_coef > 0  # the entropy bonus needs the entropy with its gradient
+        grad = {"entropy_grad": True} if bonus else {}  # (only then: a replaced logps may not take it)
+        pol = self.logps(model, batch, entropy=bonus or wants(requested, "entropy"), **grad)
         logps, idx, rows = pol.logps, pol.idx, pol.rows
         mask = loss_mask(batch, pol.mask)
 
@@ -195,9 +203,11 @@ class PPOObjective:
 
         self._check(batch, idx, mask)
         # the ratio's old log-probs and the importance weights
-        beh = behaviour(batch, logps, mask, idx, True, rl.rollout_is_level, rl.rollout_is_cap)
-        policy, clipped = clipped_surrogate(logps, beh.old, at("advantages"), rl.clip_eps, rl.clip_eps_high)
+        beh = behaviour(batch, logps, mask, idx, True, rl)
+        policy, clipped = policy_surrogate(rl, logps, beh.old, at("advantages"))
         policy = policy * beh.weights
+        if bonus:
+            policy = policy - rl.entropy_coef * pol.entropy
         values = self.critic_module(**rows.inputs(batch["input_ids"], batch["attention_mask"]))  # (R, W), as the policy ran
         values = rows.scatter(values[rows.dst], idx)  # (B, K)
         vloss, vclipped = value_loss(values, at("old_values"), at("returns"), rl.value_clip, coef=1.0)

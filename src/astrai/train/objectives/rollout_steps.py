@@ -10,12 +10,12 @@ with its own settings, so no objective inherits another's steps. The arithmetic 
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor
 
-from astrai.train.losses import IGNORE_INDEX, aggregate_token_loss
+from astrai.train.losses import IGNORE_INDEX, aggregate_token_loss, cispo_loss, clipped_surrogate
 from astrai.train.objectives.base import Batch, wants
 from astrai.train.objectives.logps import Behaviour, PolicyLogps
 
@@ -46,20 +46,37 @@ def num_units(batch: Batch, agg: str) -> Tensor:
     return torch.tensor(batch["labels"].size(0), device=batch["labels"].device)
 
 
+def per_turn(rollout: Rollout) -> tuple[Tensor, Tensor | None]:
+    """The scores (B, G) and per-turn rewards (N, T) a per-token estimator places: with
+    ``turn_rewards`` the environment's rewards leave the episode's score and sit on their turns;
+    otherwise the episode's reward as it is, and None."""
+    if rollout.turn_rewards is None:
+        return rollout.rewards, None
+    return rollout.rewards - rollout.reward_terms["environment"], rollout.turn_rewards
+
+
 def pin_keep(rollout: Rollout, mask_truncated: bool) -> None:
     """``mask_truncated_completions``: pin which samples carry loss (those that ended)."""
     if mask_truncated:
         rollout.pinned["keep"] = ~rollout.truncated
 
 
-def micro_batches(rollout: Rollout, num_micro: int, layout: str) -> list[Batch]:
-    """Micro-batches of whole samples, in order (or, layout "sort", longest first, so that each
-    micro-batch holds samples of similar lengths)."""
-    order = torch.arange(rollout.num_samples)
+def micro_batches(rollout: Rollout, num_micro: int, layout: str, samples: Tensor | None = None) -> list[Batch]:
+    """Micro-batches of whole samples (all of the rollout's, or the mini-batch `samples`), in order
+    (or, layout "sort", longest first, so that each micro-batch holds samples of similar lengths)."""
+    order = torch.arange(rollout.num_samples) if samples is None else samples
     if layout == "sort":
-        order = rollout.attention_mask.sum(dim=1).argsort(descending=True, stable=True)
-    chunks = order.tensor_split(min(num_micro, rollout.num_samples))
+        order = order[rollout.attention_mask[order].sum(dim=1).argsort(descending=True, stable=True)]
+    chunks = order.tensor_split(min(num_micro, len(order)))
     return [rollout.rows(idx) for idx in chunks if len(idx)]
+
+
+def policy_surrogate(rl: Any, logps: Tensor, old: Tensor, advantages: Tensor) -> tuple[Tensor, Tensor]:
+    """The per-token policy loss of ``policy_loss`` (B, K) and where it clipped: PPO's clipped
+    surrogate (with ``clip_eps``, ``clip_eps_high``, ``clip_ratio_c``) or CISPO's."""
+    if rl.policy_loss == "cispo":
+        return cispo_loss(logps, old, advantages, rl.clip_eps, rl.clip_eps_high)
+    return clipped_surrogate(logps, old, advantages, rl.clip_eps, rl.clip_eps_high, rl.clip_ratio_c)
 
 
 def per_unit(per_token: Tensor, mask: Tensor, agg: str) -> Tensor:
@@ -80,7 +97,7 @@ def common_metrics(pol: PolicyLogps, mask: Tensor, beh: Behaviour, clipped: Tens
         "clip_fraction_high": lambda: (clipped & (diff_old > 0)).float(),  # ratio above 1 + clip_eps_high
         "approx_kl": lambda: 0.5 * diff_old**2,  # between the current and the old policy
         "sampler_logp_diff": lambda: diff_sampler.abs(),  # |trainer - sampler| log-prob; ~0 on a fresh rollout
-        "entropy": lambda: pol.entropy,  # computed chunk by chunk by token_logps when asked for
+        "entropy": lambda: pol.entropy.detach(),  # computed chunk by chunk by token_logps when asked for
         "is_weight_mean": lambda: beh.weights,
         "is_weight_capped_fraction": lambda: beh.capped.float(),
     }

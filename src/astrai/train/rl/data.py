@@ -44,6 +44,9 @@ class Rollout:
     trainer_logps: Tensor | None = None
     truncated: Tensor | None = None  # (N,) bool: the completion hit rollout_max_tokens without ending
     num_uses: int = 0  # optimizer steps taken on it so far
+    # (N, T) turn_rewards: each environment step's reward at the label position of its turn's last
+    # sampled token (they sum to reward_terms["environment"]); None when per-turn rewards are off
+    turn_rewards: Tensor | None = None
     # traced samples' views (train/traces.py), None for the others; not saved in checkpoints
     samples: list[dict[str, Any] | None] = field(default_factory=list)
 
@@ -71,7 +74,7 @@ class Rollout:
         return {**{k: getattr(self, k) for k in _TENSORS}, "group_size": self.group_size,
                 "policy_version": self.policy_version, "num_uses": self.num_uses, "texts": list(self.texts),
                 "stats": dict(self.stats), "pinned": dict(self.pinned), "pairs": self.pairs,
-                "trainer_logps": self.trainer_logps, "truncated": self.truncated,
+                "trainer_logps": self.trainer_logps, "truncated": self.truncated, "turn_rewards": self.turn_rewards,
                 "reward_terms": dict(self.reward_terms)}
 
     @classmethod
@@ -94,6 +97,7 @@ def select_groups(rollout: Rollout, groups: Tensor) -> Rollout:
                    reward_terms={k: v[groups] for k, v in rollout.reward_terms.items()},
                    stats=dict(rollout.stats),
                    truncated=rollout.truncated[rows] if rollout.truncated is not None else None,
+                   turn_rewards=rollout.turn_rewards[rows] if rollout.turn_rewards is not None else None,
                    samples=[rollout.samples[i] for i in rows.tolist()] if rollout.samples else [])
 
 
@@ -111,6 +115,7 @@ def concat_rollouts(parts: list[Rollout]) -> Rollout:
                   texts=[t for p in parts for t in p.texts],
                   reward_terms={k: torch.cat([p.reward_terms[k] for p in parts]) for k in parts[0].reward_terms},
                   truncated=torch.cat([p.truncated for p in parts]) if parts[0].truncated is not None else None,
+                  turn_rewards=cat("turn_rewards", 0.0) if parts[0].turn_rewards is not None else None,
                   samples=[v for p in parts for v in (p.samples or [None] * p.num_samples)])
     weights = [p.num_samples for p in parts]
     for key in parts[0].stats:
@@ -129,6 +134,16 @@ def rollout_signal_stats(rewards: Tensor, finish_reasons: list[str | None]) -> d
     flat = torch.isclose(rewards, rewards[:, :1]).all(dim=1)  # (B,)
     return {"truncated_fraction": sum(r == "length" for r in finish_reasons) / max(len(finish_reasons), 1),
             "frac_reward_zero_std": flat.float().mean().item()}
+
+
+def turn_reward_rows(turns: list[list[tuple[int, float]]], shape: torch.Size) -> Tensor:
+    """(N, T) per-turn rewards: a reward of the turn whose last sampled token sits at row position p
+    goes on label position p - 1 (the position that predicts that token)."""
+    out = torch.zeros(shape)
+    for i, row in enumerate(turns):
+        for position, reward in row:
+            out[i, position - 1] += reward
+    return out
 
 
 def pack_episodes(rows: list[tuple[list[int], list[float | None]]], group_size: int, policy_version: int) -> Rollout:

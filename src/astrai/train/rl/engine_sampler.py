@@ -96,8 +96,9 @@ def engine_runner(model: nn.Module, tokenizer: Any, rl: RLConfig, num_seqs: int,
 def sampling_params(request: TurnRequest) -> SamplingParams:
     """The engine's parameters for a turn request."""
     s = request.sampling
-    return SamplingParams(temperature=s.temperature, top_p=s.top_p, top_k=s.top_k, max_tokens=s.max_tokens,
-                          n=request.n, seed=request.seed)
+    return SamplingParams(temperature=s.temperature, top_p=s.top_p, top_k=s.top_k, min_p=s.min_p,
+                          repetition_penalty=s.repetition_penalty, max_tokens=s.max_tokens, n=request.n,
+                          seed=request.seed)
 
 
 def batch_engine(model: nn.Module, tokenizer: Any, num_seqs: int, max_len: int, bf16: bool) -> LLMEngine:
@@ -134,7 +135,7 @@ def unsharded_replica(policy: nn.Module) -> nn.Module:
     """A plain module of an FSDP-sharded policy's architecture for the engine to run: a ``CausalLM``
     of the policy's config with the same LoRA adapters (so its forward is the trainer's), on the
     policy's device, in eval mode, without gradients. Built on the meta device (no init, no RNG
-    drawn); ``EngineSampler.sync_weights`` fills its weights. Costs one full copy of the
+    drawn); ``EngineSampler.sync_weights`` fills its weights. A tied head stays tied. Costs one full copy of the
     weights per rank (4 bytes a parameter in fp32)."""
     from astrai.model.lora import LoraLinear, apply_lora
     from astrai.model.transformer import CausalLM
@@ -148,4 +149,8 @@ def unsharded_replica(policy: nn.Module) -> nn.Module:
         first = next(iter(adapters.values()))
         apply_lora(replica, first.r, first.alpha, 0.0, sorted({n.rsplit(".", 1)[-1] for n in adapters}))
     device = next(policy.parameters()).device
-    return replica.to_empty(device=device).eval().requires_grad_(False)
+    replica = replica.to_empty(device=device)
+    # to_empty gives each module its own new tensor, so a tied head comes back as a second
+    # parameter that the policy does not have (and copy_full_weights refuses); tie it again
+    replica.tie_weights()
+    return replica.eval().requires_grad_(False)

@@ -6,7 +6,9 @@ instance, so state kept on ``self`` belongs to one conversation. ``reset(record)
 opens the episode (no ``reset``: the record's messages); ``step(messages) -> EnvStep`` is called
 after each assistant turn that calls no tool, with the whole conversation; its messages are
 appended, its reward added to the episode's, and ``done`` ends it. Either method may be
-``async def``: the episodes of a rollout are awaited together. ``rl.tools`` (and an environment's
+``async def``: the episodes of a rollout are awaited together; a sync one runs on a worker
+thread (``rl/guard.py``), concurrently with the other episodes'. Every call is bounded by
+``env_timeout`` and interrupted by a stop request. ``rl.tools`` (and an environment's
 ``tools`` attribute) are offered through the chat template (``rl/tools.py``). The episode runner
 (``rl/runner.py``) owns the turn loop and calls these hooks through ``rl/episode.py``; nothing here
 calls back into it.
@@ -20,6 +22,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from astrai.data.tasks import multiply
+from astrai.train.rl.guard import UserHooks, raised
+from astrai.train.rl.rewards import F32_MAX, finite_number
 from astrai.train.rl.tools import tool_schema
 from astrai.train.rl.user_code import import_user_object
 
@@ -77,12 +81,58 @@ def check_hooks(environment: str | None, tools: list[str]) -> None:
     tool_functions(tools)
 
 
-async def env_call(env: Any, method: str, arg: Any, where: str) -> Any:
-    """An environment method, awaited if async; whatever it raises is one line naming the
+async def env_call(hooks: UserHooks, env: Any, method: str, args: tuple, where: str, timeout: float) -> Any:
+    """An environment method (`env` is the class for ``__init__``) run by `hooks` within `timeout`
+    seconds (0 = no limit); whatever it raises, or running past the timeout, is one line naming the
     environment, the method and `where` (the episode): the run stops, an environment bug is not a score."""
+    cls = env if method == "__init__" else type(env)
+    name = f"environment {getattr(cls, '__name__', cls)}.{method}"
+    fn = env if method == "__init__" else getattr(env, method)
+    kind, value = await hooks.call(lambda: fn(*args), timeout, f"{name} ({where})")
+    if kind == "timeout":
+        raise ValueError(f"{name} took longer than env_timeout={timeout:g}s ({where}); make it faster or raise "
+                         "--env_timeout (0 = no limit)")
+    if kind == "error":
+        raise ValueError(f"{name} {raised(value)} ({where}); fix the environment (a tool's errors go to the model, "
+                         "an environment's stop the run)") from value
+    return value
+
+
+def checked_messages(messages: Any, name: str, where: str, empty_ok: bool = True) -> list[Message]:
+    """An environment's messages (`name`: "environment X.reset"), copied: a list of dicts, each with
+    a str ``role`` and a str ``content``; anything else is one line naming the environment, the
+    episode (`where`) and what was found. `empty_ok`: False for ``reset``, which opens the episode."""
+    if not isinstance(messages, list):
+        raise ValueError(f"{name} returned {type(messages).__name__} {_short(messages)} ({where}), not a list of "
+                         "messages; return [{'role': 'user', 'content': '...'}, ...]")
+    if not messages and not empty_ok:
+        raise ValueError(f"{name} returned no messages ({where}); return the opening conversation, at least "
+                         "[{'role': 'user', 'content': '...'}]")
+    for k, m in enumerate(messages):
+        if not (isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)):
+            raise ValueError(f"{name} returned {type(m).__name__} {_short(m)} as message {k} ({where}); a message is "
+                             "a dict with a str 'role' and a str 'content'")
+    return [dict(m) for m in messages]
+
+
+def checked_step(result: Any, name: str, where: str) -> tuple[list[Message], float]:
+    """An environment's ``step`` answer as (its messages, its reward): an ``EnvStep`` whose reward is
+    None or a number finite in float32; anything else is one line naming the environment."""
+    if not isinstance(result, EnvStep):
+        raise ValueError(f"{name} returned {type(result).__name__} {_short(result)} ({where}), not an EnvStep; "
+                         "return EnvStep(messages=..., reward=..., done=...)")
+    reward = 0.0 if result.reward is None else finite_number(result.reward)
+    if reward is None:
+        raise ValueError(f"{name} returned reward={_short(result.reward)} ({where}); a reward is None or a number "
+                         f"finite in float32 (|r| <= {F32_MAX:.3g})")
+    messages = [] if result.messages is None else checked_messages(result.messages, name, where)
+    return messages, reward
+
+
+def _short(value: Any) -> str:
+    """A value for an error line: its repr, one line, at most 80 characters."""
     try:
-        result = getattr(env, method)(arg)
-        return await result if inspect.isawaitable(result) else result
-    except Exception as exc:
-        raise ValueError(f"environment {type(env).__name__}.{method} raised {type(exc).__name__}: {exc} ({where}); "
-                         "fix the environment (a tool's errors go to the model, an environment's stop the run)") from exc
+        text = " ".join(repr(value).split())
+    except Exception:  # a user object whose __repr__ raises
+        text = f"<{type(value).__name__}>"
+    return text if len(text) <= 80 else text[:77] + "..."

@@ -1,6 +1,7 @@
 """The online RL loop: rollout -> micro-batches -> gradient step -> publish the new policy version.
 
-Reads top to bottom in ``train``: every ``rollout_interval`` steps a batch of prompt records is
+Reads top to bottom in ``train``: every ``rollout_interval`` steps (or ``ppo_epochs`` passes of
+``mini_batches`` steps, each on its share of the samples) a batch of prompt records is
 drawn (the same seeded, resumable sampler as offline training) and the episode runner draws and
 scores a rollout (``rl/runner.py``) through the rollout sampler (``rl/engine_sampler.py``: the
 engine over the live policy); the objective pins its targets once; each optimizer step
@@ -20,11 +21,13 @@ from __future__ import annotations
 import math
 import sys
 import time
+from pathlib import Path
 from typing import Any
 
 import torch
 
 from astrai.config import Config
+from astrai.config_checks import steps_per_rollout
 from astrai.data.sampler import ResumableSampler
 from astrai.train import dist, resume
 from astrai.train.build import (
@@ -39,10 +42,13 @@ from astrai.train.build import (
 )
 from astrai.train.context import TrainContext
 from astrai.train.host_memory import HeapTrim, set_mmap_threshold
+from astrai.train.objectives.base import update_reference
+from astrai.train.objectives.logps import trainer_logps_pins
 from astrai.train.rl.data import Rollout, concat_rollouts, groups_with_signal, select_groups
 from astrai.train.rl.engine_sampler import engine_runner
 from astrai.train.rl.environments import check_hooks
-from astrai.train.rl.guard import RewardsInterrupted
+from astrai.train.rl.guard import UserCodeInterrupted
+from astrai.train.rl.http_sampler import http_runner
 from astrai.train.rl.rewards import RewardSet
 from astrai.train.signals import pause_point
 from astrai.train.step import TrainStep
@@ -100,7 +106,8 @@ class OnlineLoop:
                                         world_size=self.dist.world_size, shuffle=True)
         self.num_prompts = cfg.train.batch_per_device  # prompts per rollout on this rank
         rollouts_per_epoch = math.ceil(len(self.sampler) / self.num_prompts)
-        self.total_steps = cfg.train.max_steps or cfg.train.n_epoch * rollouts_per_epoch * cfg.rl.rollout_interval
+        self.steps_per_rollout = steps_per_rollout(cfg.rl)
+        self.total_steps = cfg.train.max_steps or cfg.train.n_epoch * rollouts_per_epoch * self.steps_per_rollout
         self.optimizer, self.scheduler, self.grad_step = run.optimization(self.raw_model, cfg.optim, self.total_steps)
         setup_objective(run, self.total_steps)  # PPO: the critic's wrapping, optimizer and gradient step
         self.companions = companions(self.objective)
@@ -108,12 +115,16 @@ class OnlineLoop:
                                     self.companions)
         # a reward model with its own tokenizer re-encodes; a stop request interrupts a slow user reward
         rewards = RewardSet(cfg.rl, self.device, tokenizer=self.tokenizer, should_stop=lambda: self.ctx.stop_requested)
-        # the in-process engine over the live policy draws every turn (rl/engine_sampler.py);
-        # bf16: rollouts in the training precision
-        self.runner = engine_runner(self.raw_model, self.tokenizer, cfg.rl, max(1, self.num_prompts * cfg.rl.group_size),
-                                    rewards, cfg.train.random_seed, bf16=cfg.train.bf16)
+        if cfg.rl.rollout_servers:  # `astrai serve` replicas draw every turn over HTTP (rl/http_sampler.py)
+            weights_dir = cfg.rl.rollout_weights_dir or str(Path(cfg.log.log_dir) / "rollout_weights")
+            self.runner = http_runner(self.raw_model, self.tokenizer, cfg.rl, rewards, weights_dir,
+                                      cfg.train.random_seed, base_model=cfg.train.param_path)
+        else:  # the in-process engine over the live policy (rl/engine_sampler.py); bf16: the training precision
+            self.runner = engine_runner(self.raw_model, self.tokenizer, cfg.rl,
+                                        max(1, self.num_prompts * cfg.rl.group_size), rewards, cfg.train.random_seed,
+                                        bf16=cfg.train.bf16)
         self.rollout_sampler = self.runner.sampler
-        if self.rollout_sampler.replica is not None and self.is_main:  # FSDP: the memory the replica costs, said once
+        if getattr(self.rollout_sampler, "replica", None) is not None and self.is_main:  # FSDP: the memory the replica costs, said once
             replica = self.rollout_sampler.replica
             size = sum(t.numel() * t.element_size() for t in [*replica.parameters(), *replica.buffers()])
             print(f"note: parallel_mode fsdp: each rank generates rollouts on an unsharded replica of the policy "
@@ -132,11 +143,14 @@ class OnlineLoop:
         with callback_frame(self):
             while ctx.step < self.total_steps and not self._should_stop():
                 t0 = time.perf_counter()
-                fresh = self.rollout is None or self.rollout.num_uses >= cfg.rl.rollout_interval
+                fresh = self.rollout is None or self.rollout.num_uses >= self.steps_per_rollout
                 if fresh:
-                    # FSDP: the engine's replica gathers the new weights; every rank, same point
-                    with ctx.times.span("weight_sync"):
-                        self.rollout_sampler.sync_weights(ctx.policy_version)
+                    # FSDP: the engine's replica gathers the new weights; rollout servers load them
+                    # (rl/http_sampler.py); every rank, same point
+                    sync_start = time.perf_counter()
+                    self.rollout_sampler.sync_weights(ctx.policy_version)
+                    sync_seconds = time.perf_counter() - sync_start
+                    ctx.times.add("weight_sync", sync_seconds)
                     position, rng = (ctx.epoch, ctx.consumed_samples), resume.rng_state()
                     if (drawn := self._next_rollout()) is None:  # a stop request came while drawing
                         # as after the last step: a checkpoint now resumes into the same draws
@@ -144,9 +158,13 @@ class OnlineLoop:
                         resume.set_rng_state(rng)
                         break
                     self.rollout = drawn
+                    if cfg.rl.rollout_servers:
+                        drawn.stats["weight_sync_seconds"] = sync_seconds
+                    if cfg.rl.mini_batches > 1:
+                        self._pin_old_logps(drawn)
                 rollout = self.rollout
                 check_policy_lag(rollout.policy_version, ctx.policy_version, cfg.rl.max_policy_lag)
-                batches = self.objective.batches(rollout, cfg.train.grad_accum_steps)
+                batches = self._step_batches(rollout, rollout.num_uses)
                 # DDP: every rank runs as many backward passes (online DPO may have fewer pairs here)
                 num = dist.max_over_ranks(len(batches)) if self.dist.world_size > 1 else len(batches)
                 for i in range(num):
@@ -159,17 +177,53 @@ class OnlineLoop:
                 result, tokens = self.train_step.finish(ctx, before_update=lambda: cbs.before_optimizer_step(self),
                                                         publish=self.rollout_sampler.set_policy_version)
                 rollout.num_uses += 1
+                update_reference(self._moving_reference(), self.raw_model, ctx.step, cfg.rl.ref_reset_interval,
+                                 cfg.rl.ref_ema)
                 seconds = time.perf_counter() - t0
                 result["tokens_per_s"] = tokens / max(seconds, 1e-9)  # trained tokens (all ranks), rollout included
                 self.step_metrics = self._metrics(result, rollout, fresh, seconds)
                 self.step_metrics.update(ctx.times.take(seconds, rollout.stats if fresh else None))  # time_*
                 pause_point(f"step:{ctx.step}")  # test hook: a kill or a stop lands exactly here
                 cbs.after_optimizer_step(self)
+            if cfg.rl.rollout_servers:  # the servers end on the final policy (what they serve next)
+                self.rollout_sampler.sync_weights(ctx.policy_version)
             if self.runner.num_skipped_total:  # the total of what was warned about once
                 where = f"rank {self.dist.rank}: " if self.dist.world_size > 1 else ""
                 print(f"{where}skipped {self.runner.num_skipped_total} prompt(s) in all longer than max_prompt_len="
                       f"{self.runner.max_prompt_len}", file=sys.stderr)
         return ctx
+
+    def _moving_reference(self) -> torch.nn.Module | None:
+        """The objective's KL reference when ``ref_reset_interval`` or ``ref_ema`` moves it."""
+        rl = self.config.rl
+        return getattr(self.objective, "reference", None) if rl.ref_reset_interval or rl.ref_ema is not None else None
+
+    def _step_batches(self, rollout: Rollout, use: int) -> list[Any]:
+        """The micro-batches of the rollout's `use`-th optimizer step: the whole rollout, or with
+        ``mini_batches`` > 1 its mini-batch ``use % mini_batches`` of samples in order (a rollout
+        with fewer samples than mini-batches, dynamic sampling's last resort, repeats them)."""
+        num_micro, num_mini = self.config.train.grad_accum_steps, self.config.rl.mini_batches
+        if num_mini == 1:
+            return self.objective.batches(rollout, num_micro)
+        chunks = torch.arange(rollout.num_samples).tensor_split(min(num_mini, rollout.num_samples))
+        return self.objective.batches(rollout, num_micro, chunks[use % num_mini % len(chunks)])
+
+    def _pin_old_logps(self, rollout: Rollout) -> None:
+        """``mini_batches`` > 1: the ratio's old log-probs of every sample (the trainer's at the
+        rollout's weights), computed before the rollout's first step and pinned; each later
+        mini-batch then measures its ratio against them, so the clip acts. Every rank runs as many
+        forwards (FSDP gathers in each one)."""
+        if rollout.trainer_logps is None:  # an objective that does not use them
+            return
+        batches = [b for k in range(self.config.rl.mini_batches) for b in self._step_batches(rollout, k)]
+        num = dist.max_over_ranks(len(batches)) if self.dist.world_size > 1 else len(batches)
+        with torch.no_grad(), dist.autocast(self.device, self.config.train.bf16):
+            for i in range(num):
+                batch = batches[i] if i < len(batches) else self.objective.filler_batch(rollout, batches)
+                on_device = {k: v.to(self.device) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
+                pins = trainer_logps_pins(self.objective, self.model, on_device)
+                if i < len(batches):
+                    rollout.pin(batch["sample_index"], pins)
 
     def _next_rollout(self) -> Rollout | None:
         """Draw prompts and generate a rollout; None when a stop request came first (agreed by
@@ -184,12 +238,13 @@ class OnlineLoop:
 
     def _generate(self, batch: dict[str, list[Any]], draw: int) -> Rollout | None:
         """This rank's rollout of `batch`; None when no prompt fits max_prompt_len, or a stop
-        request interrupted a reward (the stop check after each draw then ends the draws)."""
+        request interrupted user code (a reward, a tool, an environment: the stop check after each
+        draw then ends the draws)."""
         first = (self.dist.rank + draw * self.dist.world_size) * self.num_prompts  # seeds differ per draw
         try:
             with self.heap.rollout():
                 return self.runner.rollout(batch, self.ctx.step, self.ctx.policy_version, first_index=first)
-        except RewardsInterrupted as e:
+        except UserCodeInterrupted as e:
             print(f"note: {e}; the rollout is dropped and the run stops after step {self.ctx.step}", file=sys.stderr)
             return None
 
@@ -283,7 +338,11 @@ class OnlineLoop:
             result.pop("sampler_logp_diff", None)  # measured on a rollout's first step only
         r = rollout.rewards
         lengths = (rollout.labels != -100).sum(dim=1).float()
-        stats = {"reward_mean": r.mean().item(), "reward_std": r.std(unbiased=False).item(),
+        # reward_std is TRL's: the mean over groups of each group's std (what GRPO's advantages divide
+        # by); reward_std_batch is the population std over the whole rollout
+        group_std = r.std(dim=1) if r.size(1) > 1 else torch.zeros(r.size(0))
+        stats = {"reward_mean": r.mean().item(), "reward_std": group_std.mean().item(),
+                 "reward_std_batch": r.std(unbiased=False).item(),
                  "response_length_mean": lengths.mean().item(), "response_length_max": lengths.max().item()}
         for name, terms in rollout.reward_terms.items():
             stats[f"rewards/{name}"] = terms.mean().item()
@@ -307,15 +366,20 @@ class OnlineLoop:
         load_common_state(self, state)
 
     def extra_state(self) -> dict[str, dict[str, Any]]:
-        """Each companion's files (PPO: the critic, its optimizer and schedule)."""
+        """Each companion's files (PPO: the critic, its optimizer and schedule) and, when
+        ``ref_reset_interval`` or ``ref_ema`` moves it, the KL reference (``reference_model.pt``)."""
         states: dict[str, dict[str, Any]] = {}
         for companion in self.companions:
             states.update(companion.extra_state())
+        if (reference := self._moving_reference()) is not None:  # no longer the initial policy
+            states["reference_model"] = reference.state_dict()
         return states
 
     def load_extra_state(self, states: dict[str, dict[str, Any]]) -> None:
         for companion in self.companions:
             companion.load_extra_state(states)
+        if (reference := self._moving_reference()) is not None:
+            reference.load_state_dict(states["reference_model"])
 
     def rank_state(self) -> dict[str, dict[str, Any]]:
         """What this rank alone holds, saved as its own file (``rollout.pt`` on rank 0,

@@ -227,7 +227,7 @@ class RewardSet:
     User functions (``module:function``) run on a worker thread, one call at a time, while the
     caller waits in short slices: a call longer than ``reward_timeout`` seconds is an error naming
     the function and the prompt, and ``should_stop()`` turning true (a SIGTERM's stop request)
-    raises ``RewardsInterrupted`` within a slice. Whatever a function raises, ``SystemExit`` and
+    raises ``UserCodeInterrupted`` within a slice. Whatever a function raises, ``SystemExit`` and
     ``KeyboardInterrupt`` from inside it included, is one ``ValueError`` naming it and the prompt.
     A thread that never returns is left behind as a daemon: it cannot keep the process alive."""
 
@@ -239,7 +239,7 @@ class RewardSet:
         self.names = list(cfg.rewards)
         self.weights = list(cfg.reward_weights) if cfg.reward_weights is not None else [1.0] * len(self.names)
         for i, (name, weight) in enumerate(zip(self.names, self.weights)):
-            if _number(weight) is None:
+            if finite_number(weight) is None:
                 raise ValueError(f"reward_weights[{i}]={weight!r} (the weight of reward {name!r}) is not a number "
                                  f"finite in float32 (|w| <= {F32_MAX:.3g}); give a finite weight")
         self.timeout, self.should_stop = float(cfg.reward_timeout), should_stop
@@ -394,7 +394,7 @@ def _trl_kwargs(name: str, fn: Callable[..., Any], prompts: list[str], completio
     return kwargs
 
 
-def _number(value: Any) -> float | None:
+def finite_number(value: Any) -> float | None:
     """`value` as a float when it is a number finite in float32: Python, numpy and 0-d torch
     scalars (bools count as 0 / 1); None otherwise."""
     if isinstance(value, torch.Tensor):
@@ -423,7 +423,7 @@ def _checked(name: str, scores: Any, expected: int, group_size: int) -> torch.Te
         got = len(scores) if hasattr(scores, "__len__") else type(scores).__name__
         raise ValueError(f"reward {name!r} returned {got} scores for {expected} completions; return one float "
                          "per completion")
-    numbers = [_number(v) for v in scores]
+    numbers = [finite_number(v) for v in scores]
     for i, (value, number) in enumerate(zip(scores, numbers)):
         if number is None:
             raise ValueError(f"reward {name!r} gave {value!r} for {_where(i, group_size)}; a reward must be a "

@@ -15,7 +15,6 @@ sampled episodes in one batch. Prompts over ``max_prompt_len`` are skipped and c
 
 from __future__ import annotations
 
-import asyncio
 import sys
 import time
 from collections.abc import Callable
@@ -27,8 +26,8 @@ from torch import Tensor
 
 from astrai.config import RLConfig
 from astrai.config_values import default_max_prompt_len
-from astrai.train.rl.data import Rollout, pack_episodes, rollout_signal_stats
-from astrai.train.rl.episode import Conversation, Episode, episode_stats, gather
+from astrai.train.rl.data import Rollout, pack_episodes, rollout_signal_stats, turn_reward_rows
+from astrai.train.rl.episode import Conversation, Episode, episode_stats
 from astrai.train.rl.rewards import RewardSet
 from astrai.train.rl.sampler import RolloutSampling, Sampler, TurnRequest, rollout_sampling
 from astrai.train.traces import trace_views
@@ -70,8 +69,9 @@ class EpisodeRunner:
                  random_seed: int = 0):
         self.sampler, self.tokenizer, self.rl, self.rewards = sampler, tokenizer, rl, rewards
         self.max_prompt_len, self.random_seed = max_prompt_len, random_seed
+        # tools and environments: bounded per call, and interrupted by the stop request the rewards poll
         self.conversation = Conversation(tokenizer, rl.environment, list(rl.tools), rl.rollout_max_tokens,
-                                         sampler.max_model_len)
+                                         sampler.max_model_len, rl.tool_timeout, rl.env_timeout, rewards.should_stop)
         self.multi_turn = self.conversation.multi_turn
         self.max_turns = rl.max_turns if self.multi_turn else 1
         self.sampling = rollout_sampling(rl)
@@ -108,7 +108,7 @@ class EpisodeRunner:
                 for e, (sample, num_prefill) in zip(active, self._sample_turn(active, turn, draws, policy_version,
                                                                                logprobs)):
                     conv.add_turn(e, sample, num_prefill, logprobs)
-                asyncio.run(gather([conv.after_turn(e) for e in active]))
+                conv.after_turns(active)
                 for e in active:
                     if not e.done and turn + 1 == self.max_turns:
                         e.truncated = True  # it would go on: running past max_turns
@@ -196,6 +196,8 @@ class EpisodeRunner:
         rollout.rewards, rollout.reward_terms = total.view(-1, G), {k: v.view(-1, G) for k, v in terms.items()}
         rollout.texts = [e.final_text for e in episodes]
         rollout.samples = trace_views(episodes, self.trace_samples, self.tokenizer)
+        if self.rl.turn_rewards:  # each environment step's reward on its turn's last sampled token
+            rollout.turn_rewards = turn_reward_rows([e.turn_rewards for e in episodes], rollout.labels.shape)
         rollout.truncated = torch.tensor([e.truncated or e.finish_reason == "length" for e in episodes])
         seconds = time.perf_counter() - start
         num_new = sum(lp is not None for e in episodes for lp in e.logps)

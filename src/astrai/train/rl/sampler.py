@@ -30,16 +30,19 @@ class RolloutSampling:
     top_p: float = 1.0
     top_k: int = 0
     max_tokens: int = 16
+    min_p: float = 0.0  # 0 = off
+    repetition_penalty: float = 1.0  # 1 = off; on prompt and output tokens (vLLM's)
 
     def greedy(self) -> RolloutSampling:
         """The same turn length, decoded greedily (evaluation's greedy answers)."""
-        return replace(self, temperature=0.0, top_p=1.0, top_k=0)
+        return replace(self, temperature=0.0, top_p=1.0, top_k=0, min_p=0.0, repetition_penalty=1.0)
 
 
 def rollout_sampling(rl: RLConfig) -> RolloutSampling:
     """The run's rollout sampling, from ``rollout_temperature``, ``rollout_top_p``,
-    ``rollout_top_k`` and ``rollout_max_tokens``."""
-    return RolloutSampling(rl.rollout_temperature, rl.rollout_top_p, rl.rollout_top_k, rl.rollout_max_tokens)
+    ``rollout_top_k``, ``rollout_max_tokens``, ``rollout_min_p`` and ``rollout_repetition_penalty``."""
+    return RolloutSampling(rl.rollout_temperature, rl.rollout_top_p, rl.rollout_top_k, rl.rollout_max_tokens,
+                           rl.rollout_min_p, rl.rollout_repetition_penalty)
 
 
 @dataclass
