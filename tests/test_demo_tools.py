@@ -23,6 +23,7 @@ import json
 import pytest
 
 from astrai.demo import main as demo_main
+from astrai.train.traces import read_traces
 
 SEED, THREADS = 0, 1
 TOOL_USE_GAIN, SAMPLED_ACCURACY_GAIN = 0.07, 0.03
@@ -52,6 +53,10 @@ def test_tools_demo_raises_tool_use_and_accuracy(tmp_path, capsys):
     for name in ("sft", "rl-tools"):
         assert (out / name / "final" / "model.safetensors").exists()
     assert (out / "rl-tools" / "plots" / "tool_use_rate.png").exists()
+    # the run page is linked, and the RL samples it shows carry the tool calls with their results
+    assert "(rl-tools/report.html)" in report and (out / "rl-tools" / "report.html").exists()
+    calls = [c for t in read_traces(out / "rl-tools") for turn in t["turns"] for c in turn.get("tool_calls", [])]
+    assert any(c.get("result") for c in calls), calls[:3]
     assert (out / "accuracy.png").exists()
     printed = capsys.readouterr().out
     assert "held-out accuracy (greedy)" in printed and "astrai serve --model" in printed

@@ -26,6 +26,8 @@ COMMANDS = {
     "lora": ("astrai.model.lora_merge", "merge a LoRA adapter into its base model (a plain model directory)"),
     "eval": ("astrai.eval.cli", "evaluate: exact match, lm-eval tasks, perplexity"),
     "plot": ("astrai.train.plot", "plot training curves from metrics.jsonl"),
+    "report": ("astrai.train.report_page", "one self-contained HTML page of a run: curves, samples, config, checkpoints"),
+    "traces": ("astrai.train.traces_cli", "print a run's rollout traces: samples, rewards, advantages"),
     "demo": ("astrai.demo", "the quickstart: tokenizer -> pre-train -> SFT -> online RL -> evaluate"),
     "bench": ("astrai.bench", "run the benchmarks against peer frameworks"),
 }

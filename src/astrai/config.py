@@ -208,6 +208,8 @@ class LogConfig:
     report_project: str | None = None  # wandb project / mlflow experiment; None = $WANDB_PROJECT / $MLFLOW_EXPERIMENT_NAME, else astrai
     run_name: str | None = None  # wandb / mlflow run name; None = the log_dir's folder name
     log_metrics: list[str] | None = None  # objective metrics to log; None = all, [] = none
+    trace_samples: int = knob(8, ge=0)  # samples per fresh rollout (and per eval draw) written to traces.jsonl; 0 = none
+    report_html: bool = False  # refresh <log_dir>/report.html (astrai report) at each checkpoint and at the end
 
 
 @dataclass

@@ -144,6 +144,8 @@ def write_report(out: Path, stages: dict[str, dict[str, Any]], scale: float, alg
     lines += [f"- `{s['prompt']}` -> `{s['completion']}` (answer {s['answer']})" for s in after["samples"]]
     lines += ["", f"Training curves: `pretrain/plots/`, `sft/plots/`, `{rl_name}/plots/` (reward_mean, "
               "response_length_mean, rollout_tokens_per_s, ...).", "",
+              f"Run pages (curves, the RL samples, config, checkpoints; one HTML file each, no server): "
+              f"[pretrain](pretrain/report.html), [sft](sft/report.html), [{rl_name}]({rl_name}/report.html).", "",
               f"Serve the result: `astrai serve --model {out / rl_name / 'final'}`", ""]
     path = out / "report.md"
     path.write_text("\n".join(lines))
@@ -243,9 +245,11 @@ def _run(args: argparse.Namespace) -> int:
                                 lambda: rl_stage(out / rl_name, rl_cfg, data_dir / "eval.jsonl"), log)
 
     from astrai.train.plot import main as plot_main
+    from astrai.train.report_page import write_report as write_run_page
 
     for name in ("pretrain", "sft", rl_name):
         plot_main([str(out / name), "--out", str(out / name / "plots")])
+        write_run_page(out / name)  # <stage>/report.html: curves, samples, config, checkpoints
     accuracies = {"pre-trained": stages["eval"]["pretrained"]["accuracy"], "SFT": stages["eval"]["sft"]["accuracy"],
                   f"RL ({args.algo})": stages[rl_name]["eval"]["accuracy"]}
     plot_accuracy(out, accuracies)

@@ -168,9 +168,11 @@ def run_tools_demo(args: argparse.Namespace) -> int:
 
     stages["rl-tools"] = run_stage("rl-tools", out / "rl-tools", rl_stage, log)
     from astrai.train.plot import main as plot_main
+    from astrai.train.report_page import write_report as write_run_page
 
     for name in ("sft", "rl-tools"):
         plot_main([str(out / name), "--out", str(out / name / "plots")])
+        write_run_page(out / name)  # <stage>/report.html: curves, samples, config, checkpoints
     before, after = stages["eval"], stages["rl-tools"]["eval"]
     plot_accuracy(out, {"SFT": before["greedy"]["accuracy"], "RL (tools)": after["greedy"]["accuracy"]})
     report = write_report(out, stages, args.scale, args.quick)
@@ -221,7 +223,9 @@ def write_report(out: Path, stages: dict[str, dict[str, Any]], scale: float, qui
                   "![reward](rl-tools/plots/reward_mean.png) ![tool use](rl-tools/plots/tool_use_rate.png)", ""]
     lines += ["Greedy answers after RL:", ""]
     lines += [f"- `{s['prompt']}` -> `{s['completion']}` (answer {s['answer']})" for s in after["greedy"]["samples"]]
-    lines += ["", f"Serve the result: `astrai serve --model {out / 'rl-tools' / 'final'}`", ""]
+    lines += ["", "Run pages (curves, the RL samples with their tool calls, config, checkpoints; one HTML file each, no "
+              "server): [sft](sft/report.html), [rl-tools](rl-tools/report.html).", "",
+              f"Serve the result: `astrai serve --model {out / 'rl-tools' / 'final'}`", ""]
     path = out / "report.md"
     path.write_text("\n".join(lines))
     return path

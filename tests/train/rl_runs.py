@@ -46,6 +46,18 @@ def write_rl_run(run_dir: Path, tok_dir: Path, train_type: str = "online_grpo", 
     return path
 
 
+def write_tool_run(run_dir: Path, tok_dir: Path, **rl) -> Path:
+    """A 3-step online GRPO run offering the `multiply` tool (episodes of up to 2 turns), tracing
+    6 samples a rollout."""
+    config = write_rl_run(run_dir, tok_dir, tools=["tests.train.rl_user_code:multiply"], max_turns=2, **rl)
+    cfg = yaml.safe_load(config.read_text())
+    cfg["model"]["max_position_embeddings"] = 512  # the tool's schema needs the room
+    cfg["train"]["max_steps"] = 3
+    cfg["log"]["trace_samples"] = 6
+    config.write_text(yaml.safe_dump(cfg, sort_keys=False))
+    return config
+
+
 def eval_file(path: Path, num: int = 6) -> Path:
     items = generate_items(num, ["add"], digits=2, seed=7)  # another seed than the training prompts
     path.write_text("".join(json.dumps(prompt_record(it)) + "\n" for it in items))

@@ -99,7 +99,7 @@ def test_overwrite_never_deletes_the_runs_own_param_path(data, tmp_path, capsys)
 
 def _fake_loop(ckpt_dir: Path, resume: bool = False) -> SimpleNamespace:
     cfg = SimpleNamespace(ckpt=SimpleNamespace(ckpt_dir=str(ckpt_dir)),
-                          train=SimpleNamespace(resume=resume, param_path=None))
+                          train=SimpleNamespace(resume=resume, param_path=None), log=SimpleNamespace(summary_hints=True))
     return SimpleNamespace(ctx=TrainContext(), config=cfg, is_main=True, total_steps=2, step_metrics={})
 
 

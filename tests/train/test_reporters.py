@@ -198,3 +198,85 @@ def test_a_stopped_run_closes_its_reporters_cleanly(tmp_path, monkeypatch):
     t.train()
     losses = expected_series(tmp_path / "log")["loss"]
     assert events == [("open", 0), ("log", 1, losses[1]), ("log", 2, losses[2]), ("close", False)]
+
+
+TRACES = [{"split": "train", "step": 3, "group": 0, "sample": i, "reward": float(i), "advantage": i - 0.5,
+           "prompt": [{"role": "user", "content": "2+2"}],
+           "turns": [{"role": "assistant", "text": f"it is {i}", "tokens": 3, "finish_reason": "stop", "tool_calls": []}]}
+          for i in range(2)]
+
+
+def test_trace_lines_reach_every_backend(tmp_path, monkeypatch):
+    """Each step's traces.jsonl lines: a wandb table (a fake wandb), TensorBoard text and an MLflow
+    artifact (read back from their stores); ReportTo hands a TraceLog's new lines over once."""
+    pytest.importorskip("tensorboard")
+    pytest.importorskip("mlflow")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from astrai.train import reporters
+    from astrai.train.traces import TABLE_COLUMNS, TraceLog
+
+    tb = reporters.TensorBoardReporter(tmp_path, 0)
+    tb.log_traces(TRACES, 3)
+    tb.close(False)
+    acc = EventAccumulator(str(tmp_path / "tensorboard"))
+    acc.Reload()
+    (event,) = acc.Tensors("traces/text_summary")
+    text = event.tensor_proto.string_val[0].decode()
+    assert event.step == 3 and "it is 1" in text and text.splitlines()[0] == " | ".join(TABLE_COLUMNS)
+
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    monkeypatch.delenv("MLFLOW_ALLOW_FILE_STORE", raising=False)
+    ml = reporters.MLflowReporter(tmp_path, "astrai", "t", {}, None)
+    ml.log_traces(TRACES, 3)
+    path = ml.client.download_artifacts(ml.run_id, "traces/step_00000003.jsonl", str(tmp_path / "dl"))
+    assert [json.loads(line) for line in Path(path).read_text().splitlines()] == TRACES
+    ml.close(False)
+
+    logged = []
+
+    class FakeWandb:
+        class Table:
+            def __init__(self, columns, data):
+                self.columns, self.data = columns, data
+
+        @staticmethod
+        def init(**kw):
+            class Run:
+                id = "r1"
+
+                def log(self, data, step):
+                    logged.append((data, step))
+            return Run()
+
+    monkeypatch.setattr(reporters, "_require", lambda name: FakeWandb)
+    wb = reporters.WandbReporter(tmp_path, "p", "n", {}, None)
+    wb.log_traces(TRACES, 3)
+    [(data, step)] = logged
+    assert step == 3 and data["traces"].columns == list(TABLE_COLUMNS)
+    assert [row[TABLE_COLUMNS.index("completion")] for row in data["traces"].data] == ["it is 0", "it is 1"]
+
+    got = []
+
+    class Fake:
+        run_id = None
+
+        def log(self, metrics, step):
+            pass
+
+        def log_traces(self, lines, step):
+            got.append((step, [t["sample"] for t in lines]))
+
+    class Trainer:
+        step_metrics = {"step": 3, "loss": 1.0}
+
+        class ctx:
+            step = 3
+
+    log = TraceLog(tmp_path, 8)
+    cb = ReportTo(["tensorboard"], tmp_path, traces=log)
+    cb.reporters = {"tensorboard": Fake()}
+    log.write(TRACES)
+    cb.after_optimizer_step(Trainer())
+    cb.after_optimizer_step(Trainer())  # nothing new: nothing sent
+    assert got == [(3, [0, 1])]

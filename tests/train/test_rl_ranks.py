@@ -199,6 +199,11 @@ def test_ddp_resumed_mid_rollout_equals_the_uninterrupted_run(tmp_path, policy_d
     ckpt = stop_after_step_3_and_resume(stopped, tmp_path, "--parallel_mode", "ddp")
     assert_lengths_differ(rollout_lengths(ckpt))
     assert_same_run(tmp_path / "stopped", tmp_path / "straight")
+    for rank in (0, 1):  # each rank's own log (train/timing.py): one line per step, the resume's included
+        rows = [json.loads(x) for x in (tmp_path / "stopped" / "log" / "ranks" / f"rank_{rank}.jsonl").read_text()
+                .splitlines()]
+        assert [r["step"] for r in rows] == [m["step"] for m in read_metrics(tmp_path / "straight")]
+        assert all(r["rank"] == rank and r["time_step"] > 0 for r in rows)
 
 
 @pytest.mark.slow

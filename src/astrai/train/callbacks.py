@@ -28,6 +28,7 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
+from astrai.config_values import is_online
 from astrai.train.advantages import learns_from_group_differences
 from astrai.train.context import Loop
 from astrai.train.summary import RunSummary
@@ -96,6 +97,7 @@ class CallbackList:
 
 class MetricsLogger:
     """One JSON line per optimizer step in ``<log_dir>/metrics.jsonl`` (rank 0); validation lines too.
+    At the start it writes the resolved config beside it (``config.yaml``, read by ``astrai report``).
 
     On resume, lines past the restored step (written after the last checkpoint by the run that
     was stopped) are dropped, so the file reads as if the run had never been interrupted.
@@ -109,6 +111,9 @@ class MetricsLogger:
         if not trainer.is_main:
             return
         self.path.parent.mkdir(parents=True, exist_ok=True)
+        # the resolved config beside the metrics: what `astrai report` shows (and where ckpt_dir is)
+        if getattr(trainer, "config", None) is not None:
+            (self.path.parent / "config.yaml").write_text(trainer.config.to_yaml())
         if trainer.ctx.step == 0:
             self.path.write_text("")
         elif self.path.exists():
@@ -150,6 +155,7 @@ class CheckpointSaver:
 
         cfg = trainer.config
         rank_state = getattr(trainer, "rank_state", None)  # optional: loops whose ranks differ
+        start = time.perf_counter()
         save_training_checkpoint(  # a collective: every rank calls it, rank 0 writes
             cfg.ckpt.ckpt_dir, trainer.ctx.step, model=trainer.raw_model, tokenizer=trainer.tokenizer,
             optimizer=trainer.optimizer, scheduler=trainer.scheduler, trainer_state=trainer.state_dict(),
@@ -158,6 +164,7 @@ class CheckpointSaver:
             background=cfg.ckpt.ckpt_background, base_model_path=cfg.train.param_path,
         )
         self.last_saved = trainer.ctx.step
+        trainer.ctx.times.add("checkpoint", time.perf_counter() - start)  # in the next step's time_checkpoint
 
     def on_train_begin(self, trainer: Loop) -> None:
         self.last_saved = trainer.ctx.step  # a resumed run's start is already on disk
@@ -336,29 +343,45 @@ def default_callbacks(trainer: Loop) -> list[Any]:
     checkpoint's copy of metrics.jsonl holds its own step."""
     cfg = trainer.config
     cbs: list[Any] = [MetricsLogger(cfg.log.log_dir, cfg.log.log_metrics)]
+    traces = None
+    if cfg.log.trace_samples > 0 and (is_online(cfg.data.train_type) or cfg.train.eval_interval > 0):
+        from astrai.train.traces import TraceLog  # before evaluation: a fresh run's file is emptied first
+
+        traces = TraceLog(cfg.log.log_dir, cfg.log.trace_samples)
+        cbs.append(traces)
     if cfg.train.eval_interval > 0:  # after the logger: its rows follow the step's train row
         from astrai.train.evaluation import GenerationEval
 
-        cbs.append(GenerationEval(cfg))
+        cbs.append(GenerationEval(cfg, traces))
     if learns_from_group_differences(cfg.data.train_type, cfg.rl):  # warns when no group has signal for long
         cbs.append(FlatRewardsWarning(list(cfg.rl.rewards)))
     if cfg.train.early_stopping_metric:
         cbs.append(EarlyStopping(cfg.train.early_stopping_metric, cfg.train.early_stopping_patience,
                                  cfg.train.early_stopping_min_delta, cfg.train.early_stopping_mode))
+    world = getattr(getattr(trainer, "dist", None), "world_size", 1)
+    if world > 1:  # each rank's own step times (and rollout statistics): ranks/rank_<R>.jsonl
+        from astrai.train.timing import RankLog
+
+        cbs.append(RankLog(cfg.log.log_dir, trainer.dist.rank))
     cbs.append(ProgressBar(trainer.total_steps, bar=cfg.log.progress))  # or periodic lines (--progress false)
     report_to = list(cfg.log.report_to) + (["tensorboard"] if cfg.log.tensorboard else [])
     if report_to:  # the same numbers as metrics.jsonl, to TensorBoard / wandb / MLflow (reporters.py)
         from astrai.train.reporters import ReportTo
 
         cbs.append(ReportTo(report_to, cfg.log.log_dir, cfg.log.report_project, cfg.log.run_name,
-                            cfg.log.log_metrics))
+                            cfg.log.log_metrics, traces=traces))
     cbs.append(CheckpointSaver(cfg.ckpt.ckpt_interval))
+    if cfg.log.report_html:  # after the saver: the page shows the checkpoint just published
+        from astrai.train.report_page import ReportPage
+
+        cbs.append(ReportPage(cfg.log.log_dir, cfg.ckpt.ckpt_interval))
     cbs.append(RunSummary(trainer.ctx.command))
     return cbs
 
 
 def arrange_callbacks(built: list[Any], user: list[Any]) -> CallbackList:
     """The built-in observers, then the user's callbacks (they see a step before its checkpoint is
-    published), then the checkpoint saver, then the run summary (it names the published checkpoint)."""
-    last = [cb for cb in built if isinstance(cb, CheckpointSaver | RunSummary)]
+    published), then the checkpoint saver, the run page (``report_html``), then the run summary
+    (it names the published checkpoint)."""
+    last = [cb for cb in built if isinstance(cb, CheckpointSaver | RunSummary) or getattr(cb, "after_checkpoints", False)]
     return CallbackList([cb for cb in built if cb not in last] + list(user) + last)

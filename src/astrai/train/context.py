@@ -15,6 +15,8 @@ import threading
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from astrai.train.timing import StepTimes
+
 
 @dataclass
 class TrainContext:
@@ -25,6 +27,7 @@ class TrainContext:
     policy_version: int = 0  # bumped on every optimizer step (weights served to rollouts)
     stop_reason: str | None = None
     command: list[str] | None = None  # the `astrai train` arguments (the summary's resume line); None from Python
+    times: StepTimes = field(default_factory=StepTimes, repr=False)  # seconds per part of the step (timing.py)
     _stop: threading.Event = field(default_factory=threading.Event, repr=False)
 
     @property

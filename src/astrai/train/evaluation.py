@@ -38,6 +38,7 @@ from astrai.train.rl.engine_sampler import engine_runner
 from astrai.train.rl.episode import Episode, episode_stats
 from astrai.train.rl.rewards import RewardSet
 from astrai.train.rl.runner import Draw, EpisodeRunner
+from astrai.train.traces import eval_records
 
 SUMS = ("prompts", "correct", "greedy_reward", "samples", "sample_reward", "sample_correct", "tokens",
         "truncated", "skipped", "tool_episodes")
@@ -97,8 +98,10 @@ def answer(runner: EpisodeRunner, records: list[dict[str, Any]], prompt_ids: lis
 class GenerationEval:
     """Scores held-out prompts by generation every ``eval_interval`` steps (module docstring)."""
 
-    def __init__(self, config: Config):
+    def __init__(self, config: Config, traces: Any = None):
         self.config = cfg = config
+        self.traces = traces  # a TraceLog (train/traces.py): the episodes are written there too
+        self.answers: list[tuple[str, Answers]] = []  # the last evaluation's draws, until traced
         self.interval, self.num_samples = cfg.train.eval_interval, cfg.train.eval_num_samples
         self.sum_keys = (*SUMS, *(f"pass@{k}" for k in cfg.train.eval_pass_k))  # summed over prompts and ranks
         self.path = Path(cfg.log.log_dir) / "metrics.jsonl"
@@ -147,6 +150,11 @@ class GenerationEval:
     def _evaluate(self, trainer: Any, step: int, epoch: int) -> None:
         start = time.perf_counter()
         sums = self._answer(self._runner(trainer), step, trainer.ctx.policy_version)
+        if self.traces is not None and trainer.is_main:
+            for draw, answers in self.answers:
+                self.traces.write(eval_records(step, trainer.ctx.policy_version, draw, answers,
+                                               self.config.log.trace_samples, trainer.tokenizer))
+        self.answers = []
         totals = dict(zip(self.sum_keys, dist.all_reduce_sum(torch.tensor([sums[k] for k in self.sum_keys],
                                                                           dtype=torch.float64,
                                                                           device=trainer.device)).tolist()))
@@ -189,6 +197,7 @@ class GenerationEval:
             draws.append(Draw(runner.sampling, self.num_samples, lambda i, *more: eval_seed(seed, step, i, *more)))
         greedy, *sampled = answer(runner, records, [list(r["prompt_ids"]) for r in kept], draws, policy_version,
                                   self.config.train.eval_match)
+        self.answers = [("greedy", greedy), *[("sampled", s) for s in sampled]]
         sums["prompts"] = float(len(kept))
         sums["correct"] = float(sum(greedy.correct))
         sums["greedy_reward"] = float(greedy.rewards.double().sum())

@@ -3,7 +3,8 @@
 The end of the training data flow for humans: the metrics log written by the trainer's
 MetricsLogger becomes one PNG per metric (loss, lr, grad_norm, tokens_per_s and every objective
 metric), one PNG per metric group (``group_loss.png``, ``group_lr.png``, ``group_grad_norm.png``,
-``group_throughput.png``, ``group_reward.png``, ``group_length.png``, ``group_eval.png`` (the
+``group_throughput.png``, ``group_reward.png``, ``group_length.png``, ``group_time.png``
+(``time_*`` and ``*_seconds``: where the steps' time went), ``group_eval.png`` (the
 ``eval/`` rows of evaluation during training), and for online RL
 ``group_policy.png``, ``group_sampler.png``, ``group_rollout.png``; ``group_other.png``: the
 group's metrics side by side) and ``curves.png`` with all of them on one page, into
@@ -44,6 +45,8 @@ GROUPS: dict[str, Callable[[str], bool]] = {
     "sampler": lambda m: m.startswith(("sampler_", "is_weight")),
     # online RL: whether a rollout can teach anything (cut-off completions, groups without signal)
     "rollout": lambda m: m in ("truncated_fraction", "frac_reward_zero_std", "skipped_prompts", "skipped_groups"),
+    # where each step's seconds went (train/timing.py)
+    "time": lambda m: m.startswith("time_") or m.endswith("_seconds"),
     "other": lambda m: True,
 }
 LOG_SCALE_GROUPS = {"grad_norm"}

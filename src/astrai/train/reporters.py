@@ -8,7 +8,9 @@ numbers under the same names as the lines of ``metrics.jsonl`` (``loss``, ``lr``
 one is an error naming the package to install. Backends close at the end of the run, also after
 a stop signal (the loops turn SIGTERM into a stop and still call ``on_train_end``), and a failed
 run is marked failed where the backend has such a state. The wandb and MLflow run ids are saved in
-the checkpoint, so a resumed run continues the same run.
+the checkpoint, so a resumed run continues the same run. With ``trace_samples`` (``traces.py``), each
+step's trace lines go along: a wandb table ``traces``, TensorBoard text ``traces`` (a markdown
+table) and an MLflow artifact ``traces/step_<N>.jsonl``.
 
 Where they write: TensorBoard events under ``<log_dir>/tensorboard``; wandb under ``$WANDB_DIR``
 (default ``<log_dir>``), offline with ``WANDB_MODE=offline``; MLflow to ``$MLFLOW_TRACKING_URI``
@@ -25,6 +27,7 @@ from typing import Any, Protocol
 from astrai.config_values import REPORTERS as PACKAGES
 from astrai.config_values import missing_package
 from astrai.train.context import Loop
+from astrai.train.traces import TABLE_COLUMNS, table_row
 
 REPORTERS = tuple(PACKAGES)  # report_to's names (the config's closed choice; each is built here)
 
@@ -35,7 +38,19 @@ class Reporter(Protocol):
     run_id: str | None
 
     def log(self, metrics: dict[str, float], step: int) -> None: ...
+    def log_traces(self, lines: list[dict[str, Any]], step: int) -> None: ...
     def close(self, failed: bool) -> None: ...
+
+
+def markdown_table(lines: list[dict[str, Any]]) -> str:
+    """Trace lines as a markdown table (TensorBoard renders it), one row per sample."""
+    def cell(v: Any) -> str:
+        text = f"{v:.4g}" if isinstance(v, float) else str("" if v is None else v)
+        return text.replace("|", "\\|").replace("\n", " ")[:200]
+
+    rows = [" | ".join(TABLE_COLUMNS), " | ".join("---" for _ in TABLE_COLUMNS)]
+    rows += [" | ".join(cell(table_row(line)[c]) for c in TABLE_COLUMNS) for line in lines]
+    return "\n".join(rows)
 
 
 def scalar_metrics(step_metrics: dict[str, Any]) -> dict[str, float]:
@@ -67,6 +82,9 @@ class TensorBoardReporter:
         for name, value in metrics.items():
             self.writer.add_scalar(name, value, step)
 
+    def log_traces(self, lines: list[dict[str, Any]], step: int) -> None:
+        self.writer.add_text("traces", markdown_table(lines), step)
+
     def close(self, failed: bool) -> None:
         self.writer.close()
 
@@ -76,12 +94,17 @@ class WandbReporter:
 
     def __init__(self, log_dir: Path, project: str, name: str, config: dict[str, Any], run_id: str | None):
         wandb = _require("wandb")
+        self.table = wandb.Table
         self.run = wandb.init(project=project, name=name, config=config, dir=os.environ.get("WANDB_DIR", str(log_dir)),
                               id=run_id, resume="allow" if run_id else None, reinit="create_new")
         self.run_id = self.run.id
 
     def log(self, metrics: dict[str, float], step: int) -> None:
         self.run.log(metrics, step=step)
+
+    def log_traces(self, lines: list[dict[str, Any]], step: int) -> None:
+        rows = [[table_row(line)[c] for c in TABLE_COLUMNS] for line in lines]
+        self.run.log({"traces": self.table(columns=list(TABLE_COLUMNS), data=rows)}, step=step)
 
     def close(self, failed: bool) -> None:
         self.run.finish(exit_code=1 if failed else 0)
@@ -118,6 +141,12 @@ class MLflowReporter:
         now = int(time.time() * 1000)
         self.client.log_batch(self.run_id, metrics=[self._metric(k, v, now, step) for k, v in metrics.items()])
 
+    def log_traces(self, lines: list[dict[str, Any]], step: int) -> None:
+        import json
+
+        text = "".join(json.dumps(line, ensure_ascii=False) + "\n" for line in lines)
+        self.client.log_text(self.run_id, text, f"traces/step_{step:08d}.jsonl")
+
     def close(self, failed: bool) -> None:
         self.client.set_terminated(self.run_id, status="FAILED" if failed else "FINISHED")
 
@@ -127,7 +156,7 @@ class ReportTo:
     every optimizer step's metrics (what ``MetricsLogger`` writes) and closes them at the end."""
 
     def __init__(self, names: list[str], log_dir: str | Path, project: str | None = None, run_name: str | None = None,
-                 metrics: list[str] | None = None):
+                 metrics: list[str] | None = None, traces: Any = None):
         unknown = [n for n in names if n not in REPORTERS]
         if unknown:
             raise ValueError(f"report_to has {unknown}; choose from {', '.join(REPORTERS)}")
@@ -137,6 +166,9 @@ class ReportTo:
         self.reporters: dict[str, Any] = {}
         self.run_ids: dict[str, str] = {}  # from a resumed checkpoint: continue the same wandb / MLflow runs
         self.failed = False
+        self.traces = traces  # a TraceLog: its lines of each step go to the backends too
+        if traces is not None:
+            traces.keep_for_reporters = True
 
     def on_train_begin(self, trainer: Loop) -> None:
         if not trainer.is_main:
@@ -156,12 +188,21 @@ class ReportTo:
             self.failed = True  # the loop has not started: close what opened, then let the error out
             self.on_train_end(trainer)
             raise
+        self._send_traces(trainer.ctx.step)  # the step-0 evaluation's, written before this
+
+    def _send_traces(self, step: int) -> None:
+        lines = self.traces.take() if self.traces is not None else []
+        if lines:
+            for reporter in self.reporters.values():
+                if hasattr(reporter, "log_traces"):  # a user's or a test's reporter may log scalars only
+                    reporter.log_traces(lines, step)
 
     def after_optimizer_step(self, trainer: Loop) -> None:
         if self.reporters:
             metrics = scalar_metrics(trainer.step_metrics)
             for reporter in self.reporters.values():
                 reporter.log(metrics, trainer.ctx.step)
+            self._send_traces(trainer.ctx.step)
 
     def on_error(self, trainer: Loop, error: BaseException) -> None:
         self.failed = True

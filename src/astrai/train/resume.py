@@ -209,7 +209,7 @@ def set_rng_state(state: dict[str, Any]) -> None:
 # Fields a resume may change without breaking anything: they are applied from the new config.
 APPLIED_ON_RESUME = frozenset({
     "resume", "param_path", "max_steps", "n_epoch", "ckpt_dir", "overwrite_ckpt_dir", "ckpt_interval", "keep_last", "ckpt_background",
-    "log_dir", "progress", "summary_hints", "tensorboard", "report_to", "report_project", "run_name", "log_metrics", "val_interval", "val_max_batches", "stop_timeout",
+    "log_dir", "progress", "summary_hints", "tensorboard", "report_to", "report_project", "run_name", "log_metrics", "trace_samples", "report_html", "val_interval", "val_max_batches", "stop_timeout",
     "early_stopping_metric", "early_stopping_patience", "early_stopping_min_delta", "early_stopping_mode",
     "max_nonfinite_steps", "device", "nprocs", "max_policy_lag", "keep_kv_pool", "host_mmap_threshold_mb", "host_keep_heap",
     # where the rollout servers are and how to reach them (a restarted fleet has new ports)

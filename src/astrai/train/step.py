@@ -11,12 +11,14 @@ names the step); ``max_nonfinite_steps`` skips in a row stop the run with ``NonF
 A window without loss units (nothing to learn from) leaves the weights as they are.
 ``TrainStep`` is what both loops write around it: a micro-batch (device, DDP no-sync, autocast,
 objective, backward, the window's sums, the companions') and the window's end (the optimizer
-step, then the run's step and policy-version counters, then the companions' steps).
+step, then the run's step and policy-version counters, then the companions' steps), timing
+each part into ``ctx.times`` (``train/timing.py``).
 """
 from __future__ import annotations
 
 import math
 import sys
+import time
 from collections.abc import Callable, Sequence
 from contextlib import ExitStack
 from typing import Any
@@ -140,6 +142,7 @@ class TrainStep:
                  bf16: bool, companions: Sequence[Companion] = ()):
         self.model, self.objective, self.grad_step = model, objective, grad_step
         self.device, self.bf16, self.companions = device, bf16, tuple(companions)
+        self.forward_backward_seconds = 0.0  # this window's micro-batches so far (ctx.times gets it at finish)
 
     def micro_batch(self, batch: Batch, last: bool, filler: bool = False) -> LossOutput:
         """Forward and backward one micro-batch and add it to the window. DDP all-reduces the
@@ -147,6 +150,7 @@ class TrainStep:
         (a rank with fewer micro-batches than another) only joins the gradient all-reduce: zero
         loss, zero units and tokens, zero metrics (their names keep the window's sums aligned
         over the ranks) and no pins."""
+        start = time.perf_counter()
         batch = {k: v.to(self.device, non_blocking=True) if isinstance(v, Tensor) else v for k, v in batch.items()}
         # the switches cover the forward only (DDP reads no-sync there); FSDP2 reads its switch in
         # the backward, so its gradients are reduce-scattered every micro-batch, as they always were
@@ -162,6 +166,7 @@ class TrainStep:
         self.grad_step.add(out.loss, units, 0 if filler else num_tokens(batch), out.metrics)
         for companion in self.companions:  # PPO's critic: the same backward fed its gradients
             companion.add(out, units)
+        self.forward_backward_seconds += time.perf_counter() - start
         return out
 
     def finish(self, ctx: TrainContext, before_update: Callable[[], None] | None = None,
@@ -172,13 +177,21 @@ class TrainStep:
         companion, outside the version's publication. Returns the step's metrics (the policy's
         and the companions') and the window's trained tokens (all ranks), also added to
         ``ctx.tokens_seen``."""
-        result = self.grad_step.step(ctx.step + 1, before_update=before_update)
+        start = time.perf_counter()
+        if self.device.type == "cuda":  # queued kernels are the micro-batches' time, not the optimizer's
+            torch.cuda.synchronize(self.device)
+        ctx.times.add("forward_backward", self.forward_backward_seconds + time.perf_counter() - start)
+        self.forward_backward_seconds = 0.0
+        with ctx.times.span("optimizer"):
+            result = self.grad_step.step(ctx.step + 1, before_update=before_update)
         ctx.step += 1
         ctx.policy_version += 1
         if publish is not None:
-            publish(ctx.policy_version)
-        for companion in self.companions:
-            result.update(companion.step(ctx.step))
+            with ctx.times.span("weight_sync"):
+                publish(ctx.policy_version)
+        with ctx.times.span("optimizer"):
+            for companion in self.companions:
+                result.update(companion.step(ctx.step))
         tokens = result.pop("num_tokens")
         ctx.tokens_seen += tokens
         return result, tokens

@@ -4,9 +4,10 @@ Every loop (the offline ``Trainer``, the online RL loop) carries ``RunSummary`` 
 default callbacks, after the checkpoint saver, so by its ``on_train_end`` the last checkpoint is
 published. On rank 0 it prints, whatever ``progress`` says: how the run ended (finished, or
 stopped and why), the final step, the last train and validation loss (and the mean reward of an RL
-run), the held-out accuracy of evaluation during training (first -> last, their count and time), tokens/s and wall time of this process, the last checkpoint this run published (``ckpt_dir``
-may hold older runs' too), and the commands
-that serve it or resume the run. A run that fails prints its error instead (``train/cli.py``).
+run), the held-out accuracy of evaluation during training (first -> last, their count and time),
+tokens/s and wall time of this process, the last checkpoint this run published (``ckpt_dir`` may
+hold older runs' too), the commands that serve it or resume the run, and where the time went (the
+shares of the ``time_*`` parts, ``timing.py``). A run that fails prints its error instead (``train/cli.py``).
 """
 
 from __future__ import annotations
@@ -14,11 +15,12 @@ from __future__ import annotations
 import shlex
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from astrai.train.context import Loop
+from astrai.train.timing import format_time_shares, time_shares
 
 
 @dataclass
@@ -41,6 +43,7 @@ class RunReport:
     resume_command: str | None = None  # None: "rerun with --resume"
     hints: bool = True  # the "serve it" and "resume" lines (log.summary_hints)
     reward_model: bool = False  # the checkpoint scores (train_type reward): used as a reward, not served
+    time_shares: list[tuple[str, float]] = field(default_factory=list)  # (part, share): timing.time_shares
 
 
 def format_duration(seconds: float) -> str:
@@ -84,6 +87,8 @@ def format_summary(r: RunReport) -> str:
             lines.append(f"  serve it:  astrai serve --model {shlex.quote(str(r.checkpoint))}")
     if r.hints and r.stop_reason is not None and r.step > 0:
         lines.append(f"  resume:    {r.resume_command or 'run the same command with --resume'}")
+    if r.time_shares:
+        lines.append(f"  time: {format_time_shares(r.time_shares)}")
     return "\n".join(lines)
 
 
@@ -123,6 +128,7 @@ class RunSummary:
         self._val: tuple[int, float] | None = None
         self._reward: float | None = None
         self._evals: list[tuple[int, float, float]] = []  # (step, eval/accuracy, eval/seconds)
+        self._times: dict[str, float] = {}  # summed time_* metrics (train/timing.py)
         self._note_eval(trainer.step_metrics if isinstance(getattr(trainer, "step_metrics", None), dict) else {},
                         trainer.ctx.step)  # the step-0 evaluation runs in on_train_begin, before this
 
@@ -135,6 +141,9 @@ class RunSummary:
         if "reward_mean" in m:
             self._reward = float(m["reward_mean"])
         self._note_eval(m, m.get("step", trainer.ctx.step))
+        for k, v in m.items():
+            if k.startswith("time_"):
+                self._times[k] = self._times.get(k, 0.0) + float(v)
 
     def _note_eval(self, m: dict[str, Any], step: int) -> None:
         if "eval/accuracy" in m:
@@ -147,6 +156,9 @@ class RunSummary:
         if not trainer.is_main or self.failed:
             return
         from astrai.train.publish import last_published, latest_checkpoint
+
+        last_save = trainer.ctx.times.pending.get("checkpoint", 0.0)  # the final checkpoint, after the last line
+        self._times["time_checkpoint"] = self._times.get("time_checkpoint", 0.0) + last_save
 
         ctx, cfg = trainer.ctx, trainer.config
         # this run's own: ckpt_dir may hold other runs' checkpoints, even of later steps
@@ -163,5 +175,6 @@ class RunSummary:
             eval_first_accuracy=self._evals[0][1] if self._evals else None,
             eval_seconds=sum(e[2] for e in self._evals), num_evals=len(self._evals),
             resume_command=resume_command(self.command, cfg, checkpoint), hints=cfg.log.summary_hints,
-            reward_model=getattr(getattr(cfg, "data", None), "train_type", None) == "reward")
+            reward_model=getattr(getattr(cfg, "data", None), "train_type", None) == "reward",
+            time_shares=time_shares(self._times))
         print(format_summary(self.report), file=self.stream or sys.stderr, flush=True)

@@ -112,6 +112,7 @@ class Trainer:
         now = time.perf_counter()
         self.step_metrics = {"step": ctx.step, "epoch": ctx.epoch, **result,
                              "tokens_per_s": tokens / max(now - self._t_last, 1e-9)}
+        self.step_metrics.update(ctx.times.take(now - self._t_last))  # time_* (train/timing.py)
         if self._validation_due():
             self.step_metrics.update(self.evaluate())
         pause_point(f"step:{ctx.step}")  # test hook: a kill or a stop lands exactly here

@@ -47,6 +47,8 @@ class Rollout:
     # (N, T) turn_rewards: each environment step's reward at the label position of its turn's last
     # sampled token (they sum to reward_terms["environment"]); None when per-turn rewards are off
     turn_rewards: Tensor | None = None
+    # traced samples' views (train/traces.py), None for the others; not saved in checkpoints
+    samples: list[dict[str, Any] | None] = field(default_factory=list)
 
     @property
     def num_samples(self) -> int:
@@ -95,7 +97,8 @@ def select_groups(rollout: Rollout, groups: Tensor) -> Rollout:
                    reward_terms={k: v[groups] for k, v in rollout.reward_terms.items()},
                    stats=dict(rollout.stats),
                    truncated=rollout.truncated[rows] if rollout.truncated is not None else None,
-                   turn_rewards=rollout.turn_rewards[rows] if rollout.turn_rewards is not None else None)
+                   turn_rewards=rollout.turn_rewards[rows] if rollout.turn_rewards is not None else None,
+                   samples=[rollout.samples[i] for i in rows.tolist()] if rollout.samples else [])
 
 
 def concat_rollouts(parts: list[Rollout]) -> Rollout:
@@ -112,7 +115,8 @@ def concat_rollouts(parts: list[Rollout]) -> Rollout:
                   texts=[t for p in parts for t in p.texts],
                   reward_terms={k: torch.cat([p.reward_terms[k] for p in parts]) for k in parts[0].reward_terms},
                   truncated=torch.cat([p.truncated for p in parts]) if parts[0].truncated is not None else None,
-                  turn_rewards=cat("turn_rewards", 0.0) if parts[0].turn_rewards is not None else None)
+                  turn_rewards=cat("turn_rewards", 0.0) if parts[0].turn_rewards is not None else None,
+                  samples=[v for p in parts for v in (p.samples or [None] * p.num_samples)])
     weights = [p.num_samples for p in parts]
     for key in parts[0].stats:
         values = [p.stats.get(key, 0.0) for p in parts]

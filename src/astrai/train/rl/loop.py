@@ -150,6 +150,7 @@ class OnlineLoop:
                     sync_start = time.perf_counter()
                     self.rollout_sampler.sync_weights(ctx.policy_version)
                     sync_seconds = time.perf_counter() - sync_start
+                    ctx.times.add("weight_sync", sync_seconds)
                     position, rng = (ctx.epoch, ctx.consumed_samples), resume.rng_state()
                     if (drawn := self._next_rollout()) is None:  # a stop request came while drawing
                         # as after the last step: a checkpoint now resumes into the same draws
@@ -181,6 +182,7 @@ class OnlineLoop:
                 seconds = time.perf_counter() - t0
                 result["tokens_per_s"] = tokens / max(seconds, 1e-9)  # trained tokens (all ranks), rollout included
                 self.step_metrics = self._metrics(result, rollout, fresh, seconds)
+                self.step_metrics.update(ctx.times.take(seconds, rollout.stats if fresh else None))  # time_*
                 pause_point(f"step:{ctx.step}")  # test hook: a kill or a stop lands exactly here
                 cbs.after_optimizer_step(self)
             if cfg.rl.rollout_servers:  # the servers end on the final policy (what they serve next)
@@ -230,7 +232,8 @@ class OnlineLoop:
         rollout = self._rollout_with_signal() if self.config.rl.dynamic_sampling else self._fitting_rollout()
         if rollout is not None:
             rollout.stats["skipped_prompts"] = float(self.runner.num_skipped_total - before)  # every draw's
-            self.objective.prepare(rollout)
+            with self.ctx.times.span("reference"):  # reference log-probs, critic values, advantages
+                self.objective.prepare(rollout)
         return rollout
 
     def _generate(self, batch: dict[str, list[Any]], draw: int) -> Rollout | None:

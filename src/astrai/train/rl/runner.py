@@ -30,6 +30,7 @@ from astrai.train.rl.data import Rollout, pack_episodes, rollout_signal_stats, t
 from astrai.train.rl.episode import Conversation, Episode, episode_stats
 from astrai.train.rl.rewards import RewardSet
 from astrai.train.rl.sampler import RolloutSampling, Sampler, TurnRequest, rollout_sampling
+from astrai.train.traces import trace_views
 
 
 def rollout_seed(random_seed: int, step: int, prompt_index: int, *more: int) -> int:
@@ -77,6 +78,7 @@ class EpisodeRunner:
         self.generation_seconds = 0.0  # time inside the sampler, this run() call
         self.num_skipped_total = 0  # prompts over max_prompt_len, this rank, whole run (warned once)
         self.shortest_skipped: int | None = None  # the shortest of them: the max_prompt_len that keeps one
+        self.trace_samples = 0  # episodes per rollout whose views the Rollout keeps (set by train/traces.py)
 
     # ---------------------------------------------------------------------------- the turn loop
 
@@ -188,9 +190,12 @@ class EpisodeRunner:
         draw = Draw(self.sampling, G, lambda i, *more: rollout_seed(seed, step, first_index + i, *more))
         [episodes] = self.run(records, [list(batch["prompt_ids"][i]) for i in keep], [draw], policy_version)
         rollout = pack_episodes([(e.ids, e.logps) for e in episodes], G, policy_version)
+        scored = time.perf_counter()
         total, terms = self.score(episodes, G)
+        reward_seconds = time.perf_counter() - scored
         rollout.rewards, rollout.reward_terms = total.view(-1, G), {k: v.view(-1, G) for k, v in terms.items()}
         rollout.texts = [e.final_text for e in episodes]
+        rollout.samples = trace_views(episodes, self.trace_samples, self.tokenizer)
         if self.rl.turn_rewards:  # each environment step's reward on its turn's last sampled token
             rollout.turn_rewards = turn_reward_rows([e.turn_rewards for e in episodes], rollout.labels.shape)
         rollout.truncated = torch.tensor([e.truncated or e.finish_reason == "length" for e in episodes])
@@ -198,11 +203,11 @@ class EpisodeRunner:
         num_new = sum(lp is not None for e in episodes for lp in e.logps)
         rollout.stats = {"rollout_seconds": seconds, "rollout_tokens": float(num_new),
                          "rollout_tokens_per_s": num_new / max(seconds, 1e-9), "skipped_prompts": float(skipped),
+                         "generation_seconds": self.generation_seconds, "reward_seconds": reward_seconds,
                          **rollout_signal_stats(rollout.rewards, ["length" if t else "stop" for t in rollout.truncated])}
         if self.multi_turn:
             stats = self.conversation.stats
-            rollout.stats.update({"generation_seconds": self.generation_seconds,
-                                  **episode_stats(episodes, stats["tool_seconds"], stats["env_seconds"])})
+            rollout.stats.update(episode_stats(episodes, stats["tool_seconds"], stats["env_seconds"]))
         return rollout
 
     def _count_skipped(self, step: int, lengths: list[int]) -> None:
