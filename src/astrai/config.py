@@ -145,8 +145,8 @@ class RLConfig:
     mask_truncated_completions: bool = False  # completions cut at rollout_max_tokens carry no loss
     dynamic_sampling: bool = False  # DAPO: drop groups with equal rewards, draw more prompts to refill
     max_resample_batches: int = knob(4, ge=0)  # dynamic_sampling: extra prompt batches drawn per rollout at most
-    scale_rewards: str = "group"  # group: (r - mean) / (std + reward_std_eps) per group | none: r - mean (Dr. GRPO)
-    reward_std_eps: float = knob(1e-4, ge=0)  # scale_rewards group: added to the group's std (TRL's 1e-4), so near-equal rewards get small advantages
+    scale_rewards: str = "group"  # group: (r - mean) / (max(std, reward_std_floor) + 1e-8) per group | none: r - mean (Dr. GRPO)
+    reward_std_floor: float = knob(1e-4, ge=0)  # scale_rewards group: a group's std counts as at least this, so near-equal rewards get small advantages
     rl_loss_agg: str = "token_mean"  # token_mean | seq_mean | seq_mean_token_sum_norm
     rewards: list[str] = field(default_factory=lambda: ["exact_match"])  # exact_match | final_number | format | length | overlong | judge | module:function | a reward model dir
     reward_weights: list[float] | None = None  # one per reward; None = all 1.0

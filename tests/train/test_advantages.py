@@ -25,7 +25,7 @@ from astrai.train.build import warn_if_no_signal
 def inputs(rewards, **kw):
     N = rewards.numel()
     mask = torch.tensor([[0, 1, 1]] * N, dtype=torch.bool)
-    base = dict(mask=mask, behaviour_logps=torch.full((N, 3), -1.0), ref_logps=None, scale=True, std_eps=1e-8, kl_coef=0.0,
+    base = dict(mask=mask, behaviour_logps=torch.full((N, 3), -1.0), ref_logps=None, scale=True, std_floor=0.0, kl_coef=0.0,
                 kl_estimator="k3", all_reduce=None)
     return AdvantageInputs(rewards, **{**base, **kw})
 
@@ -110,7 +110,7 @@ def test_turn_rewards_sit_on_their_turns_for_reinforce_pp():
     turns = turn_reward_rows([[(1, 0.5)]], torch.Size([1, 6]))  # the turn's last sampled token at row position 1
     assert turns.tolist() == [[0.5, 0, 0, 0, 0, 0]]
     mask = torch.tensor([[1, 0, 0, 1, 1, 0]], dtype=torch.bool)
-    x = AdvantageInputs(torch.tensor([[1.0]]), mask, torch.zeros(1, 6), None, True, 1e-8, 0.0, "k3+", None, turns)
+    x = AdvantageInputs(torch.tensor([[1.0]]), mask, torch.zeros(1, 6), None, True, 0.0, 0.0, "k3+", None, turns)
     rewards = L.token_rewards(torch.tensor([1.0]), mask) + turns
     assert L.reward_to_go(rewards, mask).tolist() == [[1.5, 0, 0, 1.0, 1.0, 0]]
     adv = ADVANTAGE_ESTIMATORS["reinforce_pp"].function(x)

@@ -201,8 +201,8 @@ def test_offline_grpo_without_logprobs_uses_the_policys_own_hand_checked_loss(tm
     ds = build_dataset("rollout", path, load_tokenizer(tok_dir), 128)
     lengths = [len(r) for r in ds[0]["responses"]]
     assert len(set(lengths)) == 3  # the loss weighs each response by its tokens
-    # rewards [1, 0, 0.5]: mean 0.5, population std sqrt(1/6), plus reward_std_eps 1e-4
-    std = (1 / 6) ** 0.5 + 1e-4
+    # rewards [1, 0, 0.5]: mean 0.5, population std sqrt(1/6) (above reward_std_floor), plus 1e-8
+    std = (1 / 6) ** 0.5 + 1e-8
     adv = [0.5 / std, -0.5 / std, 0.0]
     expected = -sum(a * n for a, n in zip(adv, lengths)) / sum(lengths)
     assert abs(expected) > 0.1

@@ -247,15 +247,19 @@ def test_settings_an_objective_would_ignore_or_misread_are_refused(flags, match)
 
 
 def test_near_equal_rewards_get_small_advantages():
-    """reward_std_eps (1e-4, TRL's): rewards 1e-6 apart got +-1 with the 1e-8 of before; now ~+-0.005."""
+    """reward_std_floor (1e-4): rewards 1e-6 apart got +-1 with the bare 1e-8 of before; now ~+-0.005.
+    A group whose std is above the floor divides exactly as before (seeded runs keep their bits)."""
     from astrai.train.advantages import ADVANTAGE_ESTIMATORS, AdvantageInputs
 
-    eps = load_config(None, []).rl.reward_std_eps
+    floor = load_config(None, []).rl.reward_std_floor
     x = AdvantageInputs(torch.tensor([[1.0, 1.000001]]), torch.ones(2, 1, dtype=torch.bool), torch.zeros(2, 1), None,
-                        True, eps, 0.0, "k3+", None)
+                        True, floor, 0.0, "k3+", None)
     adv = ADVANTAGE_ESTIMATORS["grpo"].function(x)
     assert adv.abs().max().item() < 0.01
-    assert L.grpo_advantages(torch.tensor([1.0, 0.0]), 2, eps=eps).tolist() == pytest.approx([1 / 1.0002, -1 / 1.0002])
+    half_gap = (torch.tensor(1.000001) - 1).item() / 2  # the float32 rewards' distance from their mean
+    assert adv.abs().max().item() == pytest.approx(half_gap / (1e-4 + 1e-8), rel=1e-3)
+    rewards = torch.tensor([1.0, 0.0, 0.5, 1.0])
+    assert torch.equal(L.grpo_advantages(rewards, 4, std_floor=floor), L.grpo_advantages(rewards, 4))
 
 
 def test_entropy_coef_adds_a_bonus_with_its_gradient():

@@ -42,7 +42,7 @@ class AdvantageInputs:
     behaviour_logps: Tensor  # (N, T) the sampler's log-probs of those tokens (0 elsewhere)
     ref_logps: Tensor | None  # (N, T) the reference's, when the estimator folds the KL in and there is one
     scale: bool  # scale_rewards "group": divide by the group's std (grpo)
-    std_eps: float  # reward_std_eps: added to that std
+    std_floor: float  # reward_std_floor: the least std the scaling divides by
     kl_coef: float
     kl_estimator: str
     all_reduce: Callable[[Tensor], Tensor] | None  # sums a tensor over the ranks (None: one rank)
@@ -53,7 +53,7 @@ class AdvantageInputs:
 
 def grpo(x: AdvantageInputs) -> Tensor:
     """(N,) the group-relative advantage: reward minus the group's mean, over its std when scaled."""
-    return grpo_advantages(x.rewards.reshape(-1), x.rewards.size(-1), scale=x.scale, eps=x.std_eps)
+    return grpo_advantages(x.rewards.reshape(-1), x.rewards.size(-1), scale=x.scale, std_floor=x.std_floor)
 
 
 def rloo(x: AdvantageInputs) -> Tensor:

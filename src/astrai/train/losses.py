@@ -206,13 +206,15 @@ def generalized_jsd(student_logps: Tensor, teacher_logps: Tensor, beta: float = 
 
 
 def grpo_advantages(rewards: Tensor, group_size: int, scale: bool = True, eps: float = 1e-8,
-                    unbiased: bool = False) -> Tensor:
+                    unbiased: bool = False, std_floor: float = 0.0) -> Tensor:
     """Group-relative advantages: each reward minus its group's mean, divided by the group's std.
 
     rewards: (N,) with N = num_groups * group_size, the completions of one prompt contiguous.
     Default: the population std and eps 1e-8, as the GRPO specification has it; a group whose
     rewards are all equal gets advantage 0. `unbiased=True, eps=1e-4` is TRL's choice.
-    `scale=False` (Dr. GRPO) only centres.
+    `scale=False` (Dr. GRPO) only centres. `std_floor`: a group's std counts as at least this
+    (rl.reward_std_floor), so rewards 1e-6 apart get small advantages, not +-1; a group whose std
+    is above it divides exactly as without it.
     """
     if group_size < 1 or rewards.numel() % group_size:
         raise ValueError(
@@ -224,7 +226,8 @@ def grpo_advantages(rewards: Tensor, group_size: int, scale: bool = True, eps: f
     grouped = rewards.reshape(-1, group_size).float()  # (G, group_size)
     advantages = grouped - grouped.mean(dim=1, keepdim=True)
     if scale:
-        advantages = advantages / (grouped.std(dim=1, keepdim=True, unbiased=unbiased) + eps)
+        std = grouped.std(dim=1, keepdim=True, unbiased=unbiased)
+        advantages = advantages / ((std.clamp_min(std_floor) if std_floor > 0 else std) + eps)
     return advantages.reshape(-1)  # (N,)
 
 

@@ -105,7 +105,8 @@ class GRPOObjective:
         advantages = torch.empty_like(rewards)
         for g in groups.unique():
             rows = (groups == g).nonzero().squeeze(1)
-            advantages[rows] = grpo_advantages(rewards[rows], len(rows), scale=self.scale, eps=self.rl.reward_std_eps)
+            advantages[rows] = grpo_advantages(rewards[rows], len(rows), scale=self.scale,
+                                              std_floor=self.rl.reward_std_floor)
         return advantages
 
     def __call__(self, model: nn.Module, batch: Batch) -> LossOutput:
@@ -151,7 +152,7 @@ class GRPOObjective:
         with_ref = self.kl_in_reward and self.reference is not None
         ref = reference_logps(self.reference, rollout, rollout_sampling(self.rl), self.device) if with_ref else None
         scores, turns = per_turn(rollout)
-        inputs = AdvantageInputs(scores, mask, rollout.old_logps, ref, self.scale, self.rl.reward_std_eps,
+        inputs = AdvantageInputs(scores, mask, rollout.old_logps, ref, self.scale, self.rl.reward_std_floor,
                                  self.kl_coef, self.rl.kl_estimator,
                                  dist.all_reduce_sum if dist.is_distributed() else None, turns)
         if with_ref:
