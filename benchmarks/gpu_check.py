@@ -182,10 +182,13 @@ def _gen_prompts(args) -> list[list[int]]:
     return make_prompts(args.num_prompts, 8, 64 if args.quick else 256, TINY["vocab_size"], seed=0)
 
 
-def _timed(fn: Callable[[], object], device: str) -> float:
+def _timed(fn: Callable[[], object], args) -> float:
+    device = args.device
     # warm-ups: allocations, kernel choices, lazy graph capture. In a fresh CUDA process the first
-    # two runs both pay one-off costs (an H200, 2026-12-04: 938, 2,628, then 10,477 tok/s)
-    for _ in range(2 if device.startswith("cuda") else 1):
+    # two runs both pay one-off costs (an H200, 2026-12-04: 938, 2,628, then 10,477 tok/s). The
+    # quick CPU mode is a smoke run: it times the first call (transformers' generate_batch costs
+    # about 10 s a call on a CPU, whatever the size)
+    for _ in range(0 if args.quick else 2 if device.startswith("cuda") else 1):
         fn()
     sync(device)
     start = time.perf_counter()
@@ -201,7 +204,7 @@ def _astrai_generate(model, prompts, args, **engine) -> float:
     llm = LLM(model, None, kv_cache_tokens=max(4096, len(prompts) * (300 + args.new_tokens)),
               max_num_seqs=len(prompts), **engine)
     params = SamplingParams(temperature=0, max_tokens=args.new_tokens, ignore_eos=True)
-    return _timed(lambda: llm.generate(prompts, params), args.device)
+    return _timed(lambda: llm.generate(prompts, params), args)
 
 
 def row_generate(args) -> dict:
@@ -212,7 +215,7 @@ def row_generate(args) -> dict:
     tokens = len(prompts) * args.new_tokens
     ours = tokens / _astrai_generate(model, prompts, args)
     ids = [[t + 0 for t in p] for p in prompts]
-    peer = tokens / _timed(lambda: hf_static(hf, ids, args.new_tokens, len(ids), 0), args.device)
+    peer = tokens / _timed(lambda: hf_static(hf, ids, args.new_tokens, len(ids), 0), args)
     return result(ours, peer, "tok/s", "transformers generate (static batch)")
 
 
@@ -225,7 +228,7 @@ def row_generate_continuous(args) -> dict:
     if run is None:
         raise Skip("transformers generate_batch is unavailable or fails here")
     tokens = len(prompts) * args.new_tokens
-    return result(tokens / _astrai_generate(model, prompts, args), tokens / _timed(run, args.device), "tok/s",
+    return result(tokens / _astrai_generate(model, prompts, args), tokens / _timed(run, args), "tok/s",
                   "transformers generate_batch")
 
 
