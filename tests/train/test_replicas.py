@@ -6,15 +6,11 @@ from __future__ import annotations
 
 import json
 import os
-import signal
-import subprocess
-import sys
-import time
 
 import yaml
 
 from astrai.train.publish import latest_checkpoint
-from tests.train.rl_runs import REPO, write_rl_run
+from tests.train.rl_runs import sigterm_after_step, write_rl_run
 
 
 def _alive(pid: int) -> bool:
@@ -30,16 +26,7 @@ def test_one_command_runs_a_replica_and_leaves_nothing_after_sigterm(tok_dir, tm
     cfg = yaml.safe_load(config.read_text())
     cfg["train"]["max_steps"] = 3
     config.write_text(yaml.safe_dump(cfg, sort_keys=False))
-    env = {**os.environ, "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
-           "ASTRAI_PAUSE_AT": "step:1", "ASTRAI_PAUSE_FILE": str(tmp_path / "paused")}
-    proc = subprocess.Popen([sys.executable, "-m", "astrai", "train", "--config", str(config)], env=env,
-                            stderr=subprocess.PIPE, text=True)
-    deadline = time.monotonic() + 300  # a guard against a hung run, not the property under test
-    while not list(tmp_path.glob("paused.*")) and proc.poll() is None and time.monotonic() < deadline:
-        time.sleep(0.05)
-    proc.send_signal(signal.SIGTERM)
-    _, err = proc.communicate(timeout=300)
-    assert proc.returncode == 0 and "stopped at step 1" in err, err[-3000:]
+    sigterm_after_step(config, 1, tmp_path)  # to the launcher: it stops the trainer, then the replica
     assert latest_checkpoint(tmp_path / "run" / "ckpt").name == "step_00000001"
     pids = json.loads((tmp_path / "run" / "log" / "replicas.json").read_text())
     assert len(pids["replicas"]) == 1

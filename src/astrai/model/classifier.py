@@ -21,10 +21,10 @@ import torch
 from torch import Tensor, nn
 
 from astrai.model.config import ModelConfig
-from astrai.model.transformer import CausalLM, Transformer
+from astrai.model.transformer import CausalLM, Transformer, WithTrunk
 
 
-class SequenceClassifier(nn.Module):
+class SequenceClassifier(WithTrunk):
     def __init__(self, config: ModelConfig, seed: int | None = 0, trunk: Transformer | None = None) -> None:
         """A classifier with a fresh trunk (seeded like CausalLM), or around `trunk`; the head is
         drawn from N(0, initializer_range^2) with `seed` (transformers' init of ``score``)."""
@@ -47,14 +47,6 @@ class SequenceClassifier(nn.Module):
         if not isinstance(getattr(lm, "model", None), Transformer):
             raise TypeError(f"from_causal_lm needs a CausalLM, got {type(lm).__name__}")
         return cls(lm.config, seed=seed, trunk=lm.model)
-
-    @property
-    def gradient_checkpointing(self) -> bool:
-        return self.model.gradient_checkpointing
-
-    @gradient_checkpointing.setter
-    def gradient_checkpointing(self, enabled: bool) -> None:
-        self.model.gradient_checkpointing = enabled
 
     def forward(self, input_ids: Tensor, attention_mask: Tensor | None = None,
                 position_ids: Tensor | None = None) -> Tensor:

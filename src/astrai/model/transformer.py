@@ -140,7 +140,22 @@ class Transformer(nn.Module):
         return self.norm(x), aux_loss, router_stats
 
 
-class CausalLM(nn.Module):
+class WithTrunk(nn.Module):
+    """A model built on a ``Transformer`` trunk (``self.model``): the causal LM, the critic, the
+    sequence classifier. Gradient checkpointing is the trunk's."""
+
+    model: Transformer
+
+    @property
+    def gradient_checkpointing(self) -> bool:
+        return self.model.gradient_checkpointing
+
+    @gradient_checkpointing.setter
+    def gradient_checkpointing(self, enabled: bool) -> None:
+        self.model.gradient_checkpointing = enabled
+
+
+class CausalLM(WithTrunk):
     def __init__(self, config: ModelConfig, seed: int | None = 0, device: torch.device | str | None = None) -> None:
         """Build the model. `seed` gives a deterministic init (None: leave PyTorch's init);
         `device="meta"` builds without allocating, for loading weights afterwards."""
@@ -153,14 +168,6 @@ class CausalLM(nn.Module):
             self.lm_head.weight = self.model.embed_tokens.weight
         if seed is not None and str(device) != "meta":
             self.init_weights(seed)
-
-    @property
-    def gradient_checkpointing(self) -> bool:
-        return self.model.gradient_checkpointing
-
-    @gradient_checkpointing.setter
-    def gradient_checkpointing(self, enabled: bool) -> None:
-        self.model.gradient_checkpointing = enabled
 
     @torch.no_grad()
     def init_weights(self, seed: int = 0) -> None:

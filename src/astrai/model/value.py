@@ -17,10 +17,10 @@ import torch
 from torch import Tensor, nn
 
 from astrai.model.config import ModelConfig
-from astrai.model.transformer import CausalLM, Transformer
+from astrai.model.transformer import CausalLM, Transformer, WithTrunk
 
 
-class ValueModel(nn.Module):
+class ValueModel(WithTrunk):
     def __init__(self, config: ModelConfig, seed: int | None = 0, trunk: Transformer | None = None) -> None:
         """A critic with a freshly initialised trunk (seeded like CausalLM), or around `trunk`."""
         super().__init__()
@@ -78,14 +78,6 @@ class ValueModel(nn.Module):
                 critic.value_head.weight.copy_(weight)
                 critic.value_head.bias.copy_(bias if bias is not None else torch.zeros(1))
         return critic.to(device) if device is not None else critic
-
-    @property
-    def gradient_checkpointing(self) -> bool:
-        return self.model.gradient_checkpointing
-
-    @gradient_checkpointing.setter
-    def gradient_checkpointing(self, enabled: bool) -> None:
-        self.model.gradient_checkpointing = enabled
 
     def forward(
         self,
