@@ -96,13 +96,23 @@ def hf_continuous(model, prompts: list[list[int]], new_tokens: int) -> Callable[
 
     config = GenerationConfig(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
                               eos_token_id=None, pad_token_id=0)
+    sized = {}
+    try:  # its KV cache sized to the work, as astrai's is: left to itself, generate_batch sizes the
+        # cache from the free memory and zero-fills it on every call (about 10 s a call on a CPU host)
+        from transformers import ContinuousBatchingConfig
+
+        page, tokens = 256, sum(len(p) + new_tokens for p in prompts)
+        sized["continuous_batching_config"] = ContinuousBatchingConfig(
+            page_size=page, num_blocks=-(-tokens // page) + len(prompts), max_batch_tokens=max(256, sum(map(len, prompts))))
+    except ImportError:  # an older transformers: the peer as it comes
+        pass
 
     def run() -> object:
-        return model.generate_batch(prompts, generation_config=config, progress_bar=False)
+        return model.generate_batch(prompts, generation_config=config, progress_bar=False, **sized)
 
     try:  # a two-token probe: is it usable here at all?
         probe = GenerationConfig(max_new_tokens=2, do_sample=False, eos_token_id=None, pad_token_id=0)
-        assert len(model.generate_batch(prompts[:1], generation_config=probe, progress_bar=False)) == 1
+        assert len(model.generate_batch(prompts[:1], generation_config=probe, progress_bar=False, **sized)) == 1
     except Exception as exc:  # noqa: BLE001 - a peer that cannot run here is reported, not fatal
         print(f"(transformers generate_batch unavailable here: {type(exc).__name__}: {str(exc)[:120]})")
         return None
