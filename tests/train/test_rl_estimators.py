@@ -155,6 +155,21 @@ def test_dynamic_sampling_keeps_only_groups_with_signal(tmp_path, tok_dir, monke
     assert len(fresh) == 2 and sum(m["filtered_groups"] for m in fresh) > 0  # flat groups were dropped
     for rewards in seen:  # batch_per_device groups, each with distinct rewards
         assert rewards.size(0) == 4 and bool((rewards.max(dim=1).values > rewards.min(dim=1).values).all())
+    # the dropped groups are traced too, flagged, after the trained samples of their step
+    from astrai.train.traces import read_traces
+
+    lines = read_traces(tmp_path / "log")
+    dropped = [t for t in lines if t.get("filtered")]
+    assert dropped and all(t["masked"] and not t["group_has_signal"] and "advantage" not in t for t in dropped)
+    assert all(t["group_has_signal"] for t in lines if not t.get("filtered"))
+    for step in {t["step"] for t in dropped}:
+        kinds = [bool(t.get("filtered")) for t in lines if t["step"] == step]
+        assert kinds == sorted(kinds) and kinds.count(True) <= 8  # trace_samples (default 8) of each kind
+        groups = {}
+        for t in dropped:
+            if t["step"] == step:
+                groups.setdefault(t["group"], set()).add(t["reward"])
+        assert all(len(r) == 1 for r in groups.values())  # each dropped group's rewards all alike
 
 
 @pytest.mark.slow

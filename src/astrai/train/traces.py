@@ -7,7 +7,8 @@ token count and finish reason, the tool calls with their arguments and results) 
 step on a fresh rollout, ``TraceLog`` (a callback, rank 0) adds what that step knows (each reward
 function's score and the total, the advantage (or PPO's return), the sample's mean |trainer -
 sampler| log-prob, an entropy estimate, whether it was truncated or masked) and appends one JSON
-line per traced sample. Evaluation during training (``train/evaluation.py``) writes its greedy
+line per traced sample; the groups dynamic sampling dropped from the draws are traced after them
+(``filtered: true``). Evaluation during training (``train/evaluation.py``) writes its greedy
 and sampled episodes with the eval step (``split: eval``). Like ``metrics.jsonl``, a fresh run
 truncates the file and a resumed one drops the lines past the restored step, so no line is
 duplicated or lost; the file is bounded: past ``max_bytes`` (64 MiB) it is renamed
@@ -113,17 +114,31 @@ def _finite(x: float | None) -> float | None:
 
 def rollout_records(rollout: Any, step: int, policy_version: int, num: int) -> list[dict[str, Any]]:
     """The trace lines of a fresh rollout after its first optimizer step (`step`; `policy_version`
-    the version that step trained). At most `num` samples, those the runner kept a view of."""
+    the version that step trained). At most `num` samples, those the runner kept a view of; then, as
+    many again at most, samples of the groups dynamic sampling dropped (``filtered: true``, never
+    trained on; their ``group`` counts the dropped groups of the step)."""
+    out = _sample_lines(rollout, step, policy_version, num)
+    offset = 0
+    for part in getattr(rollout, "filtered", []):
+        lines = _sample_lines(part, step, policy_version, num - sum(line.get("filtered", False) for line in out))
+        for line in lines:
+            line.update(group=line["group"] + offset, filtered=True, masked=True)
+        out += lines
+        offset += part.rewards.size(0)
+    return out
+
+
+def _sample_lines(rollout: Any, step: int, policy_version: int, num: int) -> list[dict[str, Any]]:
     mask = rollout.labels != -100  # IGNORE_INDEX
     G = rollout.group_size
     rewards = rollout.rewards.reshape(-1)
     signal = ~torch.isclose(rollout.rewards, rollout.rewards[:, :1]).all(dim=1)  # (B,)
-    out = []
+    out: list[dict[str, Any]] = []
     for i, view in enumerate(rollout.samples):
-        if view is None:
-            continue
         if len(out) >= num:
             break
+        if view is None:
+            continue
         sampled = rollout.old_logps[i][mask[i]]
         line = {"split": "train", "step": step, "policy_version": rollout.policy_version,
                 "policy_lag": policy_version - rollout.policy_version, "group": i // G, "sample": i % G,

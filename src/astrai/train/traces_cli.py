@@ -37,6 +37,8 @@ def header(t: dict[str, Any]) -> str:
     flags = [name for name in ("truncated", "masked") if t.get(name)]
     if t.get("group_has_signal") is False:
         flags.append("flat group")
+    if t.get("filtered"):
+        flags.append("dropped by dynamic sampling")
     return "  ".join(parts) + (f"  [{', '.join(flags)}]" if flags else "")
 
 

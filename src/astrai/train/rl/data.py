@@ -49,6 +49,9 @@ class Rollout:
     turn_rewards: Tensor | None = None
     # traced samples' views (train/traces.py), None for the others; not saved in checkpoints
     samples: list[dict[str, Any] | None] = field(default_factory=list)
+    # dynamic sampling: the groups it dropped from the draws of this rollout, kept (when they hold
+    # traced views) for the traces only, never trained on; not saved in checkpoints
+    filtered: list[Rollout] = field(default_factory=list)
 
     @property
     def num_samples(self) -> int:

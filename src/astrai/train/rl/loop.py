@@ -281,6 +281,7 @@ class OnlineLoop:
         rank draws as many batches as the rank that needs most, so the sampler positions stay in
         step. ``filtered_groups`` counts the drops. None: a stop request came first."""
         parts: list[Rollout] = []
+        dropped: list[Rollout] = []
         num_groups = filtered = draws = 0
         last = None
         while True:
@@ -293,6 +294,8 @@ class OnlineLoop:
                 signal = groups_with_signal(rollout)
                 filtered += int((~signal).sum())
                 parts.append(select_groups(rollout, signal.nonzero().squeeze(1)))
+                if not signal.all() and any(v is not None for v in rollout.samples):
+                    dropped.append(select_groups(rollout, (~signal).nonzero().squeeze(1)))  # traced
                 num_groups += int(signal.sum())
             short = num_groups < self.num_prompts and draws <= self.config.rl.max_resample_batches
             if self._any_rank(short or (last is None and draws <= MAX_EMPTY_DRAWS)):
@@ -301,6 +304,7 @@ class OnlineLoop:
                 raise self._no_fitting_prompts(draws)
             collected = self._collected(parts, filtered)
             if collected is not None:
+                collected.filtered = dropped
                 return collected
             last.stats["filtered_groups"] = float(filtered)  # no group with signal: as it is (no update)
             return last
