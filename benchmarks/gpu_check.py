@@ -273,7 +273,7 @@ def row_serve_c32(args) -> dict:
     out = {}
     for with_peer in (False, True):
         try:
-            servers = start_servers(model_dir, with_peer, 1024)
+            servers = start_servers(model_dir, with_peer, 1024, max_seqs=concurrency)
         except Exception as exc:  # noqa: BLE001 - a peer that does not start is a reported skip
             if not with_peer:
                 raise
