@@ -7,7 +7,9 @@ conversation, right-padded: a sampled token at position p is the label of positi
 sampler's log-prob there; prompt, tool, environment and template tokens carry no label. A
 single-turn sample is the case of one turn (prompt + completion). ``select_groups`` and
 ``concat_rollouts`` serve dynamic sampling (DAPO); the loop saves a rollout in checkpoints
-through ``state_dict``.
+through ``state_dict``. With ``routing_replay`` a rollout also carries the experts the sampler
+routed each token to, aligned with ``input_ids`` (-1 where none was recorded: padding and each
+row's last token), which ``rows`` hands the trainer's forward.
 """
 
 from __future__ import annotations
@@ -49,6 +51,8 @@ class Rollout:
     turn_rewards: Tensor | None = None
     # traced samples' views (train/traces.py), None for the others; not saved in checkpoints
     samples: list[dict[str, Any] | None] = field(default_factory=list)
+    # (N, T, MoE layers, k) int16 routing_replay: each token's experts in the sampler, -1 where unknown
+    routing: Tensor | None = None
 
     @property
     def num_samples(self) -> int:
@@ -60,6 +64,8 @@ class Rollout:
         batch.update({k: v[index] for k, v in self.pinned.items()})
         if self.trainer_logps is not None:
             batch["trainer_logps"] = self.trainer_logps[index]
+        if self.routing is not None:
+            batch["routing"] = self.routing[index]
         batch["sample_index"] = torch.arange(self.num_samples)[index]  # where the loop stores a batch's pins
         return batch
 
@@ -75,7 +81,7 @@ class Rollout:
                 "policy_version": self.policy_version, "num_uses": self.num_uses, "texts": list(self.texts),
                 "stats": dict(self.stats), "pinned": dict(self.pinned), "pairs": self.pairs,
                 "trainer_logps": self.trainer_logps, "truncated": self.truncated, "turn_rewards": self.turn_rewards,
-                "reward_terms": dict(self.reward_terms)}
+                "reward_terms": dict(self.reward_terms), "routing": self.routing}
 
     @classmethod
     def from_state_dict(cls, state: dict[str, Any]) -> Rollout:
@@ -98,7 +104,8 @@ def select_groups(rollout: Rollout, groups: Tensor) -> Rollout:
                    stats=dict(rollout.stats),
                    truncated=rollout.truncated[rows] if rollout.truncated is not None else None,
                    turn_rewards=rollout.turn_rewards[rows] if rollout.turn_rewards is not None else None,
-                   samples=[rollout.samples[i] for i in rows.tolist()] if rollout.samples else [])
+                   samples=[rollout.samples[i] for i in rows.tolist()] if rollout.samples else [],
+                   routing=rollout.routing[rows] if rollout.routing is not None else None)
 
 
 def concat_rollouts(parts: list[Rollout]) -> Rollout:
@@ -117,6 +124,9 @@ def concat_rollouts(parts: list[Rollout]) -> Rollout:
                   truncated=torch.cat([p.truncated for p in parts]) if parts[0].truncated is not None else None,
                   turn_rewards=cat("turn_rewards", 0.0) if parts[0].turn_rewards is not None else None,
                   samples=[v for p in parts for v in (p.samples or [None] * p.num_samples)])
+    if parts[0].routing is not None:  # (N, T, L, k): padded along T like the rows
+        out.routing = torch.cat([torch.nn.functional.pad(p.routing, (0, 0, 0, 0, 0, T - p.input_ids.size(1)), value=-1)
+                                 for p in parts])
     weights = [p.num_samples for p in parts]
     for key in parts[0].stats:
         values = [p.stats.get(key, 0.0) for p in parts]
@@ -146,11 +156,13 @@ def turn_reward_rows(turns: list[list[tuple[int, float]]], shape: torch.Size) ->
     return out
 
 
-def pack_episodes(rows: list[tuple[list[int], list[float | None]]], group_size: int, policy_version: int) -> Rollout:
+def pack_episodes(rows: list[tuple[list[int], list[float | None]]], group_size: int, policy_version: int,
+                  routing: list[Tensor | None] | None = None) -> Rollout:
     """Right-padded rows of whole conversations, one per (ids, behaviour log-probs) pair, where a
     log-prob is None on every token the sampler did not draw: a sampled token at position p is
     the label of position p - 1 with its log-prob; prompt, tool, environment and template tokens
-    carry none. Rewards are filled in by the caller."""
+    carry none. `routing` (routing_replay): per row the sampler's experts (tokens, MoE layers, k)
+    of its first tokens, -1 after them. Rewards are filled in by the caller."""
     T = max(len(ids) for ids, _ in rows)
     N = len(rows)
     input_ids = torch.zeros(N, T, dtype=torch.long)
@@ -164,4 +176,21 @@ def pack_episodes(rows: list[tuple[list[int], list[float | None]]], group_size: 
         input_ids[i, :len(ids)], attention_mask[i, :len(ids)] = ids, 1
         labels[i, :len(ids) - 1] = torch.where(sampled, ids[1:], IGNORE_INDEX)
         old_logps[i, :len(ids) - 1] = torch.where(sampled, lps[1:], 0.0)
-    return Rollout(input_ids, attention_mask, labels, old_logps, torch.zeros(0), group_size, policy_version)
+    out = Rollout(input_ids, attention_mask, labels, old_logps, torch.zeros(0), group_size, policy_version)
+    if routing is not None:
+        out.routing = routing_rows(routing, T)
+    return out
+
+
+def routing_rows(routing: list[Tensor | None], width: int) -> Tensor:
+    """(N, width, MoE layers, k) int16: each row's recorded experts from its first token on, -1 after
+    them (and for a row without any: the trainer's forward routes those tokens itself)."""
+    shape = next((r.shape[1:] for r in routing if r is not None), None)
+    if shape is None:
+        raise ValueError("routing_replay: the sampler recorded no routing for any sample; it needs the in-process "
+                         "engine over a mixture-of-experts policy")
+    out = torch.full((len(routing), width, *shape), -1, dtype=torch.int16)
+    for i, r in enumerate(routing):
+        if r is not None:
+            out[i, :len(r)] = r[:width]
+    return out

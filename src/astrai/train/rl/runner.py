@@ -189,7 +189,8 @@ class EpisodeRunner:
         seed = self.random_seed
         draw = Draw(self.sampling, G, lambda i, *more: rollout_seed(seed, step, first_index + i, *more))
         [episodes] = self.run(records, [list(batch["prompt_ids"][i]) for i in keep], [draw], policy_version)
-        rollout = pack_episodes([(e.ids, e.logps) for e in episodes], G, policy_version)
+        rollout = pack_episodes([(e.ids, e.logps) for e in episodes], G, policy_version,
+                                [e.routing for e in episodes] if self.rl.routing_replay else None)
         scored = time.perf_counter()
         total, terms = self.score(episodes, G)
         reward_seconds = time.perf_counter() - scored
