@@ -18,7 +18,7 @@ from astrai.train.cli import main
 from astrai.train.losses import IGNORE_INDEX
 from astrai.train.objectives import packing
 from astrai.train.objectives.logps import at_labels, token_logps
-from astrai.train.rl.data import concat_rollouts, pack_episodes, select_groups
+from astrai.train.rl.data import concat_rollouts, pack_episodes, routing_rows, select_groups
 from astrai.train.rl.sampler import RolloutSampling
 from tests.train.resume_data import MODEL, read_metrics
 from tests.train.rl_runs import write_rl_run
@@ -37,7 +37,8 @@ def sampled_rollout(model: CausalLM):
         for c in out.outputs:
             rows.append((prompt + c.token_ids, [None] * len(prompt) + c.logprobs))
             routing.append(c.routing)
-    rollout = pack_episodes(rows, 2, 0, routing)
+    rollout = pack_episodes(rows, 2, 0)
+    rollout.routing = routing_rows(routing, rollout.input_ids.size(1))
     rollout.rewards, rollout.texts = torch.zeros(3, 2), [""] * 6
     return rollout
 

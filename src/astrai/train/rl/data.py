@@ -156,13 +156,11 @@ def turn_reward_rows(turns: list[list[tuple[int, float]]], shape: torch.Size) ->
     return out
 
 
-def pack_episodes(rows: list[tuple[list[int], list[float | None]]], group_size: int, policy_version: int,
-                  routing: list[Tensor | None] | None = None) -> Rollout:
+def pack_episodes(rows: list[tuple[list[int], list[float | None]]], group_size: int, policy_version: int) -> Rollout:
     """Right-padded rows of whole conversations, one per (ids, behaviour log-probs) pair, where a
     log-prob is None on every token the sampler did not draw: a sampled token at position p is
     the label of position p - 1 with its log-prob; prompt, tool, environment and template tokens
-    carry none. `routing` (routing_replay): per row the sampler's experts (tokens, MoE layers, k)
-    of its first tokens, -1 after them. Rewards are filled in by the caller."""
+    carry none. Rewards are filled in by the caller."""
     T = max(len(ids) for ids, _ in rows)
     N = len(rows)
     input_ids = torch.zeros(N, T, dtype=torch.long)
@@ -176,15 +174,13 @@ def pack_episodes(rows: list[tuple[list[int], list[float | None]]], group_size: 
         input_ids[i, :len(ids)], attention_mask[i, :len(ids)] = ids, 1
         labels[i, :len(ids) - 1] = torch.where(sampled, ids[1:], IGNORE_INDEX)
         old_logps[i, :len(ids) - 1] = torch.where(sampled, lps[1:], 0.0)
-    out = Rollout(input_ids, attention_mask, labels, old_logps, torch.zeros(0), group_size, policy_version)
-    if routing is not None:
-        out.routing = routing_rows(routing, T)
-    return out
+    return Rollout(input_ids, attention_mask, labels, old_logps, torch.zeros(0), group_size, policy_version)
 
 
 def routing_rows(routing: list[Tensor | None], width: int) -> Tensor:
-    """(N, width, MoE layers, k) int16: each row's recorded experts from its first token on, -1 after
-    them (and for a row without any: the trainer's forward routes those tokens itself)."""
+    """A rollout's ``routing`` (routing_replay) from each row's recorded experts (tokens, MoE layers,
+    k): (N, width, MoE layers, k) int16, -1 after a row's recorded tokens (and for a row without
+    any: the trainer's forward routes those tokens itself)."""
     shape = next((r.shape[1:] for r in routing if r is not None), None)
     if shape is None:
         raise ValueError("routing_replay: the sampler recorded no routing for any sample; it needs the in-process "
