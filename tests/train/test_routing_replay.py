@@ -93,23 +93,39 @@ def test_replay_makes_the_trainer_use_the_samplers_experts_when_its_router_diffe
     assert diff["replay"] < diff["own"], diff
 
 
-def test_online_grpo_with_routing_replay_keeps_fp32_agreement(tmp_path, tok_dir, monkeypatch):
+@pytest.mark.parametrize("multi_turn", [False, True])
+def test_online_grpo_with_routing_replay_keeps_fp32_agreement(tmp_path, tok_dir, monkeypatch, multi_turn):
+    """Every token of every row but its last (prompt, sampled, and multi-turn the environment's
+    messages and the next turn's prompt, prefilled by the engine) reaches the trainer with the
+    sampler's experts."""
     placed = []
     place = packing.RowLayout.place
 
     def counting_place(self, values, attention_mask, fill=-1):  # observes the trainer's forward, changes nothing
-        placed.append(int((values[..., 0, 0] >= 0).sum()))
+        placed.append((int((values[..., 0, 0] >= 0).sum()), int(attention_mask.sum()) - len(attention_mask)))
         return place(self, values, attention_mask, fill)
 
     monkeypatch.setattr(packing.RowLayout, "place", counting_place)
-    config = write_rl_run(tmp_path, tok_dir, routing_replay=True)
+    rl = {}
+    if multi_turn:  # an environment that answers the first turn, so every episode has a second
+        monkeypatch.chdir(tmp_path)
+        (tmp_path / "again.py").write_text(
+            "from astrai.train.rl.environments import EnvStep\n"
+            "class Env:\n    def step(self, messages):\n        done = len(messages) >= 4\n"
+            "        return EnvStep(messages=None if done else [{'role': 'user', 'content': 'sure?'}], reward=0.0,"
+            " done=done)\n")
+        rl = {"environment": "again:Env", "max_turns": 2}
+    config = write_rl_run(tmp_path / "run", tok_dir, routing_replay=True, **rl)
     cfg = yaml.safe_load(config.read_text())
     cfg["model"].update(MOE)
     config.write_text(yaml.safe_dump(cfg, sort_keys=False))
     assert main(["--config", str(config), "--max_steps", "2"]) == 0
-    diffs = [m["sampler_logp_diff"] for m in read_metrics(tmp_path)]
+    metrics = read_metrics(tmp_path / "run")
+    diffs = [m["sampler_logp_diff"] for m in metrics]
     assert len(diffs) == 2 and all(d < 1e-5 for d in diffs), diffs
-    assert placed and all(n > 0 for n in placed)  # every policy forward replayed recorded experts
+    assert placed and all(recorded == expected for recorded, expected in placed), placed
+    if multi_turn:
+        assert all(m["turns_per_episode"] == 2 for m in metrics)
 
 
 def test_routing_replay_is_refused_where_it_cannot_act(tmp_path, tok_dir, capsys):
