@@ -16,7 +16,7 @@ Each run is a fresh ``astrai train`` process on the add task of ``astrai.data.ta
 gives the mean over steps per seed and over everything.
 
     .venv/bin/python benchmarks/bench_routing_replay.py [--seeds 0,1,2] [--steps 4] [--experts 64]
-        [--top_k 8] [--init_std 0.1] [--threads 1]
+        [--top_k 8] [--init_std 0.1] [--threads 1] [--device cpu|cuda]
 """
 
 from __future__ import annotations
@@ -62,7 +62,7 @@ def train_run(root: Path, tok_dir: Path, prompts: Path, args: argparse.Namespace
     run = root / f"seed{seed}_{'replay' if replay else 'own'}"
     cfg = {"model": model_fields(args),
            "data": {"train_type": "online_grpo", "data_path": str(prompts), "tokenizer_path": str(tok_dir)},
-           "train": {"max_steps": args.steps, "batch_per_device": 8, "device": "cpu", "random_seed": seed,
+           "train": {"max_steps": args.steps, "batch_per_device": 8, "device": args.device, "random_seed": seed,
                      "bf16": True},
            "optim": {"max_lr": 1e-3, "warmup_steps": 0},
            "rl": {"group_size": 4, "rollout_max_tokens": 16, "rewards": ["exact_match", "format"],
@@ -92,18 +92,19 @@ def disagreement(tok_dir: Path, prompts: Path, args: argparse.Namespace, seed: i
     from astrai.train.rl.engine_sampler import batch_engine
 
     torch.set_num_threads(args.threads)
-    model = CausalLM(ModelConfig(**model_fields(args)), seed=seed)
+    model = CausalLM(ModelConfig(**model_fields(args)), seed=seed).to(args.device)
     tok = load_tokenizer(tok_dir)
     records = [json.loads(line) for line in prompts.read_text().splitlines()[:8]]
     ids = [tok.apply_chat_template(r["messages"], add_generation_prompt=True) for r in records]
     engine = batch_engine(model, tok, 32, 256, bf16=True, record_routing=True)
     outs = engine.run_batch(ids, SamplingParams(temperature=1.0, max_tokens=16, n=4, seed=seed))
     differ = total = 0
-    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+    with torch.no_grad(), torch.autocast(torch.device(args.device).type, dtype=torch.bfloat16):
         for prompt, out in zip(ids, outs):
             for c in out.outputs:
                 row = prompt + c.token_ids
-                own = model(torch.tensor([row[:len(c.routing)]]), return_routing=True).routing[0]  # (T, L, k)
+                own = model(torch.tensor([row[:len(c.routing)]], device=args.device),
+                            return_routing=True).routing[0].cpu()  # (T, L, k)
                 same = (own.sort(-1).values == c.routing.long().sort(-1).values).all(-1)  # (T, L)
                 differ += int((~same).sum())
                 total += same.numel()
@@ -117,6 +118,7 @@ def main() -> None:
     p.add_argument("--experts", type=int, default=64)
     p.add_argument("--top_k", type=int, default=8)
     p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--device", default="cpu", help="cpu, or cuda: the same runs on a GPU")
     p.add_argument("--init_std", type=float, default=0.1,
                    help="initializer_range of the random policy (0.02, the default init: experts that barely differ)")
     args = p.parse_args()
@@ -130,7 +132,7 @@ def main() -> None:
             replay = train_run(root, tok_dir, prompts, args, seed, replay=True)
             rows.append((seed, disagreement(tok_dir, prompts, args, seed), own, replay))
     print(f"MoE: {args.experts} experts, top {args.top_k}, 4 layers, init std {args.init_std}, bf16 autocast, "
-          f"{args.steps} steps, {args.threads} thread(s)\n")
+          f"{args.steps} steps, {args.device}, {args.threads} thread(s)\n")
     print("| seed | experts that differ (first rollout) | sampler_logp_diff, own routing | with routing_replay | ratio |")
     print("|---:|---:|---:|---:|---:|")
     for seed, frac, own, replay in rows:
