@@ -93,8 +93,8 @@ def test_replay_makes_the_trainer_use_the_samplers_experts_when_its_router_diffe
     assert diff["replay"] < diff["own"], diff
 
 
-@pytest.mark.parametrize("multi_turn", [False, True])
-def test_online_grpo_with_routing_replay_keeps_fp32_agreement(tmp_path, tok_dir, monkeypatch, multi_turn):
+@pytest.mark.parametrize("train_type,multi_turn", [("online_grpo", False), ("online_grpo", True), ("online_ppo", False)])
+def test_online_rl_with_routing_replay_keeps_fp32_agreement(tmp_path, tok_dir, monkeypatch, train_type, multi_turn):
     """Every token of every row but its last (prompt, sampled, and multi-turn the environment's
     messages and the next turn's prompt, prefilled by the engine) reaches the trainer with the
     sampler's experts."""
@@ -115,7 +115,7 @@ def test_online_grpo_with_routing_replay_keeps_fp32_agreement(tmp_path, tok_dir,
             "        return EnvStep(messages=None if done else [{'role': 'user', 'content': 'sure?'}], reward=0.0,"
             " done=done)\n")
         rl = {"environment": "again:Env", "max_turns": 2}
-    config = write_rl_run(tmp_path / "run", tok_dir, routing_replay=True, **rl)
+    config = write_rl_run(tmp_path / "run", tok_dir, train_type, routing_replay=True, **rl)
     cfg = yaml.safe_load(config.read_text())
     cfg["model"].update(MOE)
     config.write_text(yaml.safe_dump(cfg, sort_keys=False))
