@@ -4,6 +4,7 @@ routed each token to, so sampler and trainer agree on the experts even when thei
 from __future__ import annotations
 
 import copy
+import io
 
 import pytest
 import torch
@@ -18,7 +19,7 @@ from astrai.train.cli import main
 from astrai.train.losses import IGNORE_INDEX
 from astrai.train.objectives import packing
 from astrai.train.objectives.logps import at_labels, token_logps
-from astrai.train.rl.data import concat_rollouts, pack_episodes, routing_rows, select_groups
+from astrai.train.rl.data import Rollout, concat_rollouts, pack_episodes, routing_rows, select_groups
 from astrai.train.rl.sampler import RolloutSampling
 from tests.train.resume_data import MODEL, read_metrics
 from tests.train.rl_runs import write_rl_run
@@ -61,6 +62,10 @@ def test_replay_makes_the_trainer_use_the_samplers_experts_when_its_router_diffe
     assert rollout.routing.shape == (6, 18, 2, 2) and rollout.routing.dtype == torch.int16
     assert select_groups(rollout, torch.tensor([1])).routing.shape == (2, 18, 2, 2)
     assert concat_rollouts([rollout, select_groups(rollout, torch.tensor([1]))]).routing.shape == (8, 18, 2, 2)
+    buffer = io.BytesIO()  # a checkpoint's rollout.pt keeps it for the steps that reuse the rollout on resume
+    torch.save(rollout.state_dict(), buffer)
+    buffer.seek(0)
+    assert torch.equal(Rollout.from_state_dict(torch.load(buffer, weights_only=True)).routing, rollout.routing)
     batch = rollout.rows(slice(None))
     own = {k: v for k, v in batch.items() if k != "routing"}
     sampling = RolloutSampling(temperature=1.0, max_tokens=6)
