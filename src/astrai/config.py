@@ -160,6 +160,7 @@ class RLConfig:
     judge_concurrency: int = knob(8, ge=1)  # judge requests in flight at a time
     environment: str | None = None  # multi-turn: module:Class, one instance per sample (reset / step)
     tools: list[str] = field(default_factory=list)  # multi-turn: module:function tools offered to the model
+    routing_replay: bool = False  # MoE policies: the trainer's forward on rollout rows uses the experts the rollout engine routed each token to
     turn_rewards: bool = False  # multi-turn, online_ppo / reinforce_pp: each environment step's reward on its turn's last sampled token, not summed at the end
     max_turns: int = knob(4, ge=1, note="(assistant turns per multi-turn episode)")  # multi-turn: assistant turns per episode; an episode that would go on is truncated
     format_pattern: str = r"^\s*-?\d+\s*$"  # the `format` reward: 1 when the completion matches

@@ -92,6 +92,11 @@ def validate(cfg: Config) -> None:
                 "per-token credit (online_ppo, or online_grpo with advantage_estimator reinforce_pp)"
             raise ConfigError(f"turn_rewards=true places each environment step's reward on its turn, which needs {why}; "
                               "set --environment / --train_type accordingly or --turn_rewards false")
+    if rl.routing_replay and (cfg.data.train_type not in ("online_grpo", "online_ppo") or rl.rollout_servers):
+        why = "the rollout servers do not send it over HTTP" if rl.rollout_servers else \
+            f"train_type {cfg.data.train_type} trains on no such rollouts"
+        raise ConfigError(f"routing_replay=true replays the experts the in-process rollout engine routed each token to "
+                          f"(online_grpo, online_ppo), but {why}; set --routing_replay false")
     if rl.kl_in_reward and cfg.data.train_type in ("grpo", "online_dpo"):
         raise ConfigError(f"kl_in_reward=true applies to online_grpo (online_ppo always has the KL in its rewards), "
                           f"not train_type {cfg.data.train_type}; set --kl_in_reward false")

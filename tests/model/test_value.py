@@ -25,7 +25,7 @@ def test_from_policy_trunk_matches_policy_hidden_states():
     mask = torch.ones(2, 9, dtype=torch.long)
     mask[1, 6:] = 0
     with torch.no_grad():
-        hidden, _, _ = critic.model(ids, mask)
+        hidden, _, _, _ = critic.model(ids, mask)
         expected = pol(ids, attention_mask=mask).hidden_states
         values = critic(ids, attention_mask=mask)
     assert torch.equal(hidden, expected)

@@ -67,8 +67,8 @@ def test_critic_warm_start_equals_the_policy_trunk_with_a_zero_head(tok_dir):
     objective = PPOObjective(load_config(None, ["--train_type", "online_ppo"]), policy)
     critic = objective.critic.eval()
     ids = torch.randint(3, 300, (2, 9))
-    hidden, _, _ = policy.model(ids, None, None, None)
-    trunk, _, _ = critic.model(ids, None, None, None)
+    hidden, _, _, _ = policy.model(ids, None, None, None)
+    trunk, _, _, _ = critic.model(ids, None, None, None)
     torch.testing.assert_close(trunk, hidden)
     assert critic(ids).abs().max().item() == 0.0
     assert critic.model is not policy.model  # a copy: the critic trains on its own

@@ -38,6 +38,7 @@ class EngineConfig:
     kv_cache_dtype: str | None = None  # KV pool dtype; None: the autocast dtype if set, else the weights'
     cuda_graphs: bool = False  # CUDA only: decode steps replay graphs per batch bucket (runner.py); an error on CPU
     paged_kernel: str = "gather"  # "varlen", CUDA only: decode reads KV blocks in place (torch whose varlen_attn takes a block table)
+    record_routing: bool = False  # MoE: each completion reports the experts every token was routed to (RL routing replay)
 
 
 def make_engine_config(config: EngineConfig | None, overrides: dict[str, Any]) -> EngineConfig:

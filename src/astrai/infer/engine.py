@@ -14,7 +14,9 @@ training module is switched to eval mode and no_grad for each step, then restore
 eval mode runs under inference_mode); `set_policy_version` keys the prefix cache by weights
 version, so KV of older weights is never reused. An idle engine can free its KV pool
 (`release_kv_cache`, e.g. during a trainer's backward) and make it again at the size the next
-batch needs (`reserve_kv_cache`; a request re-makes it otherwise).
+batch needs (`reserve_kv_cache`; a request re-makes it otherwise). With `record_routing` (MoE
+models) each finished sequence reads the experts of its tokens from the runner's routing pool
+before its blocks are freed; its completion output carries them (RL's routing replay).
 """
 
 from __future__ import annotations
@@ -86,7 +88,8 @@ class LLMEngine:
         self.runner = ModelRunner(model, num_blocks, config.block_size, dtype=self.kv_cache_dtype, device=device,
                                   decode_view_bytes=decode_view_bytes(config.decode_view_memory_gb),
                                   paged_kernel=config.paged_kernel, cuda_graphs=config.cuda_graphs,
-                                  max_num_seqs=config.max_num_seqs, max_model_len=self.max_model_len)
+                                  max_num_seqs=config.max_num_seqs, max_model_len=self.max_model_len,
+                                  record_routing=config.record_routing)
         if config.compile:
             self.probes["compile"] = self.runner.compile_decode(config.max_num_seqs, self.autocast_dtype)
         self.sampler = Sampler(make_generator(config.engine_seed, device))
@@ -365,6 +368,8 @@ class LLMEngine:
                 req.metrics.first_token_time = now
             req.check_stop(seq, token, self.tokenizer, self.max_model_len, self._lazy_text)
             if seq.finish_reason is not None:
+                if self.runner.routing_pool is not None:  # read before its blocks are freed
+                    seq.routing = self.runner.read_routing(seq.block_table, seq.num_computed_tokens)
                 self.scheduler.finish(seq)
                 ended.append(req)
             touched[req.request_id] = req

@@ -11,6 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from torch import Tensor
+
 from astrai.infer.sampling import Logprob, SamplerOutput
 
 
@@ -43,6 +45,9 @@ class CompletionOutput:
     finish_reason: str | None = None  # None while running, then "stop" | "length" | "abort"
     stop_reason: int | str | None = None  # the stop string or stop token id that ended it
     cumulative_logprob: float | None = None
+    # EngineConfig.record_routing: (prompt + output tokens - 1, MoE layers, k) int16, the experts of
+    # every token the engine computed (the last sampled token never runs through the model)
+    routing: Tensor | None = None
 
     @property
     def finished(self) -> bool:

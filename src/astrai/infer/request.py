@@ -68,7 +68,7 @@ class Request:
                 logprobs=list(seq.logprobs) if self.with_logprobs else None,
                 raw_logprobs=list(seq.raw_logprobs) if self.with_logprobs else None,
                 finish_reason=seq.finish_reason, stop_reason=seq.stop_reason,
-                cumulative_logprob=seq.cumulative_logprob,
+                cumulative_logprob=seq.cumulative_logprob, routing=seq.routing,
             ))
         first = next(s for s in self.seqs if s.index == 0)
         cached = first.num_cached_tokens or 0

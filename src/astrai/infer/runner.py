@@ -12,7 +12,11 @@ Decode-only steps can replay CUDA graphs (cuda_graphs.py; a scratch KV block pas
 manager's pool serves their padding rows) and read KV in place through the varlen kernel
 (`paged_kernel="varlen"`); both are CUDA-only and off by default. Host-built index tensors go
 to the device from pinned memory when the device is CUDA. The dtypes it runs in (the KV pool's,
-and the autocast that compiled decode warms up under) come from precision.py.
+and the autocast that compiled decode warms up under) come from precision.py. With
+`record_routing` (MoE models, for RL's routing replay) a routing pool lies beside the KV pool:
+per cache slot, the experts every MoE layer chose for the token whose KV sits there, written by
+the same slot mapping, so a prefix served from the cache brings the routing that computed it,
+and `read_routing` gathers a sequence's from its block table.
 """
 
 from __future__ import annotations
@@ -71,6 +75,7 @@ class ModelRunner:
         cuda_graphs: bool = False,
         max_num_seqs: int = 256,
         max_model_len: int = 2048,
+        record_routing: bool = False,
     ) -> None:
         self.model = model
         self.block_size = block_size
@@ -94,6 +99,11 @@ class ModelRunner:
         self.graph_setup: tuple[int, int, bool] | None = None  # (max_num_seqs, max_model_len, capture)
         self.max_model_len = max_model_len
         self.kv_caches: list[tuple[Tensor, Tensor]] | None = None  # None: released
+        self.routing_shape = routing_shape(model) if record_routing else None  # (MoE layers, k)
+        self.routing_pool: Tensor | None = None  # (slots, MoE layers, k) int16, with record_routing
+        if record_routing and cuda_graphs:
+            raise ValueError("record_routing needs eager decode steps (a replayed CUDA graph reports no experts); "
+                             "leave cuda_graphs off")
         if cuda_graphs:
             self.graph_setup = (max_num_seqs, max_model_len, True)
         self.allocate_kv_cache(num_blocks)
@@ -111,6 +121,9 @@ class ModelRunner:
         with torch.inference_mode(False):
             self.kv_caches = self.model.allocate_kv_cache(num_blocks + scratch, self.block_size, dtype=self.dtype,
                                                           device=self.device)
+            if self.routing_shape is not None:
+                self.routing_pool = torch.full(((num_blocks + scratch) * self.block_size, *self.routing_shape), -1,
+                                               dtype=torch.int16, device=self.device)
         if self.graph_setup is not None:
             self.graphs = CUDAGraphDecode.for_engine(self.model, self.kv_caches, self.block_size, num_blocks,
                                                      *self.graph_setup)
@@ -119,6 +132,7 @@ class ModelRunner:
         """Drop the KV pool and all that holds its tensors (the dense decode copy, the CUDA graphs
         and their memory pool), so its memory is free until `allocate_kv_cache`."""
         self.kv_caches = None
+        self.routing_pool = None
         self.graphs = None
         if self.decode_view is not None:
             self.decode_view.invalidate()
@@ -150,6 +164,16 @@ class ModelRunner:
         for k_cache, v_cache in self.kv_caches:
             k_cache[dst] = k_cache[src]
             v_cache[dst] = v_cache[src]
+        if self.routing_pool is not None:
+            pool = self.routing_pool.view(-1, self.block_size, *self.routing_shape)  # (blocks, block_size, L, k)
+            pool[dst] = pool[src]
+
+    def read_routing(self, block_table: list[int], num_tokens: int) -> Tensor:
+        """(num_tokens, MoE layers, k) int16 on the CPU: the experts of a sequence's first
+        `num_tokens` tokens, from the slots its block table names (record_routing)."""
+        pos = torch.arange(num_tokens)
+        slots = torch.tensor(block_table, dtype=torch.long)[pos // self.block_size] * self.block_size + pos % self.block_size
+        return self.routing_pool[to_device(slots, self.device)].cpu()
 
     def execute(self, scheduled: list[tuple[Sequence, int]]) -> StepLogits:
         """Run one step: logits of the sequences that reach their last token this step (in
@@ -237,8 +261,12 @@ class ModelRunner:
         )
         ids, pos = to_device(torch.tensor([input_ids, positions], dtype=torch.long), self.device)[:, None]  # (1, N)
         idx = None if logits_indices is None else to_device(torch.tensor(logits_indices, dtype=torch.long), self.device)
+        record = self.routing_pool is not None
         try:
-            logits = self.model(ids, position_ids=pos, attn_metadata=meta, logits_indices=idx).logits[0]
+            out = self.model(ids, position_ids=pos, attn_metadata=meta, logits_indices=idx, return_routing=record)
+            logits = out.logits[0]
+            if record:  # each token's experts into its KV slot
+                self.routing_pool[meta.slot_mapping] = out.routing[0].to(torch.int16)
         except BaseException:
             if self.decode_view is not None:
                 self.decode_view.invalidate()
@@ -246,3 +274,14 @@ class ModelRunner:
         if self.decode_view is not None:
             self.decode_view.commit()
         return logits
+
+
+def routing_shape(model: nn.Module) -> tuple[int, int]:
+    """(MoE layers, experts per token) of a model whose routing the engine records; a model
+    without MoE layers is refused (it has no routing to record)."""
+    cfg = model.config
+    num_moe = sum(cfg.is_moe_layer(i) for i in range(cfg.num_hidden_layers))
+    if not num_moe:
+        raise ValueError("record_routing is for mixture-of-experts models, but this model has no MoE layer "
+                         "(num_experts is 0); leave record_routing off")
+    return num_moe, cfg.num_experts_per_tok

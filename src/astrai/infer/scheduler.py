@@ -81,6 +81,7 @@ class Sequence:
         self.logprobs: list = []
         self.raw_logprobs: list = []
         self.cumulative_logprob = 0.0
+        self.routing: torch.Tensor | None = None  # record_routing: the experts of its computed tokens, at its end
         self.text = ""
         self.finish_reason: str | None = None
         self.stop_reason: int | str | None = None

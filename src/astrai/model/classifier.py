@@ -52,7 +52,7 @@ class SequenceClassifier(WithTrunk):
                 position_ids: Tensor | None = None) -> Tensor:
         """input_ids (B, T) -> scores (B, T) in float32, one per token: a sequence's score is the
         one at its last token (transformers reads the last non-padding token)."""
-        hidden, _, _ = self.model(input_ids, attention_mask, position_ids)  # (B, T, C)
+        hidden, _, _, _ = self.model(input_ids, attention_mask, position_ids)  # (B, T, C)
         return self.score(hidden).squeeze(-1).float()  # (B, T)
 
 

@@ -3,7 +3,10 @@
 The MoE layer routes each token to its top-k experts with a softmax router (Qwen-MoE style:
 optionally renormalised top-k weights, optionally a gated shared expert). In training mode it
 also returns the Switch-style load-balancing loss and router statistics, which the decoder
-averages over MoE layers and the objective weights by `router_aux_loss_coef`.
+averages over MoE layers and the objective weights by `router_aux_loss_coef`. Routing replay
+(RL's `routing_replay`): given the experts another forward chose for each token (the rollout
+engine's), the layer uses those instead of its own top-k; their gating weights still come from
+this forward's router, so the router keeps its gradient.
 """
 
 from __future__ import annotations
@@ -108,14 +111,22 @@ class MoE(nn.Module):
             self.shared_expert = self.shared_expert_gate = None
         self.collect_stats = True  # router statistics in training mode; the trainer turns them off when unread
 
-    def forward(self, x: Tensor, token_mask: Tensor | None = None) -> tuple[Tensor, Tensor | None, dict]:
-        """x (B, T, C) -> (out (B, T, C), aux_loss or None, router stats). token_mask (B, T) drops
-        padding from the aux loss and statistics."""
+    def forward(self, x: Tensor, token_mask: Tensor | None = None,
+                routing: Tensor | None = None) -> tuple[Tensor, Tensor | None, dict, Tensor]:
+        """x (B, T, C) -> (out (B, T, C), aux_loss or None, router stats, experts (B, T, k)).
+        token_mask (B, T) drops padding from the aux loss and statistics. routing (B, T, k): the
+        experts to use per token, in the order the router ranked them (a row whose first entry is
+        negative uses this forward's own top-k); their gating weights are this router's softmax
+        there (renormalised with norm_topk_prob), so the router's gradient flows as without replay."""
         B, T, C = x.shape
         flat = x.reshape(-1, C)  # (N, C)
         logits = self.gate(flat)  # (N, E)
         probs = F.softmax(logits, dim=-1, dtype=torch.float32)
         top_w, top_idx = torch.topk(probs, self.top_k, dim=-1)  # (N, k)
+        if routing is not None:
+            given = routing.reshape(-1, self.top_k).to(top_idx.dtype)  # (N, k)
+            top_idx = torch.where(given[:, :1] < 0, top_idx, given)
+            top_w = probs.gather(1, top_idx)  # the same values and gradient as topk's where replayed == own
         if self.norm_topk_prob:
             top_w = top_w / top_w.sum(dim=-1, keepdim=True)
         top_w = top_w.to(x.dtype)
@@ -134,4 +145,4 @@ class MoE(nn.Module):
             aux = load_balancing_loss(probs[keep], top_idx[keep], self.num_experts)
             if self.collect_stats:
                 stats = router_statistics(probs[keep], top_idx[keep], self.num_experts)
-        return out.view(B, T, C), aux, stats
+        return out.view(B, T, C), aux, stats, top_idx.view(B, T, self.top_k)

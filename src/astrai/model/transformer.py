@@ -38,6 +38,7 @@ class ModelOutput:
     aux_loss: Tensor | None = None  # MoE load-balancing loss (training mode only)
     router_stats: dict[str, Tensor] = field(default_factory=dict)
     head: Any = None  # what forward's `head` returned (chunked log-probs), when one was given
+    routing: Tensor | None = None  # (B, T, MoE layers, k) experts of every token, with return_routing
 
 
 class DecoderLayer(nn.Module):
@@ -52,16 +53,18 @@ class DecoderLayer(nn.Module):
     def forward(
         self, x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor | None,
         meta: PagedAttentionMetadata | None, token_mask: Tensor | None, keep: Tensor | None = None,
-    ) -> tuple[Tensor, Tensor | None, dict]:
-        """x (B, T, C) -> (B, T, C); with `keep` (K,) only those positions' outputs, (B, K, C)."""
+        routing: Tensor | None = None,
+    ) -> tuple[Tensor, Tensor | None, dict, Tensor | None]:
+        """x (B, T, C) -> (B, T, C); with `keep` (K,) only those positions' outputs, (B, K, C). A
+        MoE layer also gives the experts (B, T, k) it used: its own, or `routing`'s (replayed)."""
         # the norms run inside the projections that read them (their outputs are not saved)
         attn = self.self_attn(x, cos, sin, mask, meta, query_idx=keep, norm=self.input_layernorm)
         x = x + attn if keep is None else x[:, keep] + attn
         if self.is_moe:
-            y, aux, stats = self.mlp(self.post_attention_layernorm(x), token_mask)
+            y, aux, stats, experts = self.mlp(self.post_attention_layernorm(x), token_mask, routing)
         else:
-            y, aux, stats = self.mlp(x, norm=self.post_attention_layernorm), None, {}
-        return x + y, aux, stats
+            y, aux, stats, experts = self.mlp(x, norm=self.post_attention_layernorm), None, {}, None
+        return x + y, aux, stats, experts
 
 
 class Transformer(nn.Module):
@@ -86,8 +89,11 @@ class Transformer(nn.Module):
         keep: Tensor | None = None,
         *,
         prefix_ids: Tensor | None = None,
-    ) -> tuple[Tensor, Tensor | None, dict[str, Tensor]]:
-        """input_ids (B, T) -> (hidden (B, T, C), mean MoE aux loss or None, mean router stats).
+        routing: Tensor | None = None,
+        return_routing: bool = False,
+    ) -> tuple[Tensor, Tensor | None, dict[str, Tensor], Tensor | None]:
+        """input_ids (B, T) -> (hidden (B, T, C), mean MoE aux loss or None, mean router stats,
+        experts (B, T, MoE layers, k) with `return_routing`, else None).
 
         `keep` (K,), padded batches only: the positions whose hidden states are wanted; hidden is
         then (B, K, C). A dense last layer computes only those rows (every layer before it still
@@ -98,6 +104,9 @@ class Transformer(nn.Module):
         `prefix_ids` (B, T) with `document_ids`, packed rows only: each token also attends to all
         of the document it names (0: none), a prompt placed once before the samples that share it
         (``train/objectives/packing.py``, layout ``share``).
+
+        `routing` (B, T, MoE layers, k): routing replay, the experts each MoE layer uses per token
+        (``MoE.forward``; a row whose first entry is negative routes on its own).
         """
         if input_ids.dim() != 2:
             raise ValueError(f"input_ids must be (batch, seq_len), got shape {tuple(input_ids.shape)}")
@@ -121,15 +130,22 @@ class Transformer(nn.Module):
         if keep is not None and attn_metadata is not None:
             raise ValueError("keep applies to padded batches; paged batches select rows with logits_indices")
         prune = keep is not None and not self.layers[-1].is_moe  # MoE statistics need every token
-        aux_losses, stats = [], []
+        moe_layers = [i for i, layer in enumerate(self.layers) if layer.is_moe]
+        if routing is not None and tuple(routing.shape[:3]) != (B, T, len(moe_layers)):
+            raise ValueError(f"routing has shape {tuple(routing.shape)} but replaying it needs (batch {B}, tokens {T}, "
+                             f"MoE layers {len(moe_layers)}, experts per token); record it from this model's forward")
+        aux_losses, stats, experts = [], [], []
         for i, layer in enumerate(self.layers):
             rows = keep if prune and i == len(self.layers) - 1 else None
+            replay = routing[:, :, len(experts)] if routing is not None and layer.is_moe else None
             if self.gradient_checkpointing and self.training:
-                x, aux, st = checkpoint(
-                    layer, x, cos, sin, mask, attn_metadata, attention_mask, rows, use_reentrant=False
+                x, aux, st, chosen = checkpoint(
+                    layer, x, cos, sin, mask, attn_metadata, attention_mask, rows, replay, use_reentrant=False
                 )
             else:
-                x, aux, st = layer(x, cos, sin, mask, attn_metadata, attention_mask, rows)
+                x, aux, st, chosen = layer(x, cos, sin, mask, attn_metadata, attention_mask, rows, replay)
+            if chosen is not None:
+                experts.append(chosen)
             if aux is not None:
                 aux_losses.append(aux)
                 stats.append(st)
@@ -137,7 +153,8 @@ class Transformer(nn.Module):
         router_stats = {k: torch.stack([s[k] for s in stats]).mean(0) for k in stats[0]} if stats else {}
         if keep is not None and not prune:
             x = x[:, keep]
-        return self.norm(x), aux_loss, router_stats
+        chosen = torch.stack(experts, dim=2) if return_routing and experts else None  # (B, T, L, k)
+        return self.norm(x), aux_loss, router_stats, chosen
 
 
 class WithTrunk(nn.Module):
@@ -201,6 +218,8 @@ class CausalLM(WithTrunk):
         head: Callable[[Tensor, nn.Module], Any] | None = None,
         *,
         prefix_ids: Tensor | None = None,
+        routing: Tensor | None = None,
+        return_routing: bool = False,
     ) -> ModelOutput:
         """Logits at every position, or at `logits_indices` only: in padded batches (K,) positions
         of every row, for which the last layer computes just those rows; in paged batches (K,)
@@ -208,17 +227,21 @@ class CausalLM(WithTrunk):
         instead of the lm head, e.g. chunked log-probs (`model/chunked_head.py`) that never hold
         the logits; its result is `head` of the output and `logits` is None. It runs here, inside
         the model's forward, so FSDP's unshard and reshard hooks cover the lm head's weight.
-        `prefix_ids`: shared prompts in packed rows (`Transformer.forward`)."""
+        `prefix_ids`: shared prompts in packed rows (`Transformer.forward`). `routing` (B, T, MoE
+        layers, k): the experts to replay; `return_routing`: the output's `routing` holds the
+        experts every MoE layer used (the engine records them for routing replay)."""
+        moe = {"routing": routing, "return_routing": return_routing}
         if attn_metadata is None:
-            hidden, aux_loss, router_stats = self.model(
-                input_ids, attention_mask, position_ids, document_ids, keep=logits_indices, prefix_ids=prefix_ids
+            hidden, aux_loss, router_stats, chosen = self.model(
+                input_ids, attention_mask, position_ids, document_ids, keep=logits_indices, prefix_ids=prefix_ids, **moe
             )
             if head is not None:
-                return ModelOutput(None, hidden, aux_loss, router_stats, head=head(hidden, self.lm_head))
-            return ModelOutput(self.lm_head(hidden), hidden, aux_loss, router_stats)
-        hidden, aux_loss, router_stats = self.model(input_ids, attention_mask, position_ids, document_ids, attn_metadata)
+                return ModelOutput(None, hidden, aux_loss, router_stats, head=head(hidden, self.lm_head), routing=chosen)
+            return ModelOutput(self.lm_head(hidden), hidden, aux_loss, router_stats, routing=chosen)
+        hidden, aux_loss, router_stats, chosen = self.model(input_ids, attention_mask, position_ids, document_ids,
+                                                            attn_metadata, **moe)
         h = hidden if logits_indices is None else hidden[:, logits_indices]
-        return ModelOutput(self.lm_head(h), hidden, aux_loss, router_stats)
+        return ModelOutput(self.lm_head(h), hidden, aux_loss, router_stats, routing=chosen)
 
     def allocate_kv_cache(
         self, num_blocks: int, block_size: int, dtype: torch.dtype | None = None,

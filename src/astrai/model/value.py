@@ -93,8 +93,8 @@ class ValueModel(WithTrunk):
         `prefix_ids`: shared prompts in packed rows (`Transformer.forward`)."""
         _check_shapes(input_ids, attention_mask=attention_mask, position_ids=position_ids,
                       document_ids=document_ids, prefix_ids=prefix_ids)
-        hidden, _, _ = self.model(input_ids, attention_mask, position_ids, document_ids,
-                                  prefix_ids=prefix_ids)  # (B, T, C)
+        hidden, _, _, _ = self.model(input_ids, attention_mask, position_ids, document_ids,
+                                     prefix_ids=prefix_ids)  # (B, T, C)
         return self.value_head(hidden).squeeze(-1).float()  # (B, T)
 
 

@@ -135,7 +135,9 @@ class GRPOObjective:
         metrics: dict[str, Tensor] = {}
         if self.kl_in_loss:
             with torch.no_grad():
-                ref_logps = self.logps(self.reference, batch).logps
+                # the reference routes on its own: the sampler's experts are the policy's (routing_replay)
+                ref_batch = {k: v for k, v in batch.items() if k != "routing"}
+                ref_logps = self.logps(self.reference, ref_batch).logps
             kl = kl_estimate(logps, ref_logps, self.rl.kl_estimator)  # (B, K)
             loss = loss + self.kl_coef * kl
             if wants(self.requested_metrics, "kl"):

@@ -53,7 +53,8 @@ def token_logps(model: Any, batch: Batch, sampling: RolloutSampling, entropy: bo
     each micro-batch trimmed to its longest row) and the lm head runs chunked on the labelled
     tokens only (``model/chunked_head.py``: no (rows, vocab) logits tensor); results come back in
     the padded (B, K) layout, 0 off-label. `entropy_grad`: the entropy carries a gradient (an
-    entropy bonus in the loss), else it is a detached metric."""
+    entropy bonus in the loss), else it is a detached metric. A batch with ``routing``
+    (``routing_replay``) runs a MoE policy on the experts the sampler chose per token."""
     labels = batch["labels"]
     labelled = labels != IGNORE_INDEX
     layout = "trim" if layout == "sort" else layout
@@ -71,7 +72,10 @@ def token_logps(model: Any, batch: Batch, sampling: RolloutSampling, entropy: bo
                           sampling.top_p, entropy=entropy, entropy_grad=entropy_grad, min_p=sampling.min_p,
                           repetition_penalty=sampling.repetition_penalty, context=context)
 
-    out = model(**rows.inputs(batch["input_ids"], batch["attention_mask"]), logits_indices=keep, head=head)
+    inputs = rows.inputs(batch["input_ids"], batch["attention_mask"])
+    if "routing" in batch:  # routing_replay: the sampler's experts per token, placed like the tokens
+        inputs["routing"] = rows.place(batch["routing"], batch["attention_mask"])
+    out = model(**inputs, logits_indices=keep, head=head)
     idx = labelled_positions(labels)
     mask = labelled if idx is None else labelled[:, idx]  # (B, K)
     ent = rows.scatter(out.head.entropy, idx) if entropy else None

@@ -168,6 +168,22 @@ class RowLayout:
             out["prefix_ids"] = torch.zeros(shape, dtype=torch.long, device=ids.device).index_put_(at, sees)
         return out
 
+    def place(self, values: Tensor, attention_mask: Tensor, fill: int = -1) -> Tensor:
+        """A per-token field (B, T, ...) of the padded rows (routing replay's experts) in the model's
+        input layout (R, W, ...), `fill` where no token sits; layout "share" takes a shared
+        prefix's values from the row that writes it, as ``inputs`` does its tokens."""
+        if self.layout not in ("pack", "share"):
+            return values[:, :self.width]
+        r, c = attention_mask.nonzero(as_tuple=True)  # (N,) every real token
+        cols = self.offset[r] + c
+        if self.layout == "share":
+            in_prefix = c < self.shared[r]
+            keep = ~in_prefix | self.writes_prefix[r]
+            r, c, cols = r[keep], c[keep], torch.where(in_prefix, self.base[r] + c, cols)[keep]
+        out = values.new_full((self.num_rows, self.width, *values.shape[2:]), fill)
+        out[self.bin_of[r], cols] = values[r, c]
+        return out
+
     def _first_row(self) -> Tensor:
         """(B,) the first row of each row's prefix tree (itself when it shares nothing)."""
         first = torch.arange(self.shape[0], device=self.bin_of.device)

@@ -7,7 +7,9 @@ conversation, right-padded: a sampled token at position p is the label of positi
 sampler's log-prob there; prompt, tool, environment and template tokens carry no label. A
 single-turn sample is the case of one turn (prompt + completion). ``select_groups`` and
 ``concat_rollouts`` serve dynamic sampling (DAPO); the loop saves a rollout in checkpoints
-through ``state_dict``.
+through ``state_dict``. With ``routing_replay`` a rollout also carries the experts the sampler
+routed each token to, aligned with ``input_ids`` (-1 where none was recorded: padding and each
+row's last token), which ``rows`` hands the trainer's forward.
 """
 
 from __future__ import annotations
@@ -52,6 +54,8 @@ class Rollout:
     # dynamic sampling: the groups it dropped from the draws of this rollout, kept (when they hold
     # traced views) for the traces only, never trained on; not saved in checkpoints
     filtered: list[Rollout] = field(default_factory=list)
+    # (N, T, MoE layers, k) int16 routing_replay: each token's experts in the sampler, -1 where unknown
+    routing: Tensor | None = None
 
     @property
     def num_samples(self) -> int:
@@ -63,6 +67,8 @@ class Rollout:
         batch.update({k: v[index] for k, v in self.pinned.items()})
         if self.trainer_logps is not None:
             batch["trainer_logps"] = self.trainer_logps[index]
+        if self.routing is not None:
+            batch["routing"] = self.routing[index]
         batch["sample_index"] = torch.arange(self.num_samples)[index]  # where the loop stores a batch's pins
         return batch
 
@@ -78,7 +84,7 @@ class Rollout:
                 "policy_version": self.policy_version, "num_uses": self.num_uses, "texts": list(self.texts),
                 "stats": dict(self.stats), "pinned": dict(self.pinned), "pairs": self.pairs,
                 "trainer_logps": self.trainer_logps, "truncated": self.truncated, "turn_rewards": self.turn_rewards,
-                "reward_terms": dict(self.reward_terms)}
+                "reward_terms": dict(self.reward_terms), "routing": self.routing}
 
     @classmethod
     def from_state_dict(cls, state: dict[str, Any]) -> Rollout:
@@ -101,7 +107,8 @@ def select_groups(rollout: Rollout, groups: Tensor) -> Rollout:
                    stats=dict(rollout.stats),
                    truncated=rollout.truncated[rows] if rollout.truncated is not None else None,
                    turn_rewards=rollout.turn_rewards[rows] if rollout.turn_rewards is not None else None,
-                   samples=[rollout.samples[i] for i in rows.tolist()] if rollout.samples else [])
+                   samples=[rollout.samples[i] for i in rows.tolist()] if rollout.samples else [],
+                   routing=rollout.routing[rows] if rollout.routing is not None else None)
 
 
 def concat_rollouts(parts: list[Rollout]) -> Rollout:
@@ -120,6 +127,9 @@ def concat_rollouts(parts: list[Rollout]) -> Rollout:
                   truncated=torch.cat([p.truncated for p in parts]) if parts[0].truncated is not None else None,
                   turn_rewards=cat("turn_rewards", 0.0) if parts[0].turn_rewards is not None else None,
                   samples=[v for p in parts for v in (p.samples or [None] * p.num_samples)])
+    if parts[0].routing is not None:  # (N, T, L, k): padded along T like the rows
+        out.routing = torch.cat([torch.nn.functional.pad(p.routing, (0, 0, 0, 0, 0, T - p.input_ids.size(1)), value=-1)
+                                 for p in parts])
     weights = [p.num_samples for p in parts]
     for key in parts[0].stats:
         values = [p.stats.get(key, 0.0) for p in parts]
@@ -168,3 +178,18 @@ def pack_episodes(rows: list[tuple[list[int], list[float | None]]], group_size: 
         labels[i, :len(ids) - 1] = torch.where(sampled, ids[1:], IGNORE_INDEX)
         old_logps[i, :len(ids) - 1] = torch.where(sampled, lps[1:], 0.0)
     return Rollout(input_ids, attention_mask, labels, old_logps, torch.zeros(0), group_size, policy_version)
+
+
+def routing_rows(routing: list[Tensor | None], width: int) -> Tensor:
+    """A rollout's ``routing`` (routing_replay) from each row's recorded experts (tokens, MoE layers,
+    k): (N, width, MoE layers, k) int16, -1 after a row's recorded tokens (and for a row without
+    any: the trainer's forward routes those tokens itself)."""
+    shape = next((r.shape[1:] for r in routing if r is not None), None)
+    if shape is None:
+        raise ValueError("routing_replay: the sampler recorded no routing for any sample; it needs the in-process "
+                         "engine over a mixture-of-experts policy")
+    out = torch.full((len(routing), width, *shape), -1, dtype=torch.int16)
+    for i, r in enumerate(routing):
+        if r is not None:
+            out[i, :len(r)] = r[:width]
+    return out

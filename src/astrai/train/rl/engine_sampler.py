@@ -36,7 +36,7 @@ class EngineSampler:
     """Draws turns on an engine over the live policy module (FSDP: over its replica)."""
 
     def __init__(self, model: nn.Module, tokenizer: Any, num_seqs: int, max_len: int, bf16: bool = False,
-                 keep_kv_pool: bool = False):
+                 keep_kv_pool: bool = False, record_routing: bool = False):
         # FSDP: every forward of the sharded module all-gathers its weights, a collective; ranks
         # whose samples end at different lengths take different numbers of engine steps and would
         # wait for each other forever. The engine runs a plain replica, refreshed per policy version
@@ -44,7 +44,7 @@ class EngineSampler:
         self.replica = unsharded_replica(model) if dist.is_fsdp(model) else None
         self.replica_version: int | None = None  # the policy version the replica's weights are
         self.keep_kv_pool = keep_kv_pool
-        self.engine = batch_engine(self.replica or model, tokenizer, num_seqs, max_len, bf16)
+        self.engine = batch_engine(self.replica or model, tokenizer, num_seqs, max_len, bf16, record_routing)
         if not keep_kv_pool:
             self.engine.release_kv_cache()  # made for each batch (batch_kv_pool)
 
@@ -76,7 +76,7 @@ class EngineSampler:
         outputs = self.engine.run_batch([list(r.prompt_ids) for r in requests], params,
                                         return_logprobs=return_logprobs)
         return [TurnResult([SampledTurn(list(c.token_ids), [float(lp) for lp in c.logprobs or []], c.finish_reason,
-                                        c.text) for c in out.outputs],
+                                        c.text, c.routing) for c in out.outputs],
                            out.policy_version, len(out.prompt_token_ids) - out.num_cached_tokens)
                 for out in outputs]
 
@@ -88,8 +88,11 @@ def engine_runner(model: nn.Module, tokenizer: Any, rl: RLConfig, num_seqs: int,
     loop's evaluation, the tools demo's held-out episodes)."""
     positions = model.config.max_position_embeddings
     max_prompt_len = resolve_max_prompt_len(rl, positions)
+    if rl.routing_replay and not getattr(model.config, "num_experts", 0):
+        raise ValueError("routing_replay=true replays the experts a mixture-of-experts policy routed each token to, "
+                         "but this policy has no MoE layer (num_experts is 0); set --routing_replay false")
     sampler = EngineSampler(model, tokenizer, num_seqs, episode_max_len(rl, max_prompt_len, positions), bf16=bf16,
-                            keep_kv_pool=rl.keep_kv_pool)
+                            keep_kv_pool=rl.keep_kv_pool, record_routing=rl.routing_replay)
     return EpisodeRunner(sampler, tokenizer, rl, rewards, max_prompt_len, random_seed)
 
 
@@ -101,13 +104,14 @@ def sampling_params(request: TurnRequest) -> SamplingParams:
                           seed=request.seed)
 
 
-def batch_engine(model: nn.Module, tokenizer: Any, num_seqs: int, max_len: int, bf16: bool) -> LLMEngine:
+def batch_engine(model: nn.Module, tokenizer: Any, num_seqs: int, max_len: int, bf16: bool,
+                 record_routing: bool = False) -> LLMEngine:
     """An engine over a live module for whole batches (rollouts, held-out evaluation): room for
     `num_seqs` sequences at `max_len` (no preemption inside a batch, so no request needs a cap on
     its share of the pool), throughput first (nobody streams a rollout: no per-step prefill cap).
     `bf16` (the run's train.bf16): samples in the trainer's precision, the same autocast over a
-    bf16 KV pool."""
-    return LLMEngine(model, tokenizer, max_num_seqs=num_seqs, max_model_len=max_len,
+    bf16 KV pool. `record_routing` (routing_replay): completions carry each token's experts."""
+    return LLMEngine(model, tokenizer, max_num_seqs=num_seqs, max_model_len=max_len, record_routing=record_routing,
                      kv_cache_tokens=num_seqs * (max_len + 16), max_num_batched_tokens=max(2048, max_len),
                      long_prefill_token_threshold=0, max_request_kv_share=1.0,
                      autocast_dtype="bfloat16" if bf16 else None,

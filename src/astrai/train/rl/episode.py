@@ -68,6 +68,9 @@ class Episode:
     ended_with: str = ""  # the text of the stop token that ended the last turn ("" when cut off)
     done: bool = False
     truncated: bool = False  # ended by max_turns or the model's positions, not by the episode itself
+    # routing_replay: the experts (tokens, MoE layers, k) the sampler routed the row's tokens to, from
+    # the latest turn (whose prompt was the whole row so far): every token but the last sampled one
+    routing: Any = None
 
     @property
     def finished(self) -> bool:
@@ -163,6 +166,8 @@ class Conversation:
         e.num_prefill_tokens += num_prefill
         e.ids += token_ids
         e.logps += [float(lp) for lp in completion.logprobs] if logprobs else [0.0] * len(token_ids)
+        if completion.routing is not None:
+            e.routing = completion.routing
         e.num_turns += 1
         e.final_text, e.final_ids, e.finish_reason = completion.text, token_ids, completion.finish_reason
         if not self.multi_turn:

@@ -26,7 +26,7 @@ from torch import Tensor
 
 from astrai.config import RLConfig
 from astrai.config_values import default_max_prompt_len
-from astrai.train.rl.data import Rollout, pack_episodes, rollout_signal_stats, turn_reward_rows
+from astrai.train.rl.data import Rollout, pack_episodes, rollout_signal_stats, routing_rows, turn_reward_rows
 from astrai.train.rl.episode import Conversation, Episode, episode_stats
 from astrai.train.rl.rewards import RewardSet
 from astrai.train.rl.sampler import RolloutSampling, Sampler, TurnRequest, rollout_sampling
@@ -190,6 +190,8 @@ class EpisodeRunner:
         draw = Draw(self.sampling, G, lambda i, *more: rollout_seed(seed, step, first_index + i, *more))
         [episodes] = self.run(records, [list(batch["prompt_ids"][i]) for i in keep], [draw], policy_version)
         rollout = pack_episodes([(e.ids, e.logps) for e in episodes], G, policy_version)
+        if self.rl.routing_replay:  # the sampler's experts of every token, aligned with the rows
+            rollout.routing = routing_rows([e.routing for e in episodes], rollout.input_ids.size(1))
         scored = time.perf_counter()
         total, terms = self.score(episodes, G)
         reward_seconds = time.perf_counter() - scored

@@ -17,9 +17,12 @@ from __future__ import annotations
 
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, replace
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from astrai.config import RLConfig
+
+if TYPE_CHECKING:
+    from torch import Tensor
 
 
 @dataclass(frozen=True)
@@ -58,12 +61,15 @@ class TurnRequest:
 @dataclass
 class SampledTurn:
     """One sample: its tokens, the sampler's log-prob of each (empty when not asked for), why it
-    ended ("stop" or "length") and its text (stop strings and special tokens as the sampler shows them)."""
+    ended ("stop" or "length") and its text (stop strings and special tokens as the sampler shows them).
+    ``routing`` (``routing_replay``, MoE policies): the experts (tokens, MoE layers, k) the sampler
+    routed each token of the prompt and of this sample to, but its last (never run through the model)."""
 
     token_ids: list[int]
     logprobs: list[float]
     finish_reason: str | None
     text: str
+    routing: Tensor | None = None
 
 
 @dataclass
