@@ -102,3 +102,66 @@ def test_sigkill_then_resume_equals_the_uninterrupted_run(tmp_path, tok_dir):
     assert latest_checkpoint(ckpt).name == "step_00000002"
     assert main(["--config", str(killed), "--resume", "--ckpt_interval", "2"]) == 0
     assert same_weights(tmp_path / "killed", tmp_path / "straight")
+
+
+def ddp(config: Path) -> Path:
+    cfg = yaml.safe_load(config.read_text())
+    cfg["dist"] = {"nprocs": 2, "parallel_mode": "ddp"}
+    config.write_text(yaml.safe_dump(cfg, sort_keys=False))
+    return config
+
+
+def train_in_subprocess(config: Path, *flags: str, pause_at: str | None = None, pause_dir: Path | None = None) -> str:
+    """`astrai train` as a user runs it; with `pause_at`, SIGTERM once both ranks paused there."""
+    env = {**os.environ, "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    if pause_at is not None:
+        env.update({"ASTRAI_PAUSE_AT": pause_at, "ASTRAI_PAUSE_FILE": str(pause_dir / "paused")})
+    proc = subprocess.Popen([sys.executable, "-m", "astrai", "train", "--config", str(config), *flags], env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=REPO)
+    if pause_at is not None:
+        deadline = time.monotonic() + GUARD_S
+        while len(list(pause_dir.glob("paused.*"))) < 2 and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        proc.send_signal(signal.SIGTERM)
+    out, _ = proc.communicate(timeout=GUARD_S)
+    assert proc.returncode == 0, out[-3000:]
+    return out
+
+
+@pytest.mark.slow
+def test_ddp_two_ranks_stopped_and_resumed_equal_the_uninterrupted_run(tmp_path, tok_dir):
+    """Two ranks, each drawing its own prompts on its own rollout thread (their draws agree over a
+    gloo group of their own, beside DDP's all-reduces): stopped after step 3 and resumed, the run
+    ends with the uninterrupted run's weights."""
+    straight = ddp(async_run(tmp_path / "straight", tok_dir, 1, max_steps=5))
+    stopped = ddp(async_run(tmp_path / "stopped", tok_dir, 1, max_steps=5))
+    train_in_subprocess(straight)
+    out = train_in_subprocess(stopped, pause_at="step:3", pause_dir=tmp_path)
+    assert "stopped at step 3" in out, out[-2000:]
+    ckpt = latest_checkpoint(tmp_path / "stopped" / "ckpt")
+    assert {"pipeline.pt", "pipeline_rank1.pt"} <= {p.name for p in ckpt.iterdir()}
+    train_in_subprocess(stopped, "--resume")
+    assert [m["policy_lag"] for m in read_metrics(tmp_path / "straight")] == [0, 1, 1, 1, 1]
+    assert rows(tmp_path / "stopped", *EXACT) == rows(tmp_path / "straight", *EXACT)
+    assert same_weights(tmp_path / "stopped", tmp_path / "straight")
+
+
+@pytest.mark.parametrize("train_type, rl", [
+    ("online_ppo", {}),  # the critic's values from the critic of the step that trains on the rollout
+    ("online_grpo", {"dynamic_sampling": True}),
+    ("online_dpo", {}),
+])
+def test_async_steps_with_each_objective_and_dynamic_sampling(tmp_path, tok_dir, train_type, rl):
+    config = write_rl_run(tmp_path, tok_dir, train_type, async_steps=1, rewards=["length"], length_target=4, **rl)
+    assert main(["--config", str(config), "--max_steps", "3"]) == 0
+    assert [m["policy_lag"] for m in read_metrics(tmp_path)] == [0, 1, 1]
+
+
+def test_async_steps_with_tools_and_evaluation_during_training(tmp_path, tok_dir):
+    """Multi-turn episodes on the rollout thread; evaluation on the training weights meanwhile."""
+    from tests.train.rl_runs import eval_file, eval_rows, with_eval, write_tool_run
+
+    config = with_eval(write_tool_run(tmp_path, tok_dir, async_steps=1), eval_file(tmp_path / "eval.jsonl"))
+    assert main(["--config", str(config)]) == 0
+    assert [m["policy_lag"] for m in read_metrics(tmp_path)] == [0, 1, 1]
+    assert [m["step"] for m in eval_rows(tmp_path)] == [0, 2, 3]  # before, every eval_interval, at the end
