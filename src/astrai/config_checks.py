@@ -70,9 +70,6 @@ def validate(cfg: Config) -> None:
         raise ConfigError(f"async_steps={rl.async_steps} with {uses} step(s) per rollout trains on rollouts up to {lag} "
                           f"policy versions old, more than max_policy_lag={rl.max_policy_lag}; raise --max_policy_lag "
                           f"to {lag} or lower --async_steps")
-    if rl.async_steps and rl.rollout_servers:
-        raise ConfigError(f"async_steps={rl.async_steps} runs the rollouts on an in-process engine thread, but "
-                          "rollout_servers are set; drop --rollout_servers or set --async_steps 0")
     if uses - 1 > rl.max_policy_lag:
         what, fix = (f"rollout_interval={uses} reuses", "--rollout_interval") if rl.rollout_interval > 1 else \
             (f"mini_batches={rl.mini_batches} x ppo_epochs={rl.ppo_epochs} = {uses} steps reuse", "them")

@@ -118,19 +118,21 @@ class OnlineLoop:
         self.pipeline: RolloutPipeline | None = None
         stop = (lambda: self.pipeline.cancelled) if cfg.rl.async_steps else (lambda: self.ctx.stop_requested)
         rewards = RewardSet(cfg.rl, self.device, tokenizer=self.tokenizer, should_stop=stop)
-        if cfg.rl.async_steps:  # a thread draws the rollouts k ahead over its own copy of the weights (rl/pipeline.py)
-            self.pipeline = RolloutPipeline(self.model, self.tokenizer, cfg, self.prompts, self.num_prompts, rewards,
+        if cfg.rl.rollout_servers:  # `astrai serve` replicas draw every turn over HTTP (rl/http_sampler.py)
+            weights_dir = cfg.rl.rollout_weights_dir or str(Path(cfg.log.log_dir) / "rollout_weights")
+            make_runner = lambda model: http_runner(model, self.tokenizer, cfg.rl, rewards, weights_dir,  # noqa: E731
+                                                    cfg.train.random_seed, base_model=cfg.train.param_path)
+        else:  # the in-process engine over the policy (rl/engine_sampler.py); bf16: the training precision
+            make_runner = lambda model: engine_runner(model, self.tokenizer, cfg.rl,  # noqa: E731
+                                                      max(1, self.num_prompts * cfg.rl.group_size), rewards,
+                                                      cfg.train.random_seed, bf16=cfg.train.bf16)
+        if cfg.rl.async_steps:  # a thread draws the rollouts k ahead from its own copy of the weights (rl/pipeline.py)
+            self.pipeline = RolloutPipeline(self.model, cfg, self.prompts, self.num_prompts, make_runner,
                                             self.steps_per_rollout, math.ceil(self.total_steps / self.steps_per_rollout),
                                             torch.get_num_threads())
             self.runner = self.pipeline.runner
-        elif cfg.rl.rollout_servers:  # `astrai serve` replicas draw every turn over HTTP (rl/http_sampler.py)
-            weights_dir = cfg.rl.rollout_weights_dir or str(Path(cfg.log.log_dir) / "rollout_weights")
-            self.runner = http_runner(self.raw_model, self.tokenizer, cfg.rl, rewards, weights_dir,
-                                      cfg.train.random_seed, base_model=cfg.train.param_path)
-        else:  # the in-process engine over the live policy (rl/engine_sampler.py); bf16: the training precision
-            self.runner = engine_runner(self.raw_model, self.tokenizer, cfg.rl,
-                                        max(1, self.num_prompts * cfg.rl.group_size), rewards, cfg.train.random_seed,
-                                        bf16=cfg.train.bf16)
+        else:  # the live policy
+            self.runner = make_runner(self.raw_model)
         # the sampler over the training weights (evaluation uses it); async_steps: none, the copy's is the thread's
         self.rollout_sampler = self.runner.sampler if self.pipeline is None else None
         if self.pipeline is not None and self.is_main:
@@ -156,10 +158,13 @@ class OnlineLoop:
 
     def train(self) -> TrainContext:
         try:
-            return self._train()
+            ctx = self._train()
         finally:
             if self.pipeline is not None:  # after the last checkpoint, which saved the rollouts in flight
                 self.pipeline.close()
+        if self.pipeline is not None and self.config.rl.rollout_servers:  # the servers end on the final policy
+            self.pipeline.end_on(self.model, ctx.policy_version)
+        return ctx
 
     def _train(self) -> TrainContext:
         ctx, cbs, cfg = self.ctx, self.callbacks, self.config
@@ -214,7 +219,7 @@ class OnlineLoop:
                 self.step_metrics.update(ctx.times.take(seconds, rollout.stats if fresh else None))  # time_*
                 pause_point(f"step:{ctx.step}")  # test hook: a kill or a stop lands exactly here
                 cbs.after_optimizer_step(self)
-            if cfg.rl.rollout_servers:  # the servers end on the final policy (what they serve next)
+            if cfg.rl.rollout_servers and self.pipeline is None:  # the servers end on the final policy
                 self.rollout_sampler.sync_weights(ctx.policy_version)
             if self.runner.num_skipped_total:  # the total of what was warned about once
                 where = f"rank {self.dist.rank}: " if self.dist.world_size > 1 else ""

@@ -23,6 +23,7 @@ import copy
 import queue
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -33,7 +34,8 @@ from astrai.data.sampler import ResumableSampler
 from astrai.train import dist
 from astrai.train.rl.data import Rollout
 from astrai.train.rl.draws import RolloutDraws
-from astrai.train.rl.engine_sampler import engine_runner, unsharded_replica
+from astrai.train.rl.engine_sampler import unsharded_replica
+from astrai.train.rl.runner import EpisodeRunner
 
 
 @dataclass
@@ -89,15 +91,16 @@ class RolloutPipeline:
     """Rollouts k ahead on a thread (module docstring). `total` is the run's number of rollouts
     (none is drawn past it); `threads` the rollout thread's torch intra-op threads."""
 
-    def __init__(self, model: nn.Module, tokenizer: Any, cfg: Any, prompts: Any, num_prompts: int, rewards: Any,
-                 steps_per_rollout: int, total: int, threads: int):
+    def __init__(self, model: nn.Module, cfg: Any, prompts: Any, num_prompts: int,
+                 make_runner: Callable[[nn.Module], EpisodeRunner], steps_per_rollout: int, total: int, threads: int):
         self.k, self.steps_per_rollout, self.total, self.threads = cfg.rl.async_steps, steps_per_rollout, total, threads
         self.copy = weights_copy(model)
-        self.runner = engine_runner(self.copy, tokenizer, cfg.rl, max(1, num_prompts * cfg.rl.group_size), rewards,
-                                    cfg.train.random_seed, bf16=cfg.train.bf16)
+        self.runner = make_runner(self.copy)  # the in-process engine over the copy, or rollout servers fed from it
         rank, world = dist.get_rank() if dist.is_distributed() else 0, dist.get_world_size() if dist.is_distributed() else 1
         # the draws' agreements run on the rollout thread, beside the trainer's collectives: a group of their own
         self.group = torch.distributed.new_group(backend="gloo") if world > 1 else None
+        if hasattr(self.runner.sampler, "ranks_group"):  # rollout servers: their weight syncs agree there too
+            self.runner.sampler.ranks_group = self.group
         sampler = ResumableSampler(len(prompts), seed=cfg.train.random_seed, rank=rank, world_size=world, shuffle=True)
         self.draws = RolloutDraws(self.runner, prompts, sampler, num_prompts, cfg.rl, rank, world,
                                   lambda: self.cancelled, self._any_rank)
@@ -113,11 +116,7 @@ class RolloutPipeline:
         self.thread: threading.Thread | None = None
 
     def _any_rank(self, flag: bool) -> bool:
-        if self.group is None:
-            return flag
-        buf = torch.tensor([int(flag)], dtype=torch.int32)
-        torch.distributed.all_reduce(buf, op=torch.distributed.ReduceOp.MAX, group=self.group)
-        return bool(buf.item())
+        return dist.any_rank(flag, self.group) if self.group is not None else flag
 
     # ---------------------------------------------------------------------------- the trainer's side
 
@@ -161,6 +160,16 @@ class RolloutPipeline:
         if self.error is not None:
             raise RuntimeError(f"the rollout thread failed: {self.error}") from self.error
 
+    def _load(self, weights: dict[str, Tensor]) -> None:
+        into = {**dict(self.copy.named_parameters()), **dict(self.copy.named_buffers())}
+        for name, value in weights.items():
+            into[name].copy_(value)
+
+    def end_on(self, model: nn.Module, policy_version: int) -> None:
+        """After `close`: the sampler takes the final weights (rollout servers serve them next)."""
+        self._load(full_weights(model))
+        self.runner.sampler.sync_weights(policy_version)
+
     def close(self) -> None:
         """Stop the thread: the draw in progress ends at its next check, nothing more starts."""
         self.cancelled = True
@@ -191,9 +200,9 @@ class RolloutPipeline:
 
     def _draw(self, job: Job) -> Drawn | None:
         if job.weights is not None:
-            into = {**dict(self.copy.named_parameters()), **dict(self.copy.named_buffers())}
-            for name, value in job.weights.items():
-                into[name].copy_(value)
+            self._load(job.weights)
+        # rollout servers: the copy's weights go out now, while the trainer computes later steps
+        self.runner.sampler.sync_weights(job.policy_version)
         self.runner.sampler.set_policy_version(job.policy_version)
         rollout = self.draws.rollout(self.position, job.step, job.policy_version)
         if rollout is None:
