@@ -216,7 +216,10 @@ class OnlineLoop:
                 seconds = time.perf_counter() - t0
                 result["tokens_per_s"] = tokens / max(seconds, 1e-9)  # trained tokens (all ranks), rollout included
                 self.step_metrics = {**self._metrics(result, rollout, fresh, seconds), "policy_lag": lag}
-                self.step_metrics.update(ctx.times.take(seconds, rollout.stats if fresh else None))  # time_*
+                # time_*; async_steps: the rollout's part of the step is the trainer's wait for it
+                timed = {"rollout_seconds": rollout.stats["async_wait_seconds"]} if fresh and self.pipeline else \
+                    rollout.stats if fresh else None
+                self.step_metrics.update(ctx.times.take(seconds, timed))
                 pause_point(f"step:{ctx.step}")  # test hook: a kill or a stop lands exactly here
                 cbs.after_optimizer_step(self)
             if cfg.rl.rollout_servers and self.pipeline is None:  # the servers end on the final policy
