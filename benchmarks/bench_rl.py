@@ -185,6 +185,12 @@ def run_astrai(prompts: Path, model_dir: Path, out: Path, args: argparse.Namespa
              **(extra_flags or {})}
     cfg = load_config(None, [item for k, v in flags.items() for item in (f"--{k}", str(v))])
     OnlineLoop(cfg, callbacks=[Clock()]).train()
+    # async_steps k: the first k + 1 rollouts are all drawn from the starting weights, back to back,
+    # so steps 2..k + 1 find theirs ready; the steady state (max of generation and training) starts after
+    k = cfg.rl.async_steps
+    clock.stamps, clock.rollout_seconds, clock.rollout_tokens = (clock.stamps[k:], clock.rollout_seconds[k:],
+                                                                 clock.rollout_tokens[k:])
+    waits = waits[k:]
     out = {**clock.summary(), **memory.summary(), "reward_last": rewards[-1]}
     if cfg.rl.async_steps and len(waits) > 1:  # the trainer is busy for the step less its wait
         out["train_s"] = out["step_s"] - statistics.median(waits[1:])
@@ -269,8 +275,9 @@ def ratio(a: float, b: float) -> str:
 def print_table(results: dict[str, dict[str, float]], args: argparse.Namespace, model_name: str) -> None:
     length = "stop at EOS" if args.stop_at_eos else "every completion forced to full length"
     print(f"Online RL on {model_name}: {args.prompts} prompts x {args.group_size} completions, {args.max_tokens} new "
-          f"tokens ({length}), {args.steps} steps (median of steps 2..{args.steps}), {args.threads} thread(s) "
-          "per system, CPU fp32, each system in its own process.\n")
+          f"tokens ({length}), {args.steps} steps (median of steps 2..{args.steps}; async_steps k: of steps k + 2..), "
+          f"{args.threads} thread(s) per system (async: half for training, half for the rollout thread), CPU fp32, "
+          "each system in its own process.\n")
     print("| system | s/step | rollout s | train s | overlap | CPU s/step | tokens/step | peak RSS MB | step adds MB "
           "| reward (last step) | s/step vs TRL | CPU vs TRL | peak vs TRL |")
     print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")

@@ -37,6 +37,8 @@ from astrai.train.rl.draws import RolloutDraws
 from astrai.train.rl.engine_sampler import unsharded_replica
 from astrai.train.rl.runner import EpisodeRunner
 
+CLOSE_TIMEOUT_S = 120.0  # how long the run's end waits for the rollout thread's current draw
+
 
 @dataclass
 class Position:
@@ -133,6 +135,8 @@ class RolloutPipeline:
         `policy_version`) as the policy of every rollout up to index + k not yet handed out; and
         the seconds the trainer waited for it."""
         last = min(index + self.k, self.total - 1)
+        # a resume that restored none (another number of ranks) starts the schedule again at `index`
+        self.next_index = max(self.next_index, index)
         if self.next_index <= last:
             weights = full_weights(model)  # every rank at the same point (FSDP gathers)
             for j in range(self.next_index, last + 1):
@@ -175,7 +179,8 @@ class RolloutPipeline:
         self.cancelled = True
         if self.thread is not None:
             self.jobs.put(None)
-            self.thread.join()
+            # bounded: a thread left in a draw's agreement with a rank that died never returns (a daemon)
+            self.thread.join(timeout=CLOSE_TIMEOUT_S)
             self.thread = None
 
     # ---------------------------------------------------------------------------- the rollout thread
