@@ -186,11 +186,12 @@ def run_astrai(prompts: Path, model_dir: Path, out: Path, args: argparse.Namespa
     cfg = load_config(None, [item for k, v in flags.items() for item in (f"--{k}", str(v))])
     OnlineLoop(cfg, callbacks=[Clock()]).train()
     # async_steps k: the first k + 1 rollouts are all drawn from the starting weights, back to back,
-    # so steps 2..k + 1 find theirs ready; the steady state (max of generation and training) starts after
-    k = cfg.rl.async_steps
-    clock.stamps, clock.rollout_seconds, clock.rollout_tokens = (clock.stamps[k:], clock.rollout_seconds[k:],
-                                                                 clock.rollout_tokens[k:])
-    waits = waits[k:]
+    # so steps 2..k + 1 find theirs ready, and the last k steps draw nothing beside them; the steady
+    # state (the longer of generation and training) lies between
+    k, n = cfg.rl.async_steps, len(clock.rollout_seconds)
+    clock.stamps = clock.stamps[k:len(clock.stamps) - k]
+    clock.rollout_seconds, clock.rollout_tokens = clock.rollout_seconds[k:n - k], clock.rollout_tokens[k:n - k]
+    waits = waits[k:n - k]
     out = {**clock.summary(), **memory.summary(), "reward_last": rewards[-1]}
     if cfg.rl.async_steps and len(waits) > 1:  # the trainer is busy for the step less its wait
         out["train_s"] = out["step_s"] - statistics.median(waits[1:])
@@ -275,7 +276,7 @@ def ratio(a: float, b: float) -> str:
 def print_table(results: dict[str, dict[str, float]], args: argparse.Namespace, model_name: str) -> None:
     length = "stop at EOS" if args.stop_at_eos else "every completion forced to full length"
     print(f"Online RL on {model_name}: {args.prompts} prompts x {args.group_size} completions, {args.max_tokens} new "
-          f"tokens ({length}), {args.steps} steps (median of steps 2..{args.steps}; async_steps k: of steps k + 2..), "
+          f"tokens ({length}), {args.steps} steps (median of steps 2..{args.steps}; async_steps k: of steps k + 2..steps - k), "
           f"{args.threads} thread(s) per system (async: half for training, half for the rollout thread), CPU fp32, "
           "each system in its own process.\n")
     print("| system | s/step | rollout s | train s | overlap | CPU s/step | tokens/step | peak RSS MB | step adds MB "
