@@ -35,6 +35,13 @@ fixed threshold from the environment (`MALLOC_MMAP_THRESHOLD_`); astrai with gli
 throughout (`host_keep_heap false`; by default astrai keeps freed heap memory mapped while it
 decodes), and TRL with the heap never trimmed, from the environment (`MALLOC_TRIM_THRESHOLD_`,
 `MALLOC_MMAP_THRESHOLD_`).
+Two rows draw the rollouts ahead of training on a thread (`async_steps` 1 and 2, `rl/pipeline.py`):
+the trainer and the rollout thread take half of `--threads` each (at least one), so give
+`--threads 2` to compare every system on the same two cores. The `overlap` column is (rollout
+seconds + training seconds) / seconds per step: 1 for a synchronous loop, up to 2 when the
+rollout hides entirely behind training (async rows: training = the step less the trainer's wait).
+`reward (last step)` is the rollout reward at the last step (0 for every system while completions
+are forced to full length; `--stop_at_eos` makes it comparable).
 
     .venv/bin/python benchmarks/bench_rl.py [--quick] [--model DIR] [--steps N] [--prompts B]
         [--group_size G] [--max_tokens T] [--threads N] [--systems astrai,trl,...] [--stop_at_eos] [--json PATH]
@@ -46,6 +53,7 @@ import argparse
 import dataclasses
 import json
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -82,13 +90,18 @@ SYSTEMS = {
     # auto); `blas` keeps PyTorch's MKL sgemm, which TRL uses; TRL's process can be given the same routing
     "astrai_blas": ("astrai online_grpo, cpu_matmul blas (PyTorch's default sgemm)", "online_grpo", False),
     "trl_onednn": ("TRL GRPOTrainer, checkpointing off, astrai's oneDNN products (set_cpu_matmul)", "trl", False),
+    # rollouts drawn ahead on a thread beside training (rl.async_steps): the trainer and the rollout
+    # thread each take half of --threads (at least one), so the system uses the cores the others do
+    "astrai_async1": ("astrai online_grpo, async_steps 1", "online_grpo", False),
+    "astrai_async2": ("astrai online_grpo, async_steps 2", "online_grpo", False),
 }
 CHILD_ENV = {  # glibc reads these when the process starts
     "trl_mmap": {"MALLOC_MMAP_THRESHOLD_": str(2**20)},
     "trl_keep": {"MALLOC_TRIM_THRESHOLD_": str(2**31 - 1), "MALLOC_MMAP_THRESHOLD_": str(32 * 2**20)},
 }
 CHILD_FLAGS = {"astrai_mmap": {"host_mmap_threshold_mb": 1}, "astrai_trim": {"host_keep_heap": False},
-               "astrai_blas": {"cpu_matmul": "blas"}}
+               "astrai_blas": {"cpu_matmul": "blas"}, "astrai_async1": {"async_steps": 1},
+               "astrai_async2": {"async_steps": 2}}
 TINY_DEFAULTS = {"steps": 8, "prompts": 8, "group_size": 8, "max_tokens": 16, "threads": 1, "lr": 1e-4}
 MODEL_DEFAULTS = {"steps": 3, "prompts": 8, "group_size": 4, "max_tokens": 64, "threads": 2, "lr": 1e-6}
 RESULT = "BENCH_RL_RESULT "  # the child's last stdout line: this prefix, then its JSON summary
@@ -142,6 +155,8 @@ def run_astrai(prompts: Path, model_dir: Path, out: Path, args: argparse.Namespa
     from astrai.train.rl.loop import OnlineLoop
 
     clock, memory = StepClock(), StepMemory()
+    waits: list[float] = []  # async_steps: seconds the trainer waited for its rollout
+    rewards: list[float] = []
     if not args.stop_at_eos:
         force_full_length()
 
@@ -157,18 +172,31 @@ def run_astrai(prompts: Path, model_dir: Path, out: Path, args: argparse.Namespa
             memory.tick()
             clock.rollout_seconds.append(loop.step_metrics["rollout_seconds"])
             clock.rollout_tokens.append(int(loop.step_metrics["rollout_tokens"]))
+            waits.append(loop.step_metrics.get("async_wait_seconds", float("nan")))
+            rewards.append(loop.step_metrics["reward_mean"])
 
-    rewards = "exact_match,length" if train_type == "online_dpo" and not args.stop_at_eos else "exact_match"
+    reward_names = "exact_match,length" if train_type == "online_dpo" and not args.stop_at_eos else "exact_match"
     flags = {"train_type": train_type, "data_path": prompts, "param_path": model_dir, "device": "cpu",
              "batch_per_device": args.prompts, "group_size": args.group_size, "rollout_max_tokens": args.max_tokens,
              "rollout_temperature": 1.0, "max_steps": args.steps, "n_epoch": 100, "max_lr": args.lr,
              "schedule": "constant", "max_grad_norm": 1.0, "kl_coef": 0.0, "clip_eps": 0.2,
              "rl_loss_agg": "token_mean", "random_seed": args.seed, "ckpt_dir": out / "ckpt", "ckpt_interval": 0,
-             "log_dir": out, "progress": False, "gradient_checkpointing": checkpointing, "rewards": rewards,
+             "log_dir": out, "progress": False, "gradient_checkpointing": checkpointing, "rewards": reward_names,
              **(extra_flags or {})}
     cfg = load_config(None, [item for k, v in flags.items() for item in (f"--{k}", str(v))])
     OnlineLoop(cfg, callbacks=[Clock()]).train()
-    return {**clock.summary(), **memory.summary()}
+    # async_steps k: the first k + 1 rollouts are all drawn from the starting weights, back to back,
+    # so steps 2..k + 1 find theirs ready, and the last k steps draw nothing beside them; the steady
+    # state (the longer of generation and training) lies between
+    k, n = cfg.rl.async_steps, len(clock.rollout_seconds)
+    clock.stamps = clock.stamps[k:len(clock.stamps) - k]
+    clock.rollout_seconds, clock.rollout_tokens = clock.rollout_seconds[k:n - k], clock.rollout_tokens[k:n - k]
+    waits = waits[k:n - k]
+    out = {**clock.summary(), **memory.summary(), "reward_last": rewards[-1]}
+    if cfg.rl.async_steps and len(waits) > 1:  # the trainer is busy for the step less its wait
+        out["train_s"] = out["step_s"] - statistics.median(waits[1:])
+    out["overlap"] = (out.get("rollout_s", 0.0) + out.get("train_s", 0.0)) / out["step_s"]
+    return out
 
 
 def run_trl(prompts: Path, model_dir: Path, out: Path, args: argparse.Namespace, checkpointing: bool) -> dict[str, float]:
@@ -197,13 +225,19 @@ def run_trl(prompts: Path, model_dir: Path, out: Path, args: argparse.Namespace,
                           processing_class=tokenizer, callbacks=[Clock()])
     time_generation(trainer, clock)
     trainer.train()
-    return {**clock.summary(), **memory.summary()}
+    out = {**clock.summary(), **memory.summary()}
+    rewards = [h["reward"] for h in trainer.state.log_history if "reward" in h]
+    out["reward_last"] = rewards[-1] if rewards else float("nan")
+    out["overlap"] = (out.get("rollout_s", 0.0) + out.get("train_s", 0.0)) / out["step_s"]
+    return out
 
 
 def child(args: argparse.Namespace) -> int:
     import torch
 
-    torch.set_num_threads(args.threads)
+    flags = CHILD_FLAGS.get(args.child) or {}
+    # async_steps: the trainer's threads and the rollout thread's (the same count) share --threads
+    torch.set_num_threads(max(1, args.threads // 2) if flags.get("async_steps") else args.threads)
     _, train_type, checkpointing = SYSTEMS[args.child]
     out = Path(args.out)
     if args.child == "trl_onednn":
@@ -242,16 +276,18 @@ def ratio(a: float, b: float) -> str:
 def print_table(results: dict[str, dict[str, float]], args: argparse.Namespace, model_name: str) -> None:
     length = "stop at EOS" if args.stop_at_eos else "every completion forced to full length"
     print(f"Online RL on {model_name}: {args.prompts} prompts x {args.group_size} completions, {args.max_tokens} new "
-          f"tokens ({length}), {args.steps} steps (median of steps 2..{args.steps}), {args.threads} thread(s) "
-          "per system, CPU fp32, each system in its own process.\n")
-    print("| system | s/step | rollout s | train s | CPU s/step | tokens/step | peak RSS MB | step adds MB "
-          "| s/step vs TRL | CPU vs TRL | peak vs TRL |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
+          f"tokens ({length}), {args.steps} steps (median of steps 2..{args.steps}; async_steps k: of steps k + 2..steps - k), "
+          f"{args.threads} thread(s) per system (async: half for training, half for the rollout thread), CPU fp32, "
+          "each system in its own process.\n")
+    print("| system | s/step | rollout s | train s | overlap | CPU s/step | tokens/step | peak RSS MB | step adds MB "
+          "| reward (last step) | s/step vs TRL | CPU vs TRL | peak vs TRL |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     ref = results.get("trl", {})
     for name, r in results.items():
         cells = [f"{r['step_s']:.3f}", f"{r.get('rollout_s', float('nan')):.3f}", f"{r.get('train_s', float('nan')):.3f}",
-                 f"{r['cpu_s']:.3f}", f"{r.get('tokens_per_step', float('nan')):.0f}", f"{r['peak_rss_mb']:.0f}",
-                 f"{r['step_rss_mb']:.0f}", ratio(r["step_s"], ref.get("step_s", 0)),
+                 f"{r.get('overlap', float('nan')):.2f}", f"{r['cpu_s']:.3f}",
+                 f"{r.get('tokens_per_step', float('nan')):.0f}", f"{r['peak_rss_mb']:.0f}", f"{r['step_rss_mb']:.0f}",
+                 f"{r.get('reward_last', float('nan')):.3f}", ratio(r["step_s"], ref.get("step_s", 0)),
                  ratio(r["cpu_s"], ref.get("cpu_s", 0)), ratio(r["peak_rss_mb"], ref.get("peak_rss_mb", 0))]
         print(f"| {SYSTEMS[name][0]} | " + " | ".join(cells) + " |")
     if "astrai" in results and ref:
@@ -260,6 +296,14 @@ def print_table(results: dict[str, dict[str, float]], args: argparse.Namespace, 
               f"{ref['step_s'] / target:.3f} s (astrai: {a['step_s']:.3f} s, {ref['step_s'] / a['step_s']:.2f}x; "
               f"CPU {ref['cpu_s'] / a['cpu_s']:.2f}x); peak RSS at most 0.5x -> {ref['peak_rss_mb'] / 2:.0f} MB "
               f"(astrai: {a['peak_rss_mb']:.0f} MB, {a['peak_rss_mb'] / ref['peak_rss_mb']:.2f}x).")
+    for name in ("astrai_async1", "astrai_async2"):  # the overlap's gain against the synchronous loop
+        if name in results and "astrai" in results:
+            sync, fast = results["astrai"], results[name]
+            line = (f"{SYSTEMS[name][0]}: {sync['step_s'] / fast['step_s']:.2f}x the synchronous loop's steps/s "
+                    f"(target for async_steps 1 on a real model: 1.6x)")
+            if ref:
+                line += f", {ref['step_s'] / fast['step_s']:.2f}x TRL's per step (target on the tiny model: 3x)"
+            print(line)
     if "astrai" in results and "astrai_ppo" in results:  # what the critic costs
         g, p = results["astrai"], results["astrai_ppo"]
         print(f"online_ppo / online_grpo: {p['step_s'] / g['step_s']:.2f}x per step, training part "

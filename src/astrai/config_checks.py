@@ -65,6 +65,11 @@ def validate(cfg: Config) -> None:
                           f"{rl.mini_batches} and ppo_epochs={rl.ppo_epochs} split it; with mini-batches set the passes "
                           "with --ppo_epochs and leave --rollout_interval 1")
     uses = steps_per_rollout(rl)
+    if rl.async_steps and (rl.async_steps + 1) * uses - 1 > rl.max_policy_lag:
+        lag = (rl.async_steps + 1) * uses - 1
+        raise ConfigError(f"async_steps={rl.async_steps} with {uses} step(s) per rollout trains on rollouts up to {lag} "
+                          f"policy versions old, more than max_policy_lag={rl.max_policy_lag}; raise --max_policy_lag "
+                          f"to {lag} or lower --async_steps")
     if uses - 1 > rl.max_policy_lag:
         what, fix = (f"rollout_interval={uses} reuses", "--rollout_interval") if rl.rollout_interval > 1 else \
             (f"mini_batches={rl.mini_batches} x ppo_epochs={rl.ppo_epochs} = {uses} steps reuse", "them")

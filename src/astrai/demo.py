@@ -25,7 +25,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from astrai.demo_stages import plot_accuracy, rl_curves, run_stage, train_stage
+from astrai.demo_stages import plot_accuracy, plot_against_time, rl_curves, run_stage, train_stage
 from astrai.flags import ArgumentParser
 
 MODEL = {  # ~100k parameters: small enough for hundreds of RL steps on 2 CPU cores
@@ -167,6 +167,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="with --algo tools: the shortened configuration the test suite runs (fewer SFT and RL "
                              "steps at a higher SFT learning rate; smaller gains than the default)")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--async_steps", type=int, default=0,
+                        help="also run the RL stage with rollouts drawn this many steps ahead on a second thread "
+                             "(rl.async_steps); the report plots both reward curves against wall-clock time")
     parser.add_argument("--num_threads", "--threads", type=int, default=1, dest="threads",
                         help="torch intra-op threads (default 1: this tiny model runs fastest, and the same, on one)")
     args = parser.parse_args(argv)
@@ -181,6 +184,9 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--scale must be positive, got {args.scale:g}")
     if args.quick and args.algo != "tools":
         parser.error(f"--quick is a setting of --algo tools, not of --algo {args.algo}; drop --quick or add --algo tools")
+    if args.async_steps < 0 or (args.async_steps and args.algo == "tools"):
+        parser.error(f"--async_steps must be >= 0 and goes with --algo grpo, ppo or online_dpo, got {args.async_steps} "
+                     f"with --algo {args.algo}")
     if args.threads < 1:
         parser.error(f"--num_threads must be >= 1, got {args.threads}")
     import torch
@@ -244,16 +250,40 @@ def _run(args: argparse.Namespace) -> int:
     stages[rl_name] = run_stage(rl_name, out / rl_name,
                                 lambda: rl_stage(out / rl_name, rl_cfg, data_dir / "eval.jsonl"), log)
 
+    names = ["pretrain", "sft", rl_name]
+    if args.async_steps:  # the same RL stage with its rollouts drawn ahead, for the wall-clock comparison
+        async_name = f"{rl_name}-async{args.async_steps}"
+        async_cfg = rl_config(out, args.algo, data_dir / "prompts.jsonl", tok_dir, rl_cfg["train"]["max_steps"],
+                              out / "sft" / "final", args.seed)
+        async_cfg["rl"]["async_steps"] = args.async_steps
+        async_cfg["rl"]["max_policy_lag"] = (args.async_steps + 1) * RL["rollout_interval"] - 1
+        for section, key in (("ckpt", "ckpt_dir"), ("log", "log_dir")):
+            async_cfg[section][key] = async_cfg[section][key].replace(rl_name, async_name)
+        stages[async_name] = run_stage(async_name, out / async_name,
+                                       lambda: rl_stage(out / async_name, async_cfg, data_dir / "eval.jsonl"), log)
+        names.append(async_name)
+        plot_against_time(out, {f"{rl_name} (synchronous)": out / rl_name / "metrics.jsonl",
+                                f"{async_name} (async_steps {args.async_steps})": out / async_name / "metrics.jsonl"})
+
     from astrai.train.plot import main as plot_main
     from astrai.train.report_page import write_report as write_run_page
 
-    for name in ("pretrain", "sft", rl_name):
+    for name in names:
         plot_main([str(out / name), "--out", str(out / name / "plots")])
         write_run_page(out / name)  # <stage>/report.html: curves, samples, config, checkpoints
     accuracies = {"pre-trained": stages["eval"]["pretrained"]["accuracy"], "SFT": stages["eval"]["sft"]["accuracy"],
                   f"RL ({args.algo})": stages[rl_name]["eval"]["accuracy"]}
     plot_accuracy(out, accuracies)
     report = write_report(out, stages, args.scale, args.algo)
+    if args.async_steps:
+        a, b = stages[rl_name], stages[async_name]
+        with report.open("a") as f:
+            f.write(f"\n## async_steps {args.async_steps}\n\nThe same RL stage with its rollouts drawn "
+                    f"{args.async_steps} step(s) ahead on a second thread: {b['seconds']} s against {a['seconds']} s "
+                    f"synchronous; held-out accuracy {b['eval']['accuracy']:.1%} against {a['eval']['accuracy']:.1%}; "
+                    f"reward {b.get('reward_first', 0):.3f} -> {b.get('reward_last', 0):.3f} against "
+                    f"{a.get('reward_first', 0):.3f} -> {a.get('reward_last', 0):.3f}.\n\n"
+                    "![reward against wall-clock time](reward_mean_vs_time.png)\n")
     log("\naccuracy: " + " -> ".join(f"{k} {v:.1%}" for k, v in accuracies.items()))
     log(f"report: {report}")
     log(f"serve it: astrai serve --model {out / rl_name / 'final'}")

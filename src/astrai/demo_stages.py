@@ -136,3 +136,29 @@ def plot_accuracy(out: Path, accuracies: dict[str, float]) -> Path:
     fig.savefig(path, dpi=100)
     plt.close(fig)
     return path
+
+
+def plot_against_time(out: Path, runs: dict[str, Path], key: str = "reward_mean") -> Path:
+    """`key` of each run (label -> metrics.jsonl) against the wall-clock time of its steps (the
+    cumulative ``time_step``): what overlapping rollouts with training buys."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    for label, path in runs.items():
+        rows = [r for r in (json.loads(x) for x in path.read_text().splitlines() if x.strip()) if key in r]
+        seconds, clock = [], 0.0
+        for r in rows:
+            clock += r.get("time_step", 0.0)
+            seconds.append(clock)
+        ax.plot(seconds, [r[key] for r in rows], label=label)
+    ax.set_xlabel("wall-clock seconds of training steps")
+    ax.set_ylabel(key)
+    ax.legend()
+    fig.tight_layout()
+    path = out / f"{key}_vs_time.png"
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path

@@ -86,6 +86,23 @@ def test_train_from_a_server_matches_its_logprobs_and_resumes_exactly(rollout_se
     assert httpx.get(server.base_url + "/v1/models", timeout=30).json()["data"][0]["policy_version"] == 2
 
 
+def test_async_steps_sends_each_version_from_the_rollout_thread(rollout_server, tok_dir, tmp_path, monkeypatch):
+    """async_steps 1 from a server: the rollout thread loads version v into the server while the
+    trainer computes the next step; the lag is fixed, two runs end with the same weights, and the
+    server ends on the final version."""
+    server, weights, _ = rollout_server
+    for name in ("a", "b"):
+        config = _run_config(tmp_path / name, tok_dir, server, weights, max_steps=3, async_steps=1,
+                             rewards=["length"], length_target=4)  # a spread: every step moves the weights
+        assert train_in_process(config, monkeypatch=monkeypatch) == 0
+    rows = [json.loads(line) for line in (tmp_path / "a" / "log" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["policy_lag"] for r in rows] == [0, 1, 1]
+    assert [r["rollout_policy_version"] for r in rows] == [0, 0, 1] and rows[-1]["loss"] != 0
+    a, b = checkpoint_weights(tmp_path / "a"), checkpoint_weights(tmp_path / "b")
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    assert httpx.get(server.base_url + "/v1/models", timeout=30).json()["data"][0]["policy_version"] == 3
+
+
 def test_a_lora_run_sends_only_its_adapter(rollout_server, tok_dir, tmp_path, monkeypatch):
     server, weights, model_dir = rollout_server
     config = _run_config(tmp_path, tok_dir, server, weights)

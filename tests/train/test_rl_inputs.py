@@ -18,6 +18,7 @@ from astrai.data.tasks import generate_items, prompt_record
 from astrai.train.build import fit_rollouts_to_model, warn_if_no_signal
 from astrai.train.cli import main
 from astrai.train.publish import latest_checkpoint
+from astrai.train.rl import draws as draws_module
 from astrai.train.rl import loop as loop_module
 from astrai.train.rl.runner import EpisodeRunner
 from tests.train.resume_data import read_metrics
@@ -72,7 +73,7 @@ def test_a_batch_without_a_fitting_prompt_is_redrawn_and_warned_about_once(tmp_p
 
 
 def test_redraws_are_bounded_and_end_in_one_error_line(tmp_path, tok_dir, capsys, monkeypatch):
-    monkeypatch.setattr(loop_module, "MAX_EMPTY_DRAWS", 0)  # the first all-long batch ends the run
+    monkeypatch.setattr(draws_module, "MAX_EMPTY_DRAWS", 0)  # the first all-long batch ends the run
     config = write_rl_run(tmp_path, tok_dir, records=records(8, 1), max_prompt_len=48)
     assert main(["--config", str(config), "--max_steps", "3"]) == 1
     err = capsys.readouterr().err
@@ -86,7 +87,7 @@ def test_redraws_are_bounded_and_end_in_one_error_line(tmp_path, tok_dir, capsys
 def test_a_stop_request_ends_endless_redraws(tmp_path, tok_dir, capsys, monkeypatch, dynamic):
     """The probe's run: every prompt too long, redrawn without end, SIGTERM ignored. With the start
     check and the bound lifted, a SIGTERM sent when the first batch is skipped stops the draws."""
-    monkeypatch.setattr(loop_module, "MAX_EMPTY_DRAWS", 10**9)
+    monkeypatch.setattr(draws_module, "MAX_EMPTY_DRAWS", 10**9)
     monkeypatch.setattr(loop_module, "check_prompts_fit", lambda *a: None)
     count = EpisodeRunner._count_skipped
 

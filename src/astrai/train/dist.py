@@ -204,13 +204,14 @@ def all_reduce_metrics(metrics: dict[str, float]) -> dict[str, float]:
     return dict(zip(keys, buf.tolist()))
 
 
-def any_rank(flag: bool) -> bool:
-    """True on every rank when it is true on any rank (ranks agree on stopping)."""
+def any_rank(flag: bool, group: Any = None) -> bool:
+    """True on every rank when it is true on any rank (ranks agree on stopping); `group`: a gloo
+    group of the ranks' own (a second thread's agreements), else the default group."""
     if not is_distributed():
         return bool(flag)
-    buf = torch.tensor([1 if flag else 0], dtype=torch.int32, device=_device)
+    buf = torch.tensor([1 if flag else 0], dtype=torch.int32, device=_device if group is None else "cpu")
     _recent_buffers.append(buf)
-    dist.all_reduce(buf, op=dist.ReduceOp.MAX)
+    dist.all_reduce(buf, op=dist.ReduceOp.MAX, group=group)
     return bool(buf.item())
 
 

@@ -1,7 +1,7 @@
 """The steps every objective that trains on scored samples (GRPO, PPO) composes, beside the
 log-probs of ``logps.py``: which labelled tokens carry loss, the loss units (``rl_loss_agg``:
 tokens or sequences), a rollout cut into micro-batches of whole samples, and the metrics they all
-report (clip fractions, approx_kl, sampler_logp_diff, entropy, importance weights).
+report (clip fractions, approx_kl, sampler_logp_diff, mismatch_kl, entropy, importance weights).
 
 Plain functions of tensors, batches and config values: each objective calls the ones it needs
 with its own settings, so no objective inherits another's steps. The arithmetic is
@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import Tensor
 
-from astrai.train.losses import IGNORE_INDEX, aggregate_token_loss, cispo_loss, clipped_surrogate
+from astrai.train.losses import IGNORE_INDEX, aggregate_token_loss, cispo_loss, clipped_surrogate, kl_estimate
 from astrai.train.objectives.base import Batch, wants
 from astrai.train.objectives.logps import Behaviour, PolicyLogps
 
@@ -89,7 +89,7 @@ def common_metrics(pol: PolicyLogps, mask: Tensor, beh: Behaviour, clipped: Tens
                    requested: frozenset[str] | None) -> dict[str, Tensor]:
     """The metrics every rollout objective reports, computed only when asked for (TRL / verl
     names where they exist): clip fractions (all, below 1 - eps, above 1 + eps_high), approx_kl
-    to the old policy, sampler_logp_diff, the policy's mean token entropy, importance weights."""
+    to the old policy, sampler_logp_diff and mismatch_kl, the policy's mean token entropy, importance weights."""
     diff_old, diff_sampler = pol.logps.detach() - beh.old, pol.logps.detach() - sampler
     candidates = {
         "clip_fraction": lambda: clipped.float(),
@@ -97,6 +97,8 @@ def common_metrics(pol: PolicyLogps, mask: Tensor, beh: Behaviour, clipped: Tens
         "clip_fraction_high": lambda: (clipped & (diff_old > 0)).float(),  # ratio above 1 + clip_eps_high
         "approx_kl": lambda: 0.5 * diff_old**2,  # between the current and the old policy
         "sampler_logp_diff": lambda: diff_sampler.abs(),  # |trainer - sampler| log-prob; ~0 on a fresh rollout
+        # k3 estimate of KL(trainer || sampler): the policy trained against the one that drew (async_steps: k behind)
+        "mismatch_kl": lambda: kl_estimate(pol.logps.detach(), sampler, "k3"),
         "entropy": lambda: pol.entropy.detach(),  # computed chunk by chunk by token_logps when asked for
         "is_weight_mean": lambda: beh.weights,
         "is_weight_capped_fraction": lambda: beh.capped.float(),

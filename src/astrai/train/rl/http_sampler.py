@@ -78,6 +78,7 @@ class HttpSampler:
         self.transport = transport
         self.base_model = base_model  # a LoRA run's base (param_path): the filesystem transport sends the adapter
         self.group: Any = None  # broadcast: the gloo group with the servers, opened at the first sync
+        self.ranks_group: Any = None  # where the trainer's ranks agree on a sync (async_steps: the rollout thread's)
         self.policy_version = 0
         self.synced_version: int | None = None  # the version every server holds (None: not loaded yet)
         self.sync_seconds = 0.0  # time spent publishing and loading weights, whole run
@@ -114,7 +115,7 @@ class HttpSampler:
                     self._publish_and_load(version)
             except (RolloutServerError, OSError) as exc:
                 error = exc
-        if dist.any_rank(error is not None):  # every rank stops, none waits in a collective alone
+        if dist.any_rank(error is not None, self.ranks_group):  # every rank stops, none waits in a collective alone
             raise error or RolloutServerError(f"rank 0 failed to load policy version {version} into the rollout "
                                               f"servers ({self.transport} transport); see its error")
         self.synced_version = version

@@ -42,18 +42,18 @@ from astrai.train.build import (
 )
 from astrai.train.context import TrainContext
 from astrai.train.host_memory import HeapTrim, set_mmap_threshold
+from astrai.train.losses import IGNORE_INDEX
 from astrai.train.objectives.base import update_reference
 from astrai.train.objectives.logps import trainer_logps_pins
-from astrai.train.rl.data import Rollout, concat_rollouts, groups_with_signal, select_groups
+from astrai.train.rl.data import Rollout
+from astrai.train.rl.draws import RolloutDraws
 from astrai.train.rl.engine_sampler import engine_runner
 from astrai.train.rl.environments import check_hooks
-from astrai.train.rl.guard import UserCodeInterrupted
 from astrai.train.rl.http_sampler import http_runner
+from astrai.train.rl.pipeline import RolloutPipeline
 from astrai.train.rl.rewards import RewardSet
 from astrai.train.signals import pause_point
 from astrai.train.step import TrainStep
-
-MAX_EMPTY_DRAWS = 10  # prompt batches passed over in a row (no prompt within max_prompt_len), then an error
 
 
 def prompt_lengths(prompts: Any) -> list[int]:
@@ -114,16 +114,33 @@ class OnlineLoop:
         self.train_step = TrainStep(self.model, self.objective, self.grad_step, self.device, cfg.train.bf16,
                                     self.companions)
         # a reward model with its own tokenizer re-encodes; a stop request interrupts a slow user reward
-        rewards = RewardSet(cfg.rl, self.device, tokenizer=self.tokenizer, should_stop=lambda: self.ctx.stop_requested)
+        # (async_steps: only the run's end does; a stop keeps the rollouts in flight for the checkpoint)
+        self.pipeline: RolloutPipeline | None = None
+        stop = (lambda: self.pipeline.cancelled) if cfg.rl.async_steps else (lambda: self.ctx.stop_requested)
+        rewards = RewardSet(cfg.rl, self.device, tokenizer=self.tokenizer, should_stop=stop)
         if cfg.rl.rollout_servers:  # `astrai serve` replicas draw every turn over HTTP (rl/http_sampler.py)
             weights_dir = cfg.rl.rollout_weights_dir or str(Path(cfg.log.log_dir) / "rollout_weights")
-            self.runner = http_runner(self.raw_model, self.tokenizer, cfg.rl, rewards, weights_dir,
-                                      cfg.train.random_seed, base_model=cfg.train.param_path)
-        else:  # the in-process engine over the live policy (rl/engine_sampler.py); bf16: the training precision
-            self.runner = engine_runner(self.raw_model, self.tokenizer, cfg.rl,
-                                        max(1, self.num_prompts * cfg.rl.group_size), rewards, cfg.train.random_seed,
-                                        bf16=cfg.train.bf16)
-        self.rollout_sampler = self.runner.sampler
+            make_runner = lambda model: http_runner(model, self.tokenizer, cfg.rl, rewards, weights_dir,  # noqa: E731
+                                                    cfg.train.random_seed, base_model=cfg.train.param_path)
+        else:  # the in-process engine over the policy (rl/engine_sampler.py); bf16: the training precision
+            make_runner = lambda model: engine_runner(model, self.tokenizer, cfg.rl,  # noqa: E731
+                                                      max(1, self.num_prompts * cfg.rl.group_size), rewards,
+                                                      cfg.train.random_seed, bf16=cfg.train.bf16)
+        if cfg.rl.async_steps:  # a thread draws the rollouts k ahead from its own copy of the weights (rl/pipeline.py)
+            self.pipeline = RolloutPipeline(self.model, cfg, self.prompts, self.num_prompts, make_runner,
+                                            self.steps_per_rollout, math.ceil(self.total_steps / self.steps_per_rollout),
+                                            torch.get_num_threads())
+            self.runner = self.pipeline.runner
+        else:  # the live policy
+            self.runner = make_runner(self.raw_model)
+        # the sampler over the training weights (evaluation uses it); async_steps: none, the copy's is the thread's
+        self.rollout_sampler = self.runner.sampler if self.pipeline is None else None
+        if self.pipeline is not None and self.is_main:
+            size = sum(t.numel() * t.element_size() for t in [*self.pipeline.copy.parameters(),
+                                                               *self.pipeline.copy.buffers()])
+            print(f"note: async_steps {cfg.rl.async_steps}: rollouts are drawn on a thread ({torch.get_num_threads()} "
+                  f"torch thread(s)) over a copy of the weights ({size / 2**20:.1f} MiB), {cfg.rl.async_steps} "
+                  "rollout(s) ahead of training", file=sys.stderr)
         if getattr(self.rollout_sampler, "replica", None) is not None and self.is_main:  # FSDP: the memory the replica costs, said once
             replica = self.rollout_sampler.replica
             size = sum(t.numel() * t.element_size() for t in [*replica.parameters(), *replica.buffers()])
@@ -131,6 +148,8 @@ class OnlineLoop:
                   f"({size / 2**20:.1f} MiB per rank), refreshed once per policy version", file=sys.stderr)
         check_prompts_fit(prompt_lengths(self.prompts), self.runner.max_prompt_len,
                           self.raw_model.config.max_position_embeddings - cfg.rl.rollout_max_tokens)
+        self.draws = RolloutDraws(self.runner, self.prompts, self.sampler, self.num_prompts, cfg.rl, self.dist.rank,
+                                  self.dist.world_size, self._should_stop, self._any_rank, self.heap.rollout)
         self.callbacks = build_callbacks(self, run, callbacks)
         self.rollout: Rollout | None = None
         self.step_metrics: dict[str, Any] = {}
@@ -138,13 +157,27 @@ class OnlineLoop:
     # ---------------------------------------------------------------------------- the loop
 
     def train(self) -> TrainContext:
+        try:
+            ctx = self._train()
+        finally:
+            if self.pipeline is not None:  # after the last checkpoint, which saved the rollouts in flight
+                self.pipeline.close()
+        if self.pipeline is not None and self.config.rl.rollout_servers:  # the servers end on the final policy
+            self.pipeline.end_on(self.model, ctx.policy_version)
+        return ctx
+
+    def _train(self) -> TrainContext:
         ctx, cbs, cfg = self.ctx, self.callbacks, self.config
-        self.rollout_sampler.set_policy_version(ctx.policy_version)
+        self._publish(ctx.policy_version)
         with callback_frame(self):
+            if self.pipeline is not None:
+                self.pipeline.start(ctx.epoch, ctx.consumed_samples)
             while ctx.step < self.total_steps and not self._should_stop():
                 t0 = time.perf_counter()
                 fresh = self.rollout is None or self.rollout.num_uses >= self.steps_per_rollout
-                if fresh:
+                if fresh and self.pipeline is not None:
+                    self.rollout = self._take_ahead()
+                elif fresh:
                     # FSDP: the engine's replica gathers the new weights; rollout servers load them
                     # (rl/http_sampler.py); every rank, same point
                     sync_start = time.perf_counter()
@@ -164,6 +197,7 @@ class OnlineLoop:
                         self._pin_old_logps(drawn)
                 rollout = self.rollout
                 check_policy_lag(rollout.policy_version, ctx.policy_version, cfg.rl.max_policy_lag)
+                lag = ctx.policy_version - rollout.policy_version
                 batches = self._step_batches(rollout, rollout.num_uses)
                 # DDP: every rank runs as many backward passes (online DPO may have fewer pairs here)
                 num = dist.max_over_ranks(len(batches)) if self.dist.world_size > 1 else len(batches)
@@ -175,23 +209,47 @@ class OnlineLoop:
                         rollout.pin(batch["sample_index"], out.pins)
                 # new weights: the sampler never serves older KV; the critic steps after that
                 result, tokens = self.train_step.finish(ctx, before_update=lambda: cbs.before_optimizer_step(self),
-                                                        publish=self.rollout_sampler.set_policy_version)
+                                                        publish=self._publish)
                 rollout.num_uses += 1
                 update_reference(self._moving_reference(), self.raw_model, ctx.step, cfg.rl.ref_reset_interval,
                                  cfg.rl.ref_ema)
                 seconds = time.perf_counter() - t0
                 result["tokens_per_s"] = tokens / max(seconds, 1e-9)  # trained tokens (all ranks), rollout included
-                self.step_metrics = self._metrics(result, rollout, fresh, seconds)
-                self.step_metrics.update(ctx.times.take(seconds, rollout.stats if fresh else None))  # time_*
+                self.step_metrics = {**self._metrics(result, rollout, fresh, seconds), "policy_lag": lag}
+                # time_*; async_steps: the rollout's part of the step is the trainer's wait for it
+                timed = {"rollout_seconds": rollout.stats["async_wait_seconds"]} if fresh and self.pipeline else \
+                    rollout.stats if fresh else None
+                self.step_metrics.update(ctx.times.take(seconds, timed))
                 pause_point(f"step:{ctx.step}")  # test hook: a kill or a stop lands exactly here
                 cbs.after_optimizer_step(self)
-            if cfg.rl.rollout_servers:  # the servers end on the final policy (what they serve next)
+            if cfg.rl.rollout_servers and self.pipeline is None:  # the servers end on the final policy
                 self.rollout_sampler.sync_weights(ctx.policy_version)
             if self.runner.num_skipped_total:  # the total of what was warned about once
                 where = f"rank {self.dist.rank}: " if self.dist.world_size > 1 else ""
                 print(f"{where}skipped {self.runner.num_skipped_total} prompt(s) in all longer than max_prompt_len="
                       f"{self.runner.max_prompt_len}", file=sys.stderr)
         return ctx
+
+    def _publish(self, version: int) -> None:
+        """A new policy version to the sampler over the training weights (none with async_steps)."""
+        if self.rollout_sampler is not None:
+            self.rollout_sampler.set_policy_version(version)
+
+    def _take_ahead(self) -> Rollout:
+        """async_steps: the rollout of this step, drawn ahead (``rl/pipeline.py``), after handing the
+        current weights to the rollouts still to be drawn; prepared by the objective now, with the
+        critic and reference of this step. The ratio's old log-probs are the sampler's (the
+        behaviour policy's, async_steps versions behind): the weights that drew it are gone."""
+        ctx = self.ctx
+        drawn, waited = self.pipeline.take(ctx.step // self.steps_per_rollout, self.model, ctx.policy_version)
+        ctx.epoch, ctx.consumed_samples = drawn.epoch, drawn.consumed_samples  # after this rollout's prompts
+        rollout = drawn.rollout
+        rollout.stats["async_wait_seconds"] = waited
+        with ctx.times.span("reference"):  # reference log-probs, critic values, advantages
+            self.objective.prepare(rollout)
+        if rollout.trainer_logps is not None:
+            rollout.trainer_logps = torch.where(rollout.labels != IGNORE_INDEX, rollout.old_logps, 0.0)
+        return rollout
 
     def _moving_reference(self) -> torch.nn.Module | None:
         """The objective's KL reference when ``ref_reset_interval`` or ``ref_ema`` moves it."""
@@ -226,115 +284,17 @@ class OnlineLoop:
                     rollout.pin(batch["sample_index"], pins)
 
     def _next_rollout(self) -> Rollout | None:
-        """Draw prompts and generate a rollout; None when a stop request came first (agreed by
-        every rank: checked after each draw, and a user reward waits for it in short slices)."""
-        before = self.runner.num_skipped_total
-        rollout = self._rollout_with_signal() if self.config.rl.dynamic_sampling else self._fitting_rollout()
+        """Draw prompts and generate a rollout (``rl/draws.py``) and let the objective prepare it;
+        None when a stop request came first (agreed by every rank: checked after each draw, and a
+        user reward waits for it in short slices)."""
+        rollout = self.draws.rollout(self.ctx, self.ctx.step, self.ctx.policy_version)
         if rollout is not None:
-            rollout.stats["skipped_prompts"] = float(self.runner.num_skipped_total - before)  # every draw's
             with self.ctx.times.span("reference"):  # reference log-probs, critic values, advantages
                 self.objective.prepare(rollout)
         return rollout
 
-    def _generate(self, batch: dict[str, list[Any]], draw: int) -> Rollout | None:
-        """This rank's rollout of `batch`; None when no prompt fits max_prompt_len, or a stop
-        request interrupted user code (a reward, a tool, an environment: the stop check after each
-        draw then ends the draws)."""
-        first = (self.dist.rank + draw * self.dist.world_size) * self.num_prompts  # seeds differ per draw
-        try:
-            with self.heap.rollout():
-                return self.runner.rollout(batch, self.ctx.step, self.ctx.policy_version, first_index=first)
-        except UserCodeInterrupted as e:
-            print(f"note: {e}; the rollout is dropped and the run stops after step {self.ctx.step}", file=sys.stderr)
-            return None
-
     def _any_rank(self, flag: bool) -> bool:
         return dist.any_rank(flag) if self.dist.world_size > 1 else flag
-
-    def _fitting_rollout(self) -> Rollout | None:
-        """The rollout of the next batch with a prompt within max_prompt_len: a batch of only
-        longer prompts is passed over for the next one, at most MAX_EMPTY_DRAWS times in a row,
-        then the run stops with an error. Ranks redraw together, so their sampler positions stay
-        in step: while any rank has no rollout, a rank that has one passes over its next batch."""
-        rollout = None
-        for draw in range(MAX_EMPTY_DRAWS + 1):
-            batch = self._next_prompts()
-            if rollout is None:
-                rollout = self._generate(batch, draw)
-            if self._should_stop():
-                return None
-            if not self._any_rank(rollout is None):
-                return rollout
-        raise self._no_fitting_prompts(MAX_EMPTY_DRAWS + 1)
-
-    def _no_fitting_prompts(self, draws: int) -> ValueError:
-        shortest = self.runner.shortest_skipped
-        fix = f"raise --max_prompt_len to at least {shortest}" if shortest else "raise --max_prompt_len"
-        return ValueError(f"{draws} prompt batches drawn in a row held no prompt within max_prompt_len="
-                          f"{self.runner.max_prompt_len} tokens (on some rank); {fix} or drop the long prompts from "
-                          "the data")
-
-    def _rollout_with_signal(self) -> Rollout | None:
-        """``dynamic_sampling`` (DAPO): groups whose rewards are all equal are dropped and further
-        prompt batches drawn until ``batch_per_device`` groups with signal are collected, at most
-        ``max_resample_batches`` extra draws (up to MAX_EMPTY_DRAWS while no prompt fitted); every
-        rank draws as many batches as the rank that needs most, so the sampler positions stay in
-        step. ``filtered_groups`` counts the drops. None: a stop request came first."""
-        parts: list[Rollout] = []
-        dropped: list[Rollout] = []
-        num_groups = filtered = draws = 0
-        last = None
-        while True:
-            rollout = self._generate(self._next_prompts(), draws)
-            draws += 1
-            if self._should_stop():
-                return None
-            if rollout is not None:
-                last = rollout
-                signal = groups_with_signal(rollout)
-                filtered += int((~signal).sum())
-                parts.append(select_groups(rollout, signal.nonzero().squeeze(1)))
-                if not signal.all() and any(v is not None for v in rollout.samples):
-                    dropped.append(select_groups(rollout, (~signal).nonzero().squeeze(1)))  # traced
-                num_groups += int(signal.sum())
-            short = num_groups < self.num_prompts and draws <= self.config.rl.max_resample_batches
-            if self._any_rank(short or (last is None and draws <= MAX_EMPTY_DRAWS)):
-                continue
-            if self._any_rank(last is None):  # every rank raises: none waits in a collective alone
-                raise self._no_fitting_prompts(draws)
-            collected = self._collected(parts, filtered)
-            if collected is not None:
-                collected.filtered = dropped
-                return collected
-            last.stats["filtered_groups"] = float(filtered)  # no group with signal: as it is (no update)
-            return last
-
-    def _collected(self, parts: list[Rollout], filtered: int) -> Rollout | None:
-        """Dynamic sampling's rollout: the first ``batch_per_device`` groups with signal of all
-        draws (fewer when the draws ran out; None when none had any: then draw again)."""
-        parts = [p for p in parts if p.num_samples]
-        if not parts:
-            return None
-        rollout = concat_rollouts(parts)
-        rollout = select_groups(rollout, torch.arange(min(rollout.rewards.size(0), self.num_prompts)))
-        rollout.stats["filtered_groups"] = float(filtered)
-        return rollout
-
-    def _next_prompts(self) -> dict[str, list[Any]]:
-        """The next `batch_per_device` prompts of the seeded order; epochs roll over."""
-        ctx = self.ctx
-        if ctx.consumed_samples >= self.sampler.total_size:
-            ctx.epoch, ctx.consumed_samples = ctx.epoch + 1, 0
-        self.sampler.set_epoch(ctx.epoch)
-        self.sampler.set_consumed(ctx.consumed_samples)
-        indices = []
-        for idx in self.sampler:
-            indices.append(idx)
-            if len(indices) == self.num_prompts:
-                break
-        ctx.consumed_samples = self.sampler.consumed_samples if len(indices) == self.num_prompts else \
-            self.sampler.total_size
-        return self.prompts.collate([self.prompts[i] for i in indices])
 
     def _metrics(self, result: dict[str, Any], rollout: Rollout, fresh: bool, seconds: float) -> dict[str, Any]:
         """The step's metrics; rollout statistics are means over ranks (every rank drew its own)."""
@@ -364,7 +324,11 @@ class OnlineLoop:
     # ---------------------------------------------------------------------------- state
 
     def state_dict(self) -> dict[str, Any]:
-        return common_state(self)
+        state = common_state(self)
+        if self.pipeline is not None:  # the prompt position after the rollouts drawn ahead (saved with them)
+            self.pipeline.settle()
+            state["epoch"], state["consumed_samples"] = self.pipeline.position.epoch, self.pipeline.position.consumed_samples
+        return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         load_common_state(self, state)
@@ -391,7 +355,10 @@ class OnlineLoop:
         first), and its RNG (a user's reward may draw from it; the sampler's position and the
         counters are global, in trainer_state.json)."""
         state = self.rollout.state_dict() if self.rollout is not None else {}
-        return {"rollout": {**state, "rng": resume.rng_state()}}
+        states = {"rollout": {**state, "rng": resume.rng_state()}}
+        if self.pipeline is not None:  # async_steps: the rollouts drawn ahead, and the position of this one
+            states["pipeline"] = {**self.pipeline.state_dict(), "taken": [self.ctx.epoch, self.ctx.consumed_samples]}
+        return states
 
     def load_rank_state(self, states: dict[str, dict[str, Any]]) -> None:
         state = dict(states.get("rollout") or {})
@@ -399,3 +366,6 @@ class OnlineLoop:
         self.rollout = Rollout.from_state_dict(state) if state else None
         if rng is not None:
             resume.set_rng_state(rng)
+        if self.pipeline is not None and states.get("pipeline"):
+            self.pipeline.load_state_dict(states["pipeline"])
+            self.ctx.epoch, self.ctx.consumed_samples = states["pipeline"]["taken"]
