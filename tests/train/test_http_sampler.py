@@ -108,3 +108,30 @@ def test_a_dead_server_is_named(tmp_path):
     url = f"http://127.0.0.1:{free_port()}"  # nothing listens there
     with pytest.raises(RolloutServerError, match=f"rollout server {url} failed to connect"):
         HttpSampler([url], torch.nn.Linear(1, 1), None, tmp_path, retries=0, timeout=5)
+
+
+def test_broadcast_loads_the_policy_and_a_server_that_refuses_stops_the_sync_at_once(tmp_path):
+    """On an in-process server: the broadcast (gloo on the CPU) leaves the trainer's weights in the
+    server; when the server has lost its group (a restarted server) its 409 ends the sync at once,
+    naming it, while the collective would wait for the group's timeout."""
+    from astrai.model.hf import load_model
+    from tests.serve.conftest import API_KEY, make_model_dir
+    from tests.serve.live import GUARD_S, LiveServer, serve_config
+
+    model_dir = make_model_dir(tmp_path / "base")
+    config = serve_config(model_dir, admin_key=ADMIN_KEY, weights_dir=str(tmp_path))
+    with LiveServer(config) as live:
+        policy = CausalLM(load_model(model_dir).config, seed=3)
+        sampler = HttpSampler([live.base], policy, load_tokenizer(model_dir), tmp_path, admin_key=ADMIN_KEY,
+                              api_key=API_KEY, timeout=GUARD_S, retries=0, transport="broadcast")
+        sampler.sync_weights(1)
+        served = live.app.state.serve.engine.engine.model.state_dict()
+        assert sampler.backend == "gloo" and all(torch.equal(served[k], v) for k, v in policy.state_dict().items())
+        assert sampler.sync_bytes == sum(t.numel() * t.element_size() for t in policy.state_dict().values())
+        kept, live.app.state.serve.weight_group = live.app.state.serve.weight_group, None  # alive, never receiving
+        with pytest.raises(RolloutServerError, match=f"rollout server {live.base} failed to load policy version 2 "
+                                                     r"\(broadcast transport, gloo\).*HTTP 409"):
+            sampler.sync_weights(2)
+        assert sampler.group is None  # the next sync opens a new group
+        sampler.close()
+        kept.group.abort()
