@@ -23,7 +23,9 @@ def test_nccl_only_when_every_end_is_on_cuda_with_nccl():
     assert wb.choose_backend("cuda:1", [both, ["gloo"]], nccl=True) == "gloo"  # one server on the CPU
     assert wb.choose_backend("cpu", [both], nccl=True) == "gloo"  # the trainer on the CPU
     assert wb.choose_backend("cuda:0", [both], nccl=False) == "gloo"  # a torch without NCCL
-    assert wb.backends_here("cpu") == ["gloo"]
+    assert wb.choose_backend("cuda:0", [both, both], nccl=True, gpus=["GPU-a", "GPU-b", "GPU-c"]) == "nccl"
+    assert wb.choose_backend("cuda:0", [both], nccl=True, gpus=["GPU-a", "GPU-a"]) == "gloo"  # one GPU, two ranks
+    assert wb.backends_here("cpu") == ["gloo"] and wb.gpu_id("cpu") is None
 
 
 def test_backends_here_offers_nccl_for_cuda_weights(monkeypatch):

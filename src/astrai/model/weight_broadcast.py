@@ -40,12 +40,24 @@ def backends_here(device: str | torch.device) -> list[str]:
     return ["gloo", "nccl"] if torch.device(device).type == "cuda" and nccl_available() else ["gloo"]
 
 
+def gpu_id(device: str | torch.device) -> str | None:
+    """The physical GPU behind `device` (its UUID, the same whatever CUDA_VISIBLE_DEVICES says), or None."""
+    device = torch.device(device)
+    if device.type != "cuda" or not torch.cuda.is_available():
+        return None
+    return str(torch.cuda.get_device_properties(device).uuid)
+
+
 def choose_backend(trainer_device: str | torch.device, server_backends: Iterable[Sequence[str]],
-                   nccl: bool | None = None) -> str:
+                   nccl: bool | None = None, gpus: Sequence[str | None] = ()) -> str:
     """NCCL when the trainer's weights are on CUDA, it has NCCL (`nccl`, default: `nccl_available()`)
     and every server can join an NCCL group (each server's `backends_here`); gloo otherwise (the CPU,
-    or a mix: then every tensor crosses through host memory)."""
+    or a mix: then every tensor crosses through host memory). `gpus` (every member's `gpu_id`): NCCL
+    allows one rank per GPU, so two members on one GPU (a server beside the trainer) also get gloo."""
     nccl = nccl_available() if nccl is None else nccl
+    known = [g for g in gpus if g is not None]
+    if len(set(known)) < len(known):
+        return "gloo"
     if nccl and torch.device(trainer_device).type == "cuda" and all("nccl" in b for b in server_backends):
         return "nccl"
     return "gloo"

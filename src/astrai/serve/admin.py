@@ -152,14 +152,14 @@ async def _admin_request(request: Request, model: type) -> tuple[ServerState, An
 async def weight_group_info(request: Request) -> Response:
     """What a trainer needs before it opens a group: the served weights' device and the backends this
     server can join, and where it reads a LoRA adapter's base from (its model, or under --weights_dir)."""
-    from astrai.model.weight_broadcast import backends_here
+    from astrai.model.weight_broadcast import backends_here, gpu_id
 
     state: ServerState = request.app.state.serve
     check_admin(state, request)
     engine = state.check_ready()
     device = next(engine.engine.model.parameters()).device  # type: ignore[attr-defined]  # LLMEngine's
     joined = state.weight_group
-    return JSONResponse({"device": str(device), "backends": backends_here(device),
+    return JSONResponse({"device": str(device), "gpu": gpu_id(device), "backends": backends_here(device),
                          "model_dir": str(Path(state.config.model_dir).resolve()),
                          "weights_dir": str(Path(state.config.weights_dir).resolve()) if state.config.weights_dir else None,
                          "backend": joined.backend if joined is not None else None})

@@ -186,7 +186,8 @@ class HttpSampler:
         infos = [self._call(url, "GET", "/v1/weight_group", "describe its weights (broadcast transport)", admin=True)
                  for url in self.servers]
         device = next(self.model.parameters()).device
-        self.backend = weight_broadcast.choose_backend(device, [info.get("backends", ["gloo"]) for info in infos])
+        self.backend = weight_broadcast.choose_backend(device, [info.get("backends", ["gloo"]) for info in infos],
+                                                       gpus=[weight_broadcast.gpu_id(device), *(i.get("gpu") for i in infos)])
         self.adapter = self._adapter_spec(infos)
         weights = self._payload()
         host, port = self.servers[0].split("//", 1)[1].rsplit(":", 1)
