@@ -189,7 +189,7 @@ class HttpSampler:
         self.backend = weight_broadcast.choose_backend(device, [info.get("backends", ["gloo"]) for info in infos],
                                                        gpus=[weight_broadcast.gpu_id(device), *(i.get("gpu") for i in infos)])
         self.adapter = self._adapter_spec(infos)
-        weights = self._payload()
+        weights = dict(sorted(self._payload().items()))  # name order: what `_send_all` sends
         host, port = self.servers[0].split("//", 1)[1].rsplit(":", 1)
         with socket.create_connection((host, int(port)), timeout=self.timeout) as probe:
             addr = probe.getsockname()[0]  # this machine, as the servers' network sees it
@@ -210,7 +210,7 @@ class HttpSampler:
         maker.start()
         body = {"master_addr": addr, "master_port": group_port, "world_size": size, "timeout_s": self.timeout,
                 "backend": self.backend, "dtype": weight_broadcast.dtype_name(next(iter(weights.values())).dtype),
-                "tensors": {n: list(t.shape) for n, t in sorted(weights.items())}, "adapter": self.adapter}
+                "tensors": {n: list(t.shape) for n, t in weights.items()}, "adapter": self.adapter}
         list(self.pool.map(lambda i: self._call(
             self.servers[i], "POST", "/v1/weight_group", f"join the weight group (broadcast transport, {self.backend})",
             {**body, "rank": i + 1}, admin=True), range(len(self.servers))))
@@ -223,12 +223,12 @@ class HttpSampler:
         self.group = made[0]
 
     def _send_all(self, weights: dict[str, torch.Tensor]) -> int:
-        """On the sender thread: every tensor in name order, in the first one's dtype (the wire dtype
-        the servers were told); the bytes sent."""
+        """On the sender thread: every tensor of `weights` (in name order), in the first one's dtype
+        (the wire dtype the servers were told at the group's opening); the bytes sent."""
         wire = next(iter(weights.values())).dtype
         num_bytes = 0
-        for name in sorted(weights):  # one tensor at a time: with gloo, at most one extra host copy of one
-            tensor = weight_broadcast.send_view(weights[name].to(wire), self.backend)
+        for weight in weights.values():  # one tensor at a time: with gloo, at most one extra host copy
+            tensor = weight_broadcast.send_view(weight.to(wire), self.backend)
             weight_broadcast.broadcast(self.group, tensor, self.timeout, self.backend)
             num_bytes += tensor.numel() * tensor.element_size()
         return num_bytes
