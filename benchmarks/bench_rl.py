@@ -43,6 +43,15 @@ rollout hides entirely behind training (async rows: training = the step less the
 `reward (last step)` is the rollout reward at the last step (0 for every system while completions
 are forced to full length; `--stop_at_eos` makes it comparable).
 
+Rollouts from a server (issue 48): `astrai_server_fs` and `astrai_server_bc` run the same online
+GRPO with its rollouts drawn from one `astrai serve` process (`rollout_servers`) that the child
+starts beside itself, the weights sent before each rollout by the filesystem transport (publish +
+`/v1/load_weights`) or the broadcast one (a gloo group); the same full-length completions
+(`min_tokens` sent with each request). A second table puts them next to the colocated `astrai` row:
+seconds per step, the weight sync's seconds per step (the trainer's `weight_sync_seconds`), and the
+peak RSS of each process (trainer, server). The server gets `--threads` threads too, so on a
+machine with fewer cores than two systems' threads the two processes share them.
+
     .venv/bin/python benchmarks/bench_rl.py [--quick] [--model DIR] [--steps N] [--prompts B]
         [--group_size G] [--max_tokens T] [--threads N] [--systems astrai,trl,...] [--stop_at_eos] [--json PATH]
 """
@@ -94,7 +103,12 @@ SYSTEMS = {
     # thread each take half of --threads (at least one), so the system uses the cores the others do
     "astrai_async1": ("astrai online_grpo, async_steps 1", "online_grpo", False),
     "astrai_async2": ("astrai online_grpo, async_steps 2", "online_grpo", False),
+    # rollouts from one `astrai serve` process beside the trainer, weights by each transport
+    "astrai_server_fs": ("astrai online_grpo, rollouts from a server (filesystem transport)", "online_grpo", False),
+    "astrai_server_bc": ("astrai online_grpo, rollouts from a server (broadcast transport)", "online_grpo", False),
 }
+SERVER_TRANSPORT = {"astrai_server_fs": "filesystem", "astrai_server_bc": "broadcast"}
+ADMIN_KEY = "bench-admin"
 CHILD_ENV = {  # glibc reads these when the process starts
     "trl_mmap": {"MALLOC_MMAP_THRESHOLD_": str(2**20)},
     "trl_keep": {"MALLOC_TRIM_THRESHOLD_": str(2**31 - 1), "MALLOC_MMAP_THRESHOLD_": str(32 * 2**20)},
@@ -147,6 +161,57 @@ def force_full_length() -> None:
     LLMEngine.run_batch = full_length
 
 
+def force_full_length_remote() -> None:
+    """The same full-length completions from a rollout server: min_tokens = max_tokens in every
+    sampling request the HTTP sampler sends (patched on its one HTTP call)."""
+    from astrai.train.rl.http_sampler import HttpSampler
+
+    call = HttpSampler._call
+
+    def full_length(self: Any, url: str, method: str, route: str, what: str, body: Any = None, **kw: Any) -> Any:
+        if route == "/v1/completions":
+            body = {**body, "min_tokens": body["max_tokens"]}
+        return call(self, url, method, route, what, body, **kw)
+
+    HttpSampler._call = full_length
+
+
+def start_server(model_dir: Path, weights: Path, threads: int) -> tuple[subprocess.Popen, str]:
+    """One `astrai serve` of `model_dir` (fp32, admin route on, reproducible engine settings), healthy."""
+    import time
+
+    import httpx
+
+    from astrai.train.launch import free_port
+
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    cmd = [sys.executable, "-m", "astrai", "serve", "--model", str(model_dir), "--port", str(port), "--admin_key",
+           ADMIN_KEY, "--weights_dir", str(weights), "--dtype", "float32", "--num_threads", str(threads),
+           "--long_prefill_token_threshold", "0", "--linear_layout", "out_in", "--log_level", "warning"]
+    proc = subprocess.Popen(cmd, env={**os.environ, "OMP_NUM_THREADS": str(threads)})
+    deadline = time.monotonic() + 600
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"bench_rl: the rollout server exited with {proc.returncode} while starting")
+        try:
+            if httpx.get(url + "/health", timeout=2.0).status_code == 200:
+                return proc, url
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.2)
+    proc.kill()
+    raise RuntimeError("bench_rl: the rollout server was not healthy within 600 s")
+
+
+def peak_rss_mb(pid: int) -> float:
+    """A process's peak resident memory (VmHWM) while it is alive."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) / 1024
+    return float("nan")
+
+
 def run_astrai(prompts: Path, model_dir: Path, out: Path, args: argparse.Namespace, train_type: str,
                checkpointing: bool, extra_flags: dict[str, Any] | None = None) -> dict[str, float]:
     from trl_common import StepClock, StepMemory
@@ -157,8 +222,10 @@ def run_astrai(prompts: Path, model_dir: Path, out: Path, args: argparse.Namespa
     clock, memory = StepClock(), StepMemory()
     waits: list[float] = []  # async_steps: seconds the trainer waited for its rollout
     rewards: list[float] = []
+    sync_seconds: list[float] = []
     if not args.stop_at_eos:
         force_full_length()
+        force_full_length_remote()
 
     class Clock:
         requested_metrics = frozenset()
@@ -174,6 +241,7 @@ def run_astrai(prompts: Path, model_dir: Path, out: Path, args: argparse.Namespa
             clock.rollout_tokens.append(int(loop.step_metrics["rollout_tokens"]))
             waits.append(loop.step_metrics.get("async_wait_seconds", float("nan")))
             rewards.append(loop.step_metrics["reward_mean"])
+            sync_seconds.append(float(loop.step_metrics.get("weight_sync_seconds", 0.0)))
 
     reward_names = "exact_match,length" if train_type == "online_dpo" and not args.stop_at_eos else "exact_match"
     flags = {"train_type": train_type, "data_path": prompts, "param_path": model_dir, "device": "cpu",
@@ -192,7 +260,9 @@ def run_astrai(prompts: Path, model_dir: Path, out: Path, args: argparse.Namespa
     clock.stamps = clock.stamps[k:len(clock.stamps) - k]
     clock.rollout_seconds, clock.rollout_tokens = clock.rollout_seconds[k:n - k], clock.rollout_tokens[k:n - k]
     waits = waits[k:n - k]
-    out = {**clock.summary(), **memory.summary(), "reward_last": rewards[-1]}
+    synced = sync_seconds[k + 1:n - k] or sync_seconds  # as the step times: the first step's aside
+    out = {**clock.summary(), **memory.summary(), "reward_last": rewards[-1],
+           "sync_s": sum(synced) / max(len(synced), 1)}
     if cfg.rl.async_steps and len(waits) > 1:  # the trainer is busy for the step less its wait
         out["train_s"] = out["step_s"] - statistics.median(waits[1:])
     out["overlap"] = (out.get("rollout_s", 0.0) + out.get("train_s", 0.0)) / out["step_s"]
@@ -246,6 +316,19 @@ def child(args: argparse.Namespace) -> int:
         set_cpu_matmul("onednn")  # process-wide: transformers' and TRL's products too
     if train_type == "trl":
         result = run_trl(Path(args.prompts_path), Path(args.model_dir), out, args, checkpointing)
+    elif args.child in SERVER_TRANSPORT:  # one server process beside this trainer process
+        weights = out / "weights"
+        weights.mkdir(parents=True, exist_ok=True)
+        server, url = start_server(Path(args.model_dir), weights, args.threads)
+        try:
+            flags = {"rollout_servers": url, "rollout_admin_key": ADMIN_KEY, "rollout_weights_dir": weights,
+                     "rollout_weight_transport": SERVER_TRANSPORT[args.child]}
+            result = run_astrai(Path(args.prompts_path), Path(args.model_dir), out, args, train_type, checkpointing,
+                                flags)
+            result["server_peak_rss_mb"] = peak_rss_mb(server.pid)
+        finally:
+            server.terminate()
+            server.wait(60)
     else:
         result = run_astrai(Path(args.prompts_path), Path(args.model_dir), out, args, train_type, checkpointing,
                             CHILD_FLAGS.get(args.child))
@@ -304,6 +387,18 @@ def print_table(results: dict[str, dict[str, float]], args: argparse.Namespace, 
             if ref:
                 line += f", {ref['step_s'] / fast['step_s']:.2f}x TRL's per step (target on the tiny model: 3x)"
             print(line)
+    served = [name for name in SERVER_TRANSPORT if name in results]
+    if served:  # rollouts from a server next to the colocated run
+        print("\nRollouts from one `astrai serve` process beside the trainer process vs the colocated run (same "
+              "machine; CPU s/step and the RSS columns above count the trainer process only):\n")
+        print("| system | s/step | weight sync s/step | trainer peak RSS MB | server peak RSS MB | s/step vs colocated |")
+        print("|---|---|---|---|---|---|")
+        base = results.get("astrai", {})
+        for name in (["astrai"] if base else []) + served:
+            r = results[name]
+            server_mb = r.get("server_peak_rss_mb")
+            print(f"| {SYSTEMS[name][0]} | {r['step_s']:.3f} | {r.get('sync_s', 0.0):.3f} | {r['peak_rss_mb']:.0f} | "
+                  f"{'-' if server_mb is None else f'{server_mb:.0f}'} | {ratio(r['step_s'], base.get('step_s', 0))} |")
     if "astrai" in results and "astrai_ppo" in results:  # what the critic costs
         g, p = results["astrai"], results["astrai_ppo"]
         print(f"online_ppo / online_grpo: {p['step_s'] / g['step_s']:.2f}x per step, training part "

@@ -18,11 +18,13 @@ if [[ ! -f $config ]]; then
   exit 2
 fi
 
-# one rank per visible GPU (CUDA_VISIBLE_DEVICES already filters them), one rank on a CPU
+# one rank per visible GPU (CUDA_VISIBLE_DEVICES already filters them), one rank on a CPU; local
+# rollout replicas (rl.rollout_replicas) take the first GPUs and the trainer's ranks the rest
 gpus="${ASTRAI_GPU_COUNT:-all}"
 if [[ $gpus == all ]]; then
   gpus="$(python -c 'import torch; print(torch.cuda.device_count())')"
 fi
+gpus=$((gpus - ${ASTRAI_ROLLOUT_REPLICAS:-0}))
 nprocs=$((gpus > 0 ? gpus : 1))
 mode="${ASTRAI_PARALLEL_MODE:-auto}"
 if [[ $mode == auto ]]; then

@@ -6,6 +6,8 @@ ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 # shellcheck disable=SC2034
 COMPOSE_FILE="$ROOT/docker/compose.yaml"
 # shellcheck disable=SC2034
+ROLLOUT_COMPOSE_FILE="$ROOT/docker/compose.rollout.yaml"
+# shellcheck disable=SC2034
 IMAGE="astrai:latest"
 # the Python that has this project (and PyYAML); the project's .venv when it exists
 if [[ -z ${ASTRAI_PYTHON:-} ]]; then

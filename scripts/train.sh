@@ -24,6 +24,9 @@ clean [--keep N] [--force]
                           remove all but the newest N complete checkpoints (default
                           infra.keep_last); without --force only show what would go
 The job file defaults to ./train.yaml; .env.train next to it supplies infra keys it leaves out.
+Rollouts from servers (the job's rl: section): rollout_replicas: N runs N local servers on the
+job's first N devices; rollout_servers: [URL, ...] uses servers started on another node
+(scripts/serve.sh --rollout up), and the container joins the host's network.
 USAGE
 }
 
@@ -53,7 +56,12 @@ load_job() {
   export_host_ids
 }
 
-compose() { docker compose -f "$COMPOSE_FILE" -p "$ASTRAI_PROJECT" --profile train "$@"; }
+# a job whose rollouts come from servers elsewhere joins the host's network (compose.rollout.yaml)
+compose() {
+  local files=(-f "$COMPOSE_FILE")
+  [[ -n ${ASTRAI_ROLLOUT_SERVERS:-} ]] && files+=(-f "$ROLLOUT_COMPOSE_FILE")
+  docker compose "${files[@]}" -p "$ASTRAI_PROJECT" --profile train "$@"
+}
 
 start() {
   local foreground=0

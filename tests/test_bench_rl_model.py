@@ -75,3 +75,12 @@ def test_model_dir_runs_astrai_and_trl_on_the_same_work(bench_rl, tmp_path, caps
     printed = capsys.readouterr().out
     assert "| astrai online_grpo |" in printed and "| TRL GRPOTrainer, checkpointing off |" in printed
     assert "on model:" in printed
+
+
+def test_server_rows_get_their_own_table(bench_rl, capsys):
+    row = {"step_s": 2.0, "cpu_s": 1.0, "peak_rss_mb": 100.0, "step_rss_mb": 10.0}
+    results = {"astrai": row, "astrai_server_bc": {**row, "step_s": 3.0, "sync_s": 0.25, "server_peak_rss_mb": 90.0}}
+    bench_rl.print_table(results, bench_rl.parse_args(["--quick"]), "a tiny model")
+    out = capsys.readouterr().out
+    assert "| astrai online_grpo | 2.000 | 0.000 | 100 | - | 1.00 |" in out
+    assert "| astrai online_grpo, rollouts from a server (broadcast transport) | 3.000 | 0.250 | 100 | 90 | 1.50 |" in out

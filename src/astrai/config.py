@@ -179,7 +179,7 @@ class RLConfig:
     rollout_weights_dir: str | None = None  # where rank 0 publishes each policy version for the servers (under their --weights_dir); None = <log_dir>/rollout_weights
     rollout_timeout: float = knob(600.0, gt=0)  # seconds one HTTP call to a rollout server may take
     rollout_retries: int = knob(2, ge=0)  # retries of a failed call (connection error, 5xx) before the run stops
-    rollout_weight_transport: str = "filesystem"  # filesystem (publish + /v1/load_weights by path) | broadcast (a gloo group with the servers)
+    rollout_weight_transport: str = "filesystem"  # filesystem (publish + /v1/load_weights by path) | broadcast (a gloo group with the servers; NCCL when all are on CUDA)
     rollout_replicas: int = knob(0, ge=0)  # `astrai train` starts this many local `astrai serve` replicas and draws from them; 0 = none
 
 

@@ -13,7 +13,9 @@ says where the job runs (directories, GPUs, timeouts). The trainer rejects unkno
     python -m astrai.ops init JOB.yaml                write a commented template
 
 An `infra:` key that is absent falls back to its host variable (`ASTRAI_DEVICES`, ... usually
-set by `.env.train`), then to its default. Every error names the file and the key.
+set by `.env.train`), then to its default. Every error names the file and the key. A job whose
+`rl:` section draws rollouts from servers (local replicas on its first GPUs, or servers on another
+node) is placed by `ops_rollout.py`.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from astrai.flags import ArgumentParser
+from astrai.ops_rollout import Rollout, read_rollout, rollout_exports, rollout_problems, trainer_devices
 
 try:
     import yaml
@@ -81,6 +84,7 @@ class Job:
     max_duration_hours: float | None
     environment: dict[str, str] = field(default_factory=dict)
     trainer: dict[str, Any] = field(default_factory=dict)  # the trainer's sections, infra removed
+    rollout: Rollout = field(default_factory=Rollout)  # rl.rollout_replicas / rollout_servers (ops_rollout.py)
 
     @property
     def job_dir(self) -> Path:
@@ -91,7 +95,7 @@ class Job:
     def resolved_parallel_mode(self) -> str:
         if self.parallel_mode != "auto" or self.devices is None:
             return self.parallel_mode  # with `all` the entrypoint counts the GPUs it sees
-        return "ddp" if len(self.devices) > 1 else "none"
+        return "ddp" if len(trainer_devices(self.devices, self.rollout) or []) > 1 else "none"
 
 
 # ----------------------------------------------------------------------------- reading
@@ -192,6 +196,10 @@ def load_job(path: str | Path, env: dict[str, str] | None = None) -> Job:
         if not isinstance(k, str) or not ENV_NAME.match(k) or isinstance(v, dict | list) or "\n" in str(v):
             raise OpsError(f"{path}: infra.environment.{k}: expected a variable name and a one-line value")
     model_dir = get("model_dir")
+    try:
+        rollout = read_rollout(path, data)
+    except ValueError as e:
+        raise OpsError(str(e)) from None
     return Job(
         path=path, job_name=name, data_dir=_dir(path, "data_dir", get("data_dir")),
         model_dir=_dir(path, "model_dir", model_dir) if model_dir is not None else None,
@@ -201,7 +209,7 @@ def load_job(path: str | Path, env: dict[str, str] | None = None) -> Job:
         keep_last=None if keep is None else _int(path, "keep_last", keep, 1), max_duration_hours=hours,
         environment={k: "" if v is None else str(v).lower() if isinstance(v, bool) else str(v)
                      for k, v in environment.items()},
-        trainer=data,
+        trainer=data, rollout=rollout,
     )
 
 
@@ -226,6 +234,7 @@ def shell_exports(job: Job) -> str:
         "ASTRAI_KEEP_LAST": "" if job.keep_last is None else str(job.keep_last),
         "ASTRAI_MAX_DURATION_SECONDS": "" if job.max_duration_hours is None
         else str(max(1, round(job.max_duration_hours * 3600))),
+        **rollout_exports(job.rollout, job.job_dir / "no-weights"),
     }
     lines = [f"export {k}={shlex.quote(v)}" for k, v in values.items()]
     if job.devices is None:
@@ -282,6 +291,7 @@ def prepare(job: Job, args: list[str], env: dict[str, str]) -> Path:
     text = yaml.safe_dump(trainer_config(job, args), sort_keys=False)
     job.job_dir.mkdir(parents=True, exist_ok=True)
     (job.job_dir / "no-model").mkdir(exist_ok=True)
+    (job.job_dir / "no-weights").mkdir(exist_ok=True)
     for name, content in [("trainer.yaml", f"# written by `python -m astrai.ops prepare {job.path.name}`; edit "
                            f"{job.path.name} instead\n" + text), ("container.env", container_env(job, env)),
                           ("args", "".join(a + "\n" for a in args))]:
@@ -334,6 +344,7 @@ def preflight(job: Job, args: list[str] | None = None) -> list[str]:
     elif job.devices is not None and max(job.devices) >= gpus:
         problems.append(f"devices: infra.devices is {job.devices} but this host has {gpus} GPU(s) "
                         f"(ids 0..{gpus - 1})")
+    problems += rollout_problems(job.rollout, job.devices, gpus)
     try:
         trainer_config(job, args or [])
     except OpsError as e:

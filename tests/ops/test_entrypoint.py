@@ -119,3 +119,11 @@ def test_the_trainer_is_execed_so_sigterm_reaches_it(tmp_path, mounts):
     finally:
         if proc.poll() is None:
             proc.kill()
+
+
+def test_local_rollout_replicas_take_the_first_gpus(tmp_path, mounts):
+    r = run_entry(entry_env(tmp_path, mounts, FAKE_LATEST="none", ASTRAI_GPU_COUNT="3", ASTRAI_ROLLOUT_REPLICAS="1"),
+                  tmp_path)
+    assert r.returncode == 0, r.stderr
+    argv = train_argv(tmp_path)
+    assert argv[argv.index("--nprocs") + 1] == "2" and argv[argv.index("--parallel_mode") + 1] == "ddp"

@@ -10,6 +10,7 @@ from tests.ops.fakes import REPO
 
 COMPOSE = yaml.safe_load((REPO / "docker" / "compose.yaml").read_text())
 SERVICES = COMPOSE["services"]
+ROLLOUT = yaml.safe_load((REPO / "docker" / "compose.rollout.yaml").read_text())["services"]
 
 
 def mounts(service: dict) -> dict[str, dict]:
@@ -65,10 +66,25 @@ def test_server_services():
     assert cpu["command"][-2:] == ["--device", "cpu"]
 
 
+def test_the_rollout_layout_joins_the_host_network_and_pins_the_image():
+    server, train = ROLLOUT["rollout-server"], ROLLOUT["train"]
+    assert server["image"] == "astrai:latest" and server["pull_policy"] == "never" and "build" not in server
+    assert server["profiles"] == ["rollout-server"] and "profiles" not in train  # train keeps compose.yaml's
+    assert server["network_mode"] == train["network_mode"] == "host"  # the broadcast group connects back
+    assert server["command"][:4] == ["astrai", "serve", "--model", "/model"] and "--weights_dir" in server["command"]
+    assert {"ASTRAI_ADMIN_KEY", "ASTRAI_API_KEY"} <= set(server["environment"]) & set(train["environment"])
+    weights = "${ASTRAI_ROLLOUT_WEIGHTS_DIR:-/unset-ASTRAI_ROLLOUT_WEIGHTS_DIR}"
+    for s in (server, train):  # the shared storage at the same path on both nodes
+        assert weights in [v["target"] for v in s["volumes"]]
+        assert all(v["bind"]["create_host_path"] is False for v in s["volumes"])
+
+
 def test_the_compose_variables_are_the_ones_the_scripts_export():
     """Every ${ASTRAI_*} compose reads is exported by the ops helper or the scripts."""
-    used = set(re.findall(r"\$\{(ASTRAI_\w+)", (REPO / "docker" / "compose.yaml").read_text()))
-    exported = set(re.findall(r'"(ASTRAI_\w+)"', (REPO / "src" / "astrai" / "ops.py").read_text()))
+    used = set(re.findall(r"\$\{(ASTRAI_\w+)", (REPO / "docker" / "compose.yaml").read_text()
+                                                + (REPO / "docker" / "compose.rollout.yaml").read_text()))
+    exported = set(re.findall(r'"(ASTRAI_\w+)"', (REPO / "src" / "astrai" / "ops.py").read_text()
+                                                   + (REPO / "src" / "astrai" / "ops_rollout.py").read_text()))
     scripts = "".join(p.read_text() for p in (REPO / "scripts").glob("*.sh"))
     exported |= set(re.findall(r"(ASTRAI_\w+)=", scripts))
     assert used - exported == set()

@@ -179,3 +179,27 @@ def test_clean_keeps_the_newest_and_previews_without_force(tmp_path, capsys):
     assert ops.main(["clean", str(job.path), "--keep", "2", "--force"]) == 0
     assert sorted(p.name for p in job.checkpoint_dir.glob("step_*")) == ["step_00000003", "step_00000004",
                                                                          "step_00000005"]
+
+
+def _rl_job(tmp_path, rl: dict, infra: dict | None = None) -> ops.Job:
+    trainer = {"data": {"train_type": "online_grpo", "data_path": "/data/prompts.jsonl"},
+               "train": {"max_steps": 10}, "rl": {"rewards": ["exact_match"], **rl}}
+    return ops.load_job(write_job(tmp_path, infra, trainer), env={})
+
+
+def test_rollout_servers_place_replicas_first_and_check_what_the_layout_needs(tmp_path):
+    job = _rl_job(tmp_path, {"rollout_replicas": 1}, {"devices": [0, 1, 2]})
+    env = exports(job)
+    assert env["ASTRAI_ROLLOUT_REPLICAS"] == 1 and env["ASTRAI_GPU_COUNT"] == 3  # the entrypoint subtracts
+    assert env["ASTRAI_PARALLEL_MODE"] == "ddp" and env["ASTRAI_ROLLOUT_SERVERS"] == ""  # two trainer ranks
+    assert env["ASTRAI_ROLLOUT_WEIGHTS_DIR"] == str(job.job_dir / "no-weights")
+    assert exports(_rl_job(tmp_path, {"rollout_replicas": 1}, {"devices": [0, 1]}))["ASTRAI_PARALLEL_MODE"] == "none"
+    too_many = _rl_job(tmp_path, {"rollout_replicas": 2}, {"devices": [0, 1]})
+    assert any("rl.rollout_replicas 2 needs 3 GPUs or more" in p for p in ops.preflight(too_many))
+    remote = _rl_job(tmp_path, {"rollout_servers": ["http://node-a:8100"]})
+    assert any("needs rl.rollout_weights_dir" in p for p in ops.preflight(remote))  # filesystem transport
+    broadcast = _rl_job(tmp_path, {"rollout_servers": ["http://node-a:8100"], "rollout_weight_transport": "broadcast"})
+    assert exports(broadcast)["ASTRAI_ROLLOUT_SERVERS"] == "http://node-a:8100"
+    assert not any(p.startswith("rollout:") for p in ops.preflight(broadcast))
+    with pytest.raises(ops.OpsError, match="rollout_replicas and rl.rollout_servers are both set"):
+        _rl_job(tmp_path, {"rollout_servers": ["http://node-a:8100"], "rollout_replicas": 1})

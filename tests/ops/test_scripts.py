@@ -245,3 +245,46 @@ def test_serve_sh_says_when_the_compose_plugin_is_missing(tmp_path):
     r = run_script("serve.sh", ["--model", str(model), "up"], env, tmp_path)
     assert r.returncode == 1 and "the Compose plugin is missing" in r.stderr and "shorthand" not in r.stderr
     assert [c["argv"][:2] for c in calls(tmp_path)] == [["compose", "version"]]  # never `compose -f ... up`
+
+
+# ---------------------------------------------------------------------------- rollouts from servers
+ROLLOUT_COMPOSE = str(REPO / "docker" / "compose.rollout.yaml")
+
+
+def rl_job(tmp_path, rl: dict, infra: dict | None = None):
+    trainer = {"data": {"train_type": "online_grpo", "data_path": "/data/prompts.jsonl"},
+               "train": {"max_steps": 10}, "rl": {"rewards": ["exact_match"], **rl}}
+    return write_job(tmp_path, infra, trainer)
+
+
+def test_a_job_drawing_from_servers_elsewhere_joins_the_host_network(tmp_path):
+    shared = tmp_path / "shared-weights"
+    shared.mkdir()
+    rl_job(tmp_path, {"rollout_servers": ["http://node-a:8100"], "rollout_weights_dir": str(shared)})
+    r = run_script("train.sh", ["start"], base_env(tmp_path, ASTRAI_ADMIN_KEY="adm"), tmp_path)
+    assert r.returncode == 0, r.stderr
+    (up,) = compose_calls(tmp_path)
+    assert up["argv"][:5] == ["compose", "-f", COMPOSE, "-f", ROLLOUT_COMPOSE]
+    assert up["argv"][5:] == ["-p", "astrai-demo", "--profile", "train", "up", "--detach", "--no-build", "train"]
+    e = up["env"]
+    assert e["ASTRAI_ROLLOUT_SERVERS"] == "http://node-a:8100" and e["ASTRAI_ROLLOUT_WEIGHTS_DIR"] == str(shared)
+    assert e["ASTRAI_ADMIN_KEY"] == "adm" and e["ASTRAI_ROLLOUT_REPLICAS"] == "0"
+
+
+def test_serve_rollout_up_needs_the_admin_key_and_a_weights_dir(tmp_path):
+    model, weights = tmp_path / "m", tmp_path / "w"
+    model.mkdir()
+    weights.mkdir()
+    (model / "config.json").write_text("{}")
+    args = ["--model", "m", "--port", "8100", "--rollout", "--weights_dir", "w", "up"]
+    r = run_script("serve.sh", args, base_env(tmp_path), tmp_path)
+    assert r.returncode == 1 and "set ASTRAI_ADMIN_KEY" in r.stderr
+    r = run_script("serve.sh", args[:-3] + ["up"], base_env(tmp_path, ASTRAI_ADMIN_KEY="adm"), tmp_path)
+    assert r.returncode == 1 and "--weights_dir DIR" in r.stderr
+    r = run_script("serve.sh", args, base_env(tmp_path, ASTRAI_ADMIN_KEY="adm"), tmp_path)
+    assert r.returncode == 0, r.stderr
+    (up,) = compose_calls(tmp_path)
+    assert up["argv"] == ["compose", "-f", COMPOSE, "-f", ROLLOUT_COMPOSE, "-p", "astrai-rollout-8100", "--profile",
+                          "rollout-server", "up", "--detach", "--no-build", "rollout-server"]
+    e = up["env"]
+    assert e["ASTRAI_ROLLOUT_WEIGHTS_DIR"] == str(weights) and e["ASTRAI_PORT"] == "8100" and e["ASTRAI_ADMIN_KEY"] == "adm"

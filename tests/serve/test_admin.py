@@ -1,6 +1,8 @@
 """`POST /v1/load_weights` (serve/admin.py): off without --admin_key, only under --weights_dir, the
 manifest verified, refusals are 4xx naming why while the server keeps serving, and a load lands
-between engine steps: a request in flight finishes on its weights and reports their version."""
+between engine steps: a request in flight finishes on its weights and reports their version; the
+broadcast transport's `/v1/weight_group` describes the served weights and refuses a group it cannot
+join (backend, dtype, tensors, an adapter's base) with a 400 naming why."""
 
 from __future__ import annotations
 
@@ -96,4 +98,19 @@ def test_broadcast_refusals_name_why(model_dir, tmp_path):
         group = {"master_addr": "127.0.0.1", "master_port": 1, "rank": 1, "world_size": 2, "tensors": shapes}
         r = httpx.post(live.base + "/v1/weight_group", json=group, headers=ADMIN, timeout=GUARD_S)
         assert r.status_code == 400 and "lm_head.weight" in r.json()["error"]["message"]
+        info = httpx.get(live.base + "/v1/weight_group", headers=ADMIN, timeout=GUARD_S).json()
+        assert info["device"] == "cpu" and info["backends"] == ["gloo"] and info["backend"] is None
+        del shapes["lm_head.weight"]
+        adapter = {"base_model": str(model_dir), "scaling": 2.0}
+        layer = "model.layers.0.self_attn.q_proj."
+        refusals = [({"backend": "nccl"}, "cannot join an nccl weight group: its weights are on cpu"),
+                    ({"dtype": "int8"}, "dtype 'int8' is not a weight dtype"),
+                    ({"tensors": {"model.nope.lora_A": [2, 32], "model.nope.lora_B": [32, 2]}, "adapter": adapter},
+                     "first differing tensor: model.nope.lora_A"),
+                    ({"tensors": {layer + "lora_A": [2, 32], layer + "lora_B": [32, 2]},
+                      "adapter": {**adapter, "base_model": str(model_dir.parent)}}, "neither the served model")]
+        for change, words in refusals:
+            r = httpx.post(live.base + "/v1/weight_group", json={**group, "tensors": shapes, **change}, headers=ADMIN,
+                           timeout=GUARD_S)
+            assert r.status_code == 400 and words in r.json()["error"]["message"], r.text
         assert _complete(live.base, [1, 2, 3])["policy_version"] == 0  # still serving

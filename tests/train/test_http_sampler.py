@@ -2,7 +2,9 @@
 train --rollout_servers URL` trains with the trainer's and the server's log-probs within 1e-5
 (fp32), the server ends on the trainer's final policy version, a SIGTERM and `--resume` give the
 uninterrupted run's weights bit for bit (one server, one rank), the broadcast transport gives the
-filesystem one's run, a LoRA run sends only its adapter, and a dead server is named."""
+filesystem one's run, a LoRA run sends only its adapter (by either transport the server then holds the
+trainer's merged weights, with fewer bytes sent), a server that refuses a broadcast load ends the sync
+at once instead of leaving the trainer in the collective, and a dead server is named."""
 
 from __future__ import annotations
 
@@ -125,3 +127,87 @@ def test_a_dead_server_is_named(tmp_path):
     url = f"http://127.0.0.1:{free_port()}"  # nothing listens there
     with pytest.raises(RolloutServerError, match=f"rollout server {url} failed to connect"):
         HttpSampler([url], torch.nn.Linear(1, 1), None, tmp_path, retries=0, timeout=5)
+
+
+def test_broadcast_loads_the_policy_and_a_server_that_refuses_stops_the_sync_at_once(tmp_path):
+    """On an in-process server: the broadcast (gloo on the CPU) leaves the trainer's weights in the
+    server; when the server has lost its group (a restarted server) its 409 ends the sync at once,
+    naming it, while the collective would wait for the group's timeout."""
+    from astrai.model.hf import load_model
+    from tests.serve.conftest import API_KEY, make_model_dir
+    from tests.serve.live import GUARD_S, LiveServer, serve_config
+
+    model_dir = make_model_dir(tmp_path / "base")
+    config = serve_config(model_dir, admin_key=ADMIN_KEY, weights_dir=str(tmp_path))
+    with LiveServer(config) as live:
+        policy = CausalLM(load_model(model_dir).config, seed=3)
+        sampler = HttpSampler([live.base], policy, load_tokenizer(model_dir), tmp_path, admin_key=ADMIN_KEY,
+                              api_key=API_KEY, timeout=GUARD_S, retries=0, transport="broadcast")
+        sampler.sync_weights(1)
+        served = live.app.state.serve.engine.engine.model.state_dict()
+        assert sampler.backend == "gloo" and all(torch.equal(served[k], v) for k, v in policy.state_dict().items())
+        assert sampler.sync_bytes == sum(t.numel() * t.element_size() for t in policy.state_dict().values())
+        kept, live.app.state.serve.weight_group = live.app.state.serve.weight_group, None  # alive, never receiving
+        with pytest.raises(RolloutServerError, match=f"rollout server {live.base} failed to load policy version 2 "
+                                                     r"\(broadcast transport, gloo\).*HTTP 409"):
+            sampler.sync_weights(2)
+        assert sampler.group is None  # the next sync opens a new group
+        sampler.close()
+        kept.group.abort()
+
+
+def test_a_lora_policy_sends_its_adapter_and_the_server_holds_the_merged_weights(tmp_path, capsys):
+    """Broadcast and filesystem: only the adapter travels (fewer bytes than the merged weights), the
+    server merges it onto the base it read and holds the trainer's merged weights (fp32, within 1e-6),
+    and again after the adapter moved (no merge on top of the last one). A base the server does not
+    read: the merged weights travel, and the run says so."""
+    from astrai.model.hf import load_model
+    from astrai.model.lora import apply_lora, lora_state_dict, merged_state_dict
+    from tests.serve.conftest import API_KEY, make_model_dir
+    from tests.serve.live import GUARD_S, LiveServer, serve_config
+
+    def nbytes(tensors):
+        return sum(t.numel() * t.element_size() for t in tensors.values())
+
+    model_dir = make_model_dir(tmp_path / "base")
+    weights = tmp_path / "weights"
+    weights.mkdir()
+    with LiveServer(serve_config(model_dir, admin_key=ADMIN_KEY, weights_dir=str(weights))) as live:
+        policy = load_model(model_dir)
+        apply_lora(policy, r=2, alpha=4.0)
+        full = nbytes(merged_state_dict(policy))
+
+        def move_adapter(seed):
+            with torch.no_grad():
+                for name, p in lora_state_dict(policy).items():
+                    p.copy_(torch.randn(p.shape, generator=torch.Generator().manual_seed(seed + len(name))) * 0.1)
+
+        def assert_served_is_merged():
+            served, want = live.app.state.serve.engine.engine.model.state_dict(), merged_state_dict(policy)
+            assert set(served) == set(want)
+            assert all(torch.allclose(served[k], want[k], rtol=0, atol=1e-6) for k in want)
+
+        samplers = {t: HttpSampler([live.base], policy, load_tokenizer(model_dir), weights, admin_key=ADMIN_KEY,
+                                   api_key=API_KEY, timeout=GUARD_S, retries=0, transport=t,
+                                   base_model=str(model_dir)) for t in ("broadcast", "filesystem")}
+        broadcast = samplers["broadcast"]
+        for version, seed in ((1, 10), (2, 20)):
+            move_adapter(seed)
+            broadcast.sync_weights(version)
+            assert_served_is_merged()
+        assert broadcast.adapter is not None and broadcast.sync_bytes == 2 * nbytes(lora_state_dict(policy)) < full
+        move_adapter(30)
+        samplers["filesystem"].sync_weights(3)
+        assert_served_is_merged()
+        assert 0 < samplers["filesystem"].sync_bytes < full
+
+        elsewhere = HttpSampler([live.base], policy, load_tokenizer(model_dir), weights, admin_key=ADMIN_KEY,
+                                api_key=API_KEY, timeout=GUARD_S, retries=0, transport="broadcast",
+                                base_model=str(tmp_path / "another-base"))
+        move_adapter(40)
+        elsewhere.sync_weights(4)
+        assert_served_is_merged()
+        assert elsewhere.adapter is None and elsewhere.sync_bytes == full
+        assert "sends the merged weights, not only the adapter" in capsys.readouterr().err
+        for sampler in (*samplers.values(), elsewhere):
+            sampler.close()

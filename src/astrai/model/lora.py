@@ -69,7 +69,7 @@ class LoraLinear(nn.Module):
         return base + self.scaling * update
 
     def delta_weight(self) -> Tensor:
-        return self.scaling * (self.lora_B @ self.lora_A)  # (out, in)
+        return lora_delta(self.lora_A, self.lora_B, self.scaling)
 
     def merged(self) -> nn.Linear:
         """A plain nn.Linear with W + delta; reuses the base Parameter so ties survive."""
@@ -83,6 +83,17 @@ class LoraLinear(nn.Module):
 
     def extra_repr(self) -> str:
         return f"in={self.in_features}, out={self.out_features}, r={self.r}, alpha={self.alpha}"
+
+
+def lora_delta(lora_A: Tensor, lora_B: Tensor, scaling: float) -> Tensor:
+    """What an adapter adds to its base weight: (alpha / r) * B @ A, (out, in)."""
+    return scaling * (lora_B @ lora_A)
+
+
+def merged_weight(weight: Tensor, lora_A: Tensor, lora_B: Tensor, scaling: float) -> Tensor:
+    """A base weight with its adapter folded in, in the base's dtype: what `merged_state_dict` holds
+    and a rollout server computes from a broadcast adapter (serve/admin.py)."""
+    return weight + lora_delta(lora_A, lora_B, scaling).to(weight.dtype)
 
 
 def _resolve_targets(targets: tuple[str, ...] | list[str]) -> set[str]:
@@ -141,7 +152,7 @@ def merged_state_dict(model: nn.Module) -> dict[str, Tensor]:
         if isinstance(module, LoraLinear):
             prefix = f"{name}." if name else ""
             del state[prefix + "lora_A"], state[prefix + "lora_B"]
-            state[prefix + "weight"] = module.weight + module.delta_weight().to(module.weight.dtype)
+            state[prefix + "weight"] = merged_weight(module.weight, module.lora_A, module.lora_B, module.scaling)
     return state
 
 

@@ -6,7 +6,8 @@ prompt token ids (chat template or plain text) and `SamplingParams` (those steps
 chunks (`render.py`). The three POST routes share one skeleton (`_serve`): each names only its
 request model, how its prompts become checked token ids, and its renderer (`Endpoint`). At the
 root, lm-eval's remote tokenizer routes (vLLM's `/tokenizer_info`, `/tokenize`, `/detokenize`)
-expose the served tokenizer, behind the same key and error bodies.
+expose the served tokenizer, and vLLM's token-in/token-out `/inference/v1/generate` (`generate.py`)
+takes the same skeleton, behind the same key and error bodies.
 Everything a client can get wrong is answered with OpenAI's error body before the request reaches
 the engine, so a bad request never touches the requests already running. What the routes share
 (config, engine, limits, checks) is `state.py`'s `ServerState`. The model loads in the
@@ -43,6 +44,8 @@ from astrai.serve import admin
 from astrai.serve.admin import ADMIN_ROUTES
 from astrai.serve.anthropic import MessagesRenderer, MessagesRequest
 from astrai.serve.async_engine import AsyncEngine, Engine, EngineDeadError, OutputStream, QueueFullError
+from astrai.serve.generate import ROUTE as GENERATE_ROUTE
+from astrai.serve.generate import GenerateRenderer, GenerateRequest, generate_params, generate_prompts
 from astrai.serve.metrics import ServerMetrics
 from astrai.serve.protocol import (
     ChatCompletionRequest,
@@ -66,7 +69,7 @@ from astrai.serve.state import ServeConfig, ServerState, load_engine
 
 logger = logging.getLogger("astrai.serve")
 ROUTES = ("/v1/chat/completions", "/v1/completions", "/v1/messages", "/v1/models", "/health", "/metrics",
-          "/tokenizer_info", "/tokenize", "/detokenize", "/openapi.json", *ADMIN_ROUTES)
+          "/tokenizer_info", "/tokenize", "/detokenize", GENERATE_ROUTE, "/openapi.json", *ADMIN_ROUTES)
 ANTHROPIC_ROUTES = ("/v1/messages",)  # errors there use Anthropic's body
 RETRY_AFTER_S = 1  # what a 429 tells the client to wait
 
@@ -208,6 +211,8 @@ class Endpoint:
     renderer: Callable[[ServerState, Any, list[list[int]]], Renderer]
     want_logprobs: Callable[[Any], bool]
     constrained: bool = False  # the output may follow a grammar (requests.grammar_guide)
+    # SamplingParams from a request whose sampling fields are not its own top-level ones (generate's)
+    sampling: Callable[[ServerState, Any], SamplingParams] | None = None
 
 
 async def _serve(endpoint: Endpoint, request: Request) -> Response:
@@ -215,14 +220,15 @@ async def _serve(endpoint: Endpoint, request: Request) -> Response:
     state = _state(request)
     state.check_auth(request)
     engine = state.check_ready()
-    chat = endpoint.request is not CompletionRequest  # each message renders to at least one token
+    chat = endpoint.request in (ChatCompletionRequest, MessagesRequest)  # each message renders to a token or more
     req = await read_request(request, endpoint.request, state, state.max_model_len if chat else None)
-    state.check_model(req.model)
+    if req.model is not None:  # required on the OpenAI routes, optional on generate
+        state.check_model(req.model)
     prompts = await endpoint.prompts(state, req)
     guide: Guide | None = None
     if endpoint.constrained:
         guide = await state.off_loop(grammar_guide, req, state.guide_compiler)
-    params = state.sampling_params(req, guide=guide)
+    params = endpoint.sampling(state, req) if endpoint.sampling else state.sampling_params(req, guide=guide)
     _check_admissible(engine, prompts, params)
     renderer = endpoint.renderer(state, req, prompts)
     seeds = getattr(req, "seeds", None)  # completions: one seed per prompt
@@ -282,6 +288,8 @@ CHAT = Endpoint(ChatCompletionRequest, _chat_prompts, ChatRenderer, lambda req: 
 COMPLETIONS = Endpoint(CompletionRequest, _completion_prompts, CompletionRenderer,
                        lambda req: req.logprobs is not None)
 MESSAGES = Endpoint(MessagesRequest, _chat_prompts, MessagesRenderer, lambda req: False, constrained=True)
+GENERATE = Endpoint(GenerateRequest, generate_prompts, GenerateRenderer,
+                    lambda req: req.sampling_params.logprobs is not None, sampling=generate_params)
 
 
 @router.post("/v1/chat/completions")
@@ -297,6 +305,11 @@ async def completions(request: Request) -> Response:
 @router.post("/v1/messages")
 async def messages(request: Request) -> Response:
     return await _serve(MESSAGES, request)
+
+
+@router.post(GENERATE_ROUTE)
+async def generate(request: Request) -> Response:
+    return await _serve(GENERATE, request)
 
 
 def _check_admissible(engine: AsyncEngine, prompts: list[list[int]], params: SamplingParams) -> None:

@@ -90,8 +90,7 @@ class ServerState:
         self._guides_lock = threading.Lock()
         self._ignored_logged: set[str] = set()
         self.loaded_path: str | None = None  # the weights the last /v1/load_weights put in place
-        self.weight_group: Any = None  # the broadcast transport's gloo group (serve/admin.py), once joined
-        self.weight_names: list[str] = []  # the tensors it sends, in order
+        self.weight_group: Any = None  # the broadcast transport's group (serve/admin.WeightGroup), once joined
         # the model's sampling defaults, for the fields a request leaves unset (vLLM's behaviour)
         self.generation_defaults = generation_defaults(config.model_dir, config.generation_config)
 

@@ -19,25 +19,32 @@ Weights go to the servers by one of two transports (``rollout_weight_transport``
 the other ranks wait at a collective. filesystem: rank 0 publishes the policy as a model directory
 (the atomic publish with its manifest) under ``rollout_weights_dir`` and posts `/v1/load_weights`
 with its path to every server; a LoRA run publishes only its adapter (PEFT's layout, naming the
-base model, ``param_path``), which each server merges onto that base. broadcast: at the first sync rank 0 opens a gloo group of its own
-with the servers (`/v1/weight_group`; the trainer's process group, if any, is untouched), and each
-sync posts `/v1/load_weights` (transport broadcast) to every server and broadcasts the tensors one by
-one, in name order, with no file written. Every HTTP call has a
+base model, ``param_path``), which each server merges onto that base. broadcast: at the first sync rank 0
+opens a group of its own with the servers (`/v1/weight_group`; the trainer's process group, if any, is
+untouched) on the backend `model/weight_broadcast.py` chooses (NCCL when the policy and every server's
+weights are on CUDA, the tensors sent from device memory; gloo otherwise, through host memory), and
+each sync posts `/v1/load_weights` (transport broadcast) to every server and broadcasts the tensors one
+by one, in name order, with no file written: a LoRA run's adapter alone when every server reads its
+base (the server's own model or one under its --weights_dir, as `GET /v1/weight_group` says), its
+merged weights otherwise. The collectives run on a thread of their own while this one waits, at most
+``rollout_timeout``, for them and for every server's answer: a server that refuses or fails stops the
+sync at once, and one that never answers is a timeout, never a hang. Every HTTP call has a
 timeout (``rollout_timeout``) and bounded retries (``rollout_retries``, for connection errors and
-5xx); a failure names the server, the policy version and the transport, and stops the run.
+5xx; none for a broadcast load, which the collective cannot repeat); a failure names the server, the
+policy version and the transport, and stops the run.
 """
 
 from __future__ import annotations
 
 import contextlib
-import datetime
 import os
 import shutil
 import socket
+import sys
 import threading
 import time
 from collections.abc import Iterator
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 from pathlib import Path
 from typing import Any
 
@@ -46,6 +53,7 @@ import torch
 from torch import nn
 
 from astrai.config import RLConfig
+from astrai.model import weight_broadcast
 from astrai.model.hf import save_model
 from astrai.train import dist
 from astrai.train.publish import publish_model_dir
@@ -77,11 +85,15 @@ class HttpSampler:
         self.timeout, self.retries = timeout, retries
         self.transport = transport
         self.base_model = base_model  # a LoRA run's base (param_path): the filesystem transport sends the adapter
-        self.group: Any = None  # broadcast: the gloo group with the servers, opened at the first sync
+        self.group: Any = None  # broadcast: the group with the servers, opened at the first sync
+        self.backend = "gloo"  # broadcast: the group's backend (weight_broadcast.choose_backend)
+        self.adapter: dict[str, Any] | None = None  # broadcast: the adapter spec when only a LoRA adapter travels
+        self.sender = ThreadPoolExecutor(1, thread_name_prefix="astrai-weight-send")  # the collectives' thread
         self.ranks_group: Any = None  # where the trainer's ranks agree on a sync (async_steps: the rollout thread's)
         self.policy_version = 0
         self.synced_version: int | None = None  # the version every server holds (None: not loaded yet)
         self.sync_seconds = 0.0  # time spent publishing and loading weights, whole run
+        self.sync_bytes = 0  # weight bytes sent (broadcast) or published (filesystem), whole run
         self.client = httpx.Client(timeout=timeout)
         self.pool = ThreadPoolExecutor(len(self.servers), thread_name_prefix="astrai-rollout")
         cards = [self._call(url, "GET", "/v1/models", "connect")["data"][0] for url in self.servers]
@@ -132,6 +144,7 @@ class HttpSampler:
             write = lambda d: save_model(self.model, d, tokenizer=self.tokenizer)  # noqa: E731
         try:
             publish_model_dir(path, version, write)
+            self.sync_bytes += sum(f.stat().st_size for f in path.iterdir() if f.is_file())
         except OSError as exc:
             raise RolloutServerError(f"publishing policy version {version} to {path} failed (filesystem "
                                      f"transport): {exc}") from None
@@ -142,15 +155,42 @@ class HttpSampler:
             if old.name != path.name:
                 shutil.rmtree(old, ignore_errors=True)
 
-    def _weights(self) -> dict[str, torch.Tensor]:
-        """What the servers' models hold: the policy's tensors (a LoRA run's adapters merged)."""
-        from astrai.model.lora import has_lora, merged_state_dict
+    def _payload(self) -> dict[str, torch.Tensor]:
+        """What a broadcast sends: the adapter tensors when only the adapter travels, else what the
+        servers' models hold (the policy's tensors; a LoRA run's adapters merged)."""
+        from astrai.model.lora import has_lora, lora_state_dict, merged_state_dict
 
+        if self.adapter is not None:
+            return lora_state_dict(self.model)
         return merged_state_dict(self.model) if has_lora(self.model) else self.model.state_dict()
 
-    def _open_group(self, shapes: dict[str, list[int]]) -> None:
-        """Rank 0 of a gloo group with the servers (ranks 1..N): a store on a free port of the
-        address the servers reach this machine at, each server asked to join over HTTP."""
+    def _adapter_spec(self, infos: list[dict[str, Any]]) -> dict[str, Any] | None:
+        """A LoRA run sends only its adapter when every server reads its base (param_path): the
+        server's own model directory, or one under its --weights_dir; otherwise the merged weights."""
+        from astrai.model.lora import has_lora, peft_config
+
+        if not (has_lora(self.model) and self.base_model):
+            return None
+        base = Path(self.base_model).resolve()
+        for url, info in zip(self.servers, infos):
+            root = info.get("weights_dir")
+            if base != Path(info.get("model_dir", "")) and not (root and base.is_relative_to(root)):
+                print(f"note: rollout server {url} serves {info.get('model_dir')}, not this run's base {base}: "
+                      "the broadcast transport sends the merged weights, not only the adapter", file=sys.stderr)
+                return None
+        config = peft_config(self.model, None)
+        return {"base_model": str(base), "scaling": config["lora_alpha"] / config["r"]}
+
+    def _open_group(self) -> None:
+        """Rank 0 of a group with the servers (ranks 1..N): the backend both ends can use, a store on a
+        free port of the address the servers reach this machine at, each server asked to join over HTTP."""
+        infos = [self._call(url, "GET", "/v1/weight_group", "describe its weights (broadcast transport)", admin=True)
+                 for url in self.servers]
+        device = next(self.model.parameters()).device
+        self.backend = weight_broadcast.choose_backend(device, [info.get("backends", ["gloo"]) for info in infos],
+                                                       gpus=[weight_broadcast.gpu_id(device), *(i.get("gpu") for i in infos)])
+        self.adapter = self._adapter_spec(infos)
+        weights = dict(sorted(self._payload().items()))  # name order: what `_send_all` sends
         host, port = self.servers[0].split("//", 1)[1].rsplit(":", 1)
         with socket.create_connection((host, int(port)), timeout=self.timeout) as probe:
             addr = probe.getsockname()[0]  # this machine, as the servers' network sees it
@@ -158,44 +198,66 @@ class HttpSampler:
             s.bind((addr, 0))
             group_port = s.getsockname()[1]
         size = len(self.servers) + 1
-        timeout = datetime.timedelta(seconds=self.timeout)
         made: list[Any] = []
+        failed: list[BaseException] = []
 
         def make() -> None:  # blocks until every server joined; a daemon: a refused join leaves it waiting
-            store = torch.distributed.TCPStore(addr, group_port, size, True, timeout=timeout)
-            made.append(torch.distributed.ProcessGroupGloo(store, 0, size, timeout))
+            try:
+                made.append(weight_broadcast.open_group(self.backend, addr, group_port, 0, size, self.timeout))
+            except weight_broadcast.WeightBroadcastError as exc:
+                failed.append(exc)
 
         maker = threading.Thread(target=make, daemon=True, name="astrai-weight-group")
         maker.start()
+        body = {"master_addr": addr, "master_port": group_port, "world_size": size, "timeout_s": self.timeout,
+                "backend": self.backend, "dtype": weight_broadcast.dtype_name(next(iter(weights.values())).dtype),
+                "tensors": {n: list(t.shape) for n, t in weights.items()}, "adapter": self.adapter}
         list(self.pool.map(lambda i: self._call(
-            self.servers[i], "POST", "/v1/weight_group", "join the weight group (broadcast transport)",
-            {"master_addr": addr, "master_port": group_port, "rank": i + 1, "world_size": size,
-             "timeout_s": self.timeout, "tensors": shapes}, admin=True), range(len(self.servers))))
+            self.servers[i], "POST", "/v1/weight_group", f"join the weight group (broadcast transport, {self.backend})",
+            {**body, "rank": i + 1}, admin=True), range(len(self.servers))))
         maker.join(self.timeout)
         if not made:
-            raise RolloutServerError(f"the weight group at {addr}:{group_port} did not form within {self.timeout:g} s "
-                                     "(broadcast transport); check that the servers can reach this address")
+            why = f": {failed[0]}" if failed else ""
+            raise RolloutServerError(f"the {self.backend} weight group at {addr}:{group_port} did not form within "
+                                     f"{self.timeout:g} s (broadcast transport){why}; check that the servers can "
+                                     "reach this address")
         self.group = made[0]
 
+    def _send_all(self, weights: dict[str, torch.Tensor]) -> int:
+        """On the sender thread: every tensor of `weights` (in name order), in the first one's dtype
+        (the wire dtype the servers were told at the group's opening); the bytes sent."""
+        wire = next(iter(weights.values())).dtype
+        num_bytes = 0
+        for weight in weights.values():  # one tensor at a time: with gloo, at most one extra host copy
+            tensor = weight_broadcast.send_view(weight.to(wire), self.backend)
+            weight_broadcast.broadcast(self.group, tensor, self.timeout, self.backend)
+            num_bytes += tensor.numel() * tensor.element_size()
+        return num_bytes
+
     def _broadcast(self, version: int) -> None:
-        weights = self._weights()
-        names = sorted(weights)
         if self.group is None:
-            self._open_group({n: list(weights[n].shape) for n in names})
-        what = f"load policy version {version} (broadcast transport)"
+            self._open_group()
+        weights = dict(sorted(self._payload().items()))
+        what = f"load policy version {version} (broadcast transport, {self.backend})"
         posts = [self.pool.submit(self._call, url, "POST", "/v1/load_weights", what,
-                                  {"policy_version": version, "transport": "broadcast"}, admin=True)
+                                  {"policy_version": version, "transport": "broadcast"}, admin=True, retries=0)
                  for url in self.servers]
-        opts = torch.distributed.BroadcastOptions()
-        opts.rootRank = 0
-        try:
-            for name in names:  # one tensor at a time: at most one extra host copy of a tensor
-                self.group.broadcast([weights[name].detach().to("cpu").contiguous()], opts).wait()
-        except RuntimeError as exc:
-            raise RolloutServerError(f"broadcasting policy version {version} to the rollout servers "
-                                     f"{self.servers} failed (broadcast transport): {exc}") from None
-        for post in posts:
-            post.result()
+        sending = self.sender.submit(self._send_all, weights)
+        done, pending = wait([sending, *posts], timeout=self.timeout, return_when=FIRST_EXCEPTION)
+        error = next((f.exception() for f in done if f.exception() is not None), None)
+        if error is None and not pending:
+            self.sync_bytes += sending.result()
+            return
+        weight_broadcast.abort(self.group)  # the other members' state is unknown: the next sync opens a new group
+        self.group = None
+        if isinstance(error, RolloutServerError):
+            raise error  # a server refused or failed: it is named
+        if error is not None:
+            raise RolloutServerError(f"broadcasting policy version {version} to the rollout servers {self.servers} "
+                                     f"failed (broadcast transport, {self.backend}): {error}") from None
+        raise RolloutServerError(f"policy version {version} did not reach the rollout servers {self.servers} within "
+                                 f"{self.timeout:g} s (broadcast transport, {self.backend}): a server stopped "
+                                 "answering or the collective is stuck; see the servers' logs")
 
     def batch(self, num_seqs: int, longest: int) -> contextlib.AbstractContextManager[None]:
         return contextlib.nullcontext()  # the servers hold their own KV pools
@@ -243,17 +305,17 @@ class HttpSampler:
         return results
 
     def _call(self, url: str, method: str, route: str, what: str, body: dict[str, Any] | None = None,
-              admin: bool = False) -> dict[str, Any]:
-        """One HTTP call with `timeout` and up to `retries` retries (connection errors, 5xx, 429);
-        a 4xx or the last failure is a RolloutServerError naming the server and `what`."""
+              admin: bool = False, retries: int | None = None) -> dict[str, Any]:
+        """One HTTP call with `timeout` and up to `retries` retries (default: the run's; connection
+        errors, 5xx, 429); a 4xx or the last failure is a RolloutServerError naming the server and `what`."""
         key = self.admin_key if admin else self.api_key
         headers = {"Authorization": f"Bearer {key}"} if key else {}
-        wait, problem, attempts = RETRY_WAIT_S, "", 0
-        for attempt in range(self.retries + 1):
+        pause, problem, attempts = RETRY_WAIT_S, "", 0
+        for attempt in range((self.retries if retries is None else retries) + 1):
             attempts += 1
             if attempt:
-                time.sleep(wait)
-                wait *= 2
+                time.sleep(pause)
+                pause *= 2
             try:
                 r = self.client.request(method, url + route, json=body, headers=headers)
             except httpx.HTTPError as exc:
@@ -271,6 +333,7 @@ class HttpSampler:
 
     def close(self) -> None:
         self.pool.shutdown(wait=False)
+        self.sender.shutdown(wait=False)
         self.client.close()
 
 
