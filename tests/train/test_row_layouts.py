@@ -156,3 +156,41 @@ def test_padding_free_rows_take_the_varlen_kernel_on_cuda(monkeypatch):
     assert build(torch.tensor([[1, 1, 1, 0]]), torch.tensor([[0, 0, 1, 1]]), 4, torch.device("cuda")) == "dense"
     assert isinstance(build(torch.tensor([[1, 1, 0, 0]]), torch.tensor([[1, 1, 0, 0]]), 4, torch.device("cuda")),
                       PackedSegments)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_padding_free_sft_on_cuda_matches_padded(dtype, monkeypatch):
+    """On a GPU: bf16 padding-free rows run the varlen kernel, float32 ones the dense mask (the
+    kernel takes half precision only); both give the padded path's loss and gradient."""
+    from astrai.model import kernels
+
+    calls = []
+    varlen = kernels.packed_attention
+    monkeypatch.setattr(attention_mod, "packed_attention", lambda *a, **k: calls.append(1) or varlen(*a, **k))
+    cfg = load_config(None, ["--train_type", "sft"])
+    model = CausalLM(ModelConfig(**MODEL), seed=0).cuda().to(dtype)
+    objective = OBJECTIVES["sft"](cfg, model)
+    batch = {k: v.cuda() for k, v in sft_batch().items()}
+    loss_pad, grads_pad = loss_and_grads(objective, model, batch, "pad")
+    loss_pack, grads_pack = loss_and_grads(objective, model, batch, "pack")
+    assert bool(calls) == (dtype == torch.bfloat16)
+    tol = 2e-2 if dtype == torch.bfloat16 else 1e-5
+    torch.testing.assert_close(loss_pack.float(), loss_pad.float(), atol=tol * loss_pad.abs().item(), rtol=0)
+    for a, b in zip(grads_pack, grads_pad, strict=True):
+        assert (a.float() - b.float()).abs().max().item() <= tol * max(1.0, b.float().abs().max().item())
+
+
+def test_pack_runs_the_rows_as_they_are_when_no_two_fit_together():
+    """Rows of similar lengths (two never fit in the longest): ``pack`` saves nothing, so the
+    model runs the collated rows themselves, and the loss is the padded path's bit for bit."""
+    batch = sft_batch([12, 9, 7, 10], [4, 2, 3, 5])
+    rows = RowLayout.build(batch["attention_mask"], batch["labels"] != -100, "pack")
+    assert rows.layout == "trim" and rows.num_rows == 4
+    cfg = load_config(None, ["--train_type", "sft"])
+    model = CausalLM(ModelConfig(**MODEL), seed=0)
+    objective = OBJECTIVES["sft"](cfg, model)
+    loss_pad, grads_pad = loss_and_grads(objective, model, batch, "pad")
+    loss_pack, grads_pack = loss_and_grads(objective, model, batch, "pack")
+    assert torch.equal(loss_pack, loss_pad)
+    assert all(torch.equal(a, b) for a, b in zip(grads_pack, grads_pad, strict=True))

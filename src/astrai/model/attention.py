@@ -165,10 +165,11 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, cos_q, sin_q), apply_rope(k, cos, sin)
         if isinstance(mask, PackedSegments):
-            if query_idx is None:
+            if query_idx is None and (not q.is_cuda or q.dtype in (torch.float16, torch.bfloat16)):
                 out = packed_attention(q, k, v, mask, self.num_kv_heads != self.num_heads)
                 return self.o_proj(out.reshape(B, T, self.num_heads * self.head_dim))
-            mask = dense_document_mask(None, mask.document_ids, T, x.device)  # a few query rows: dense is fine
+            # a few query rows: dense is fine; float32 on CUDA: the flash varlen kernel takes half precision only
+            mask = dense_document_mask(None, mask.document_ids, T, x.device)
         elif isinstance(mask, SharedPrefixSegments):
             if query_idx is None:
                 out = shared_prefix_attention(q, k, v, mask, self.num_kv_heads != self.num_heads)

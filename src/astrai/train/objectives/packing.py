@@ -5,7 +5,8 @@ rollout's longest row: every layer's projections and MLP then run on padding. ``
 the rows to what the model runs on, and back: ``pad`` (as they come), ``trim`` (cut to the
 micro-batch's longest row), ``pack`` (the rows' real tokens placed into as few rows of that width
 as first-fit decreasing allows, position ids restarting at each sample and document ids keeping
-attention inside it, as packed SFT does). The objective keeps working on its padded (B, K) tensors:
+attention inside it, as packed SFT does; when no two rows fit together, ``trim``'s rows, which
+are the same work without a per-document mask). The objective keeps working on its padded (B, K) tensors:
 ``RowLayout`` says where each labelled token sits in the model's input (``dst``), which of those
 columns the last layer needs (``keep``), and scatters per-token results back (``scatter``).
 ``forward_rows`` is the one call every objective makes: rows in, the model run in a layout, the
@@ -114,6 +115,8 @@ class RowLayout:
         offset = torch.zeros_like(rows)
         if layout == "pack":
             bins, offsets = first_fit_decreasing(lengths.tolist(), width)
+            if max(bins, default=0) + 1 == B:  # no two rows fit together: the trimmed rows are the same work
+                return cls.build(attention_mask, labelled, "trim")
             rows, offset = torch.tensor(bins, device=rows.device), torch.tensor(offsets, device=rows.device)
         r, c = labelled.nonzero(as_tuple=True)
         num_rows = int(rows.max()) + 1 if B else 0
