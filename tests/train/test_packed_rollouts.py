@@ -336,6 +336,7 @@ def test_moe_policies_keep_every_sample_prompt_in_their_routing_statistics():
         objective.layout = layout
         batch = objective.batches(rollout, 1)[0]
         pol = objective.logps(model, batch)
-        assert pol.rows.layout == ("pad" if layout == "pad" else "pack")
+        # "share" runs as "pack" (here no two rows fit together, so as pack's fallback "trim"), never shared
+        assert pol.rows.layout == "pad" if layout == "pad" else pol.rows.layout in ("pack", "trim")
         losses[layout] = objective(model, batch).loss
     torch.testing.assert_close(losses["share"], losses["pad"], atol=1e-6, rtol=1e-6)

@@ -8,6 +8,8 @@ dropped and redone after the resume).
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 from safetensors.torch import load_file
@@ -31,18 +33,33 @@ def _weights(ckpt):
 
 # (train_type, micro-batch to stop at): with grad_accum 2 an even micro-batch opens a window; it
 # runs, the stop comes before the window's second half, so the half-done window is dropped.
-# Every stop is inside the first epoch. Extra flags: the length-grouped order resumes exactly too.
+# Every stop is inside the first epoch. Extra flags: the length-grouped order resumes exactly too;
+# "mixed_lengths": chats of 4 in a micro-batch, every other one short and the rest long, so the
+# default padding-free layout (row_layout pack) really puts several in one row (the task's chats
+# are too even for that: a row of two never fits in the longest).
 CASES = [("seq", 4, []), ("sft", 6, []), ("dpo", 8, []), ("reward", 8, []),
-         ("sft", 6, ["--group_by_length", "true"])]
+         ("sft", 6, ["--group_by_length", "true"]), ("sft", 2, ["mixed_lengths"])]
+
+
+def _mix_lengths(data):
+    """Every other SFT record of `data` becomes a short chat, the others three questions long."""
+    records = [json.loads(line) for line in data.read_text().splitlines()]
+    for i, record in enumerate(records):
+        user = record["messages"][0]
+        user["content"] = user["content"][:2] if i % 2 else " ".join([user["content"]] * 3)
+    data.write_text("".join(json.dumps(r) + "\n" for r in records))
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("train_type, kill_at, extra", CASES)
 def test_sigterm_resume_is_exact(tmp_path, tok_dir, monkeypatch, train_type, kill_at, extra):
-    flags = {"grad_accum_steps": 2, "batch_per_device": 2}
+    flags = {"grad_accum_steps": 2, "batch_per_device": 4 if extra == ["mixed_lengths"] else 2}
     straight = write_run(tmp_path / "straight", tok_dir, train_type, **flags)
     stopped = write_run(tmp_path / "stopped", tok_dir, train_type, **flags)
-    if extra:  # the option goes into both configs
+    if extra == ["mixed_lengths"]:
+        for path in (straight, stopped):
+            _mix_lengths(path.parent / "sft.jsonl")
+    elif extra:  # the option goes into both configs
         for path in (straight, stopped):
             path.write_text(path.read_text().replace("data:\n", "data:\n  " + extra[0][2:] + ": " + extra[1] + "\n", 1))
 

@@ -87,8 +87,10 @@ def build_attention_mask(
     prefix_ids: Tensor | None = None,
 ) -> Tensor | PackedSegments | SharedPrefixSegments | None:
     """Boolean mask (B, 1, T, T), True = may attend; None when plain causal attention suffices;
-    on CUDA, packed rows without padding as `PackedSegments` (the varlen kernel, no mask); rows
-    whose samples share prompts (`prefix_ids`) as `SharedPrefixSegments` on every device."""
+    on CUDA, packed rows as `PackedSegments` (the varlen kernel, no mask) when they have no
+    padding or their padding is document 0 and no real token's (``train/objectives/packing.py``'s
+    padding-free rows); rows whose samples share prompts (`prefix_ids`) as `SharedPrefixSegments`
+    on every device."""
     if prefix_ids is not None:
         if document_ids is None:
             raise ValueError("prefix_ids name prefix documents: pass the document_ids of the packed rows too")
@@ -97,8 +99,10 @@ def build_attention_mask(
         attention_mask = None  # no padding: plain causal attention takes the faster kernel
     if attention_mask is None and document_ids is None:
         return None
-    if attention_mask is None and torch.device(device).type == "cuda":
-        return packed_segments(document_ids)  # flash varlen kernel: no (B, T, T) mask at all
+    if document_ids is not None and torch.device(device).type == "cuda":
+        # padding as a document of its own only attends to padding: the varlen kernel still applies
+        if attention_mask is None or bool(((document_ids != 0) == attention_mask.bool()).all()):
+            return packed_segments(document_ids)  # flash varlen kernel: no (B, T, T) mask at all
     return dense_document_mask(attention_mask, document_ids, T, device)
 
 
@@ -161,10 +165,11 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, cos_q, sin_q), apply_rope(k, cos, sin)
         if isinstance(mask, PackedSegments):
-            if query_idx is None:
+            if query_idx is None and (not q.is_cuda or q.dtype in (torch.float16, torch.bfloat16)):
                 out = packed_attention(q, k, v, mask, self.num_kv_heads != self.num_heads)
                 return self.o_proj(out.reshape(B, T, self.num_heads * self.head_dim))
-            mask = dense_document_mask(None, mask.document_ids, T, x.device)  # a few query rows: dense is fine
+            # a few query rows: dense is fine; float32 on CUDA: the flash varlen kernel takes half precision only
+            mask = dense_document_mask(None, mask.document_ids, T, x.device)
         elif isinstance(mask, SharedPrefixSegments):
             if query_idx is None:
                 out = shared_prefix_attention(q, k, v, mask, self.num_kv_heads != self.num_heads)

@@ -24,6 +24,7 @@ from torch import Tensor, nn
 from astrai.config import Config
 from astrai.model.chunked_head import HeadLogps, head_logps
 from astrai.train.losses import IGNORE_INDEX
+from astrai.train.objectives.packing import forward_rows
 
 if TYPE_CHECKING:
     from astrai.train.build import Run
@@ -119,22 +120,18 @@ def labelled_positions(labels: Tensor) -> Tensor | None:
     return keep.nonzero().squeeze(1)
 
 
-def labelled_logps(model: Any, batch: Batch, prefix: str = "", smoothing: bool = False) -> tuple[Any, Tensor, Tensor]:
+def labelled_logps(model: Any, batch: Batch, layout: str = "pad", smoothing: bool = False) -> tuple[Any, Tensor, Tensor]:
     """(model output, log pi(label) (M,), mean_v log pi_v (M,) or None) of the M labelled tokens
-    of a batch (its ``{prefix}input_ids``, ``labels``, ``attention_mask``, ``position_ids``), row
-    by row in order, through the chunked lm head at those tokens only: SFT and DPO."""
-    labels = batch[f"{prefix}labels"]
-    idx = labelled_positions(labels)
-    mask = labels != IGNORE_INDEX
-    if idx is not None:
-        mask = mask[:, idx]  # (B, K)
-        labels = labels[:, idx]
+    of a batch (its ``input_ids``, ``labels``, ``attention_mask``, ``position_ids``), row by row
+    in order, through the chunked lm head at those tokens only, the rows in `layout`
+    (``packing.forward_rows``): SFT, seq and DPO."""
+    labels = batch["labels"]
+    targets = labels[labels != IGNORE_INDEX]  # (M,) row by row, as forward_rows gathers them
 
     def head(hidden: Tensor, lm_head: nn.Module) -> HeadLogps:
-        return head_logps(hidden[mask], lm_head, labels[mask], smoothing=smoothing)
+        return head_logps(hidden, lm_head, targets, smoothing=smoothing)
 
-    out = model(batch[f"{prefix}input_ids"], attention_mask=batch.get(f"{prefix}attention_mask"),
-                position_ids=batch.get(f"{prefix}position_ids"), logits_indices=idx, head=head)
+    out, _ = forward_rows(model, batch, layout, head=head)
     return out, out.head.logps, out.head.mean_logps
 
 

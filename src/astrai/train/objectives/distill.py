@@ -27,6 +27,7 @@ from astrai.config import Config
 from astrai.train.losses import IGNORE_INDEX, aggregate_token_loss, generalized_jsd
 from astrai.train.objectives.base import Batch, Companion, LossOutput, labelled_positions, wants
 from astrai.train.objectives.grpo import GRPOObjective
+from astrai.train.objectives.packing import forward_rows
 from astrai.train.objectives.rollout_steps import loss_mask
 from astrai.train.objectives.teacher import LocalTeacher, build_teacher
 
@@ -35,17 +36,18 @@ if TYPE_CHECKING:
     from astrai.train.rl.data import Rollout
 
 
-def jsd_terms(model: nn.Module, teacher: LocalTeacher, batch: Batch, beta: float) -> tuple[Tensor, Tensor]:
+def jsd_terms(model: nn.Module, teacher: LocalTeacher, batch: Batch, beta: float,
+              layout: str = "pad") -> tuple[Tensor, Tensor]:
     """(per-token generalized JSD (B, K), loss mask (B, K)) of the batch's labelled positions,
-    the student's full distribution against the teacher's (temperature 1)."""
+    the student's full distribution against the teacher's (temperature 1), both models running
+    the rows in `layout` (``packing.forward_rows``)."""
     labels = batch["labels"]
     idx = labelled_positions(labels)
     mask = labels != IGNORE_INDEX if idx is None else (labels != IGNORE_INDEX)[:, idx]
-    ids, attn, pos = batch["input_ids"], batch.get("attention_mask"), batch.get("position_ids")
-    student = model(ids, attention_mask=attn, position_ids=pos, logits_indices=idx).logits.float()  # (B, K, V)
-    teacher_logits = teacher.logits(ids, attn, pos, idx)  # (B, K, V)
-    per_token = generalized_jsd(student.log_softmax(-1), teacher_logits.log_softmax(-1), beta)  # (B, K)
-    return torch.where(mask, per_token, 0.0), mask
+    student, rows = forward_rows(model, batch, layout, head=lambda hidden, lm_head: lm_head(hidden))
+    teacher_logits = teacher.logits(batch, layout)  # (M, V)
+    per_token = generalized_jsd(student.head.float().log_softmax(-1), teacher_logits.log_softmax(-1), beta)  # (M,)
+    return rows.scatter(per_token, idx), mask
 
 
 class OnlineDistillObjective:
@@ -129,6 +131,7 @@ class KDObjective:
         if not isinstance(teacher, LocalTeacher):
             raise ValueError("kd needs a local teacher; set --teacher_path")
         self.teacher, self.beta = teacher, cfg.objective.distill_beta
+        self.layout = cfg.objective.row_layout
 
     def setup(self, run: Run, total_steps: int) -> None:
         """Nothing is trained beside the student; the teacher is frozen."""
@@ -137,7 +140,7 @@ class KDObjective:
         return (batch["labels"] != IGNORE_INDEX).sum()
 
     def __call__(self, model: nn.Module, batch: Batch) -> LossOutput:
-        per_token, _ = jsd_terms(model, self.teacher, batch, self.beta)  # (B, K), 0 off-label
+        per_token, _ = jsd_terms(model, self.teacher, batch, self.beta, self.layout)  # (B, K), 0 off-label
         loss = per_token.sum()
         metrics = {"distill/jsd": loss.detach()} if wants(self.requested_metrics, "distill/jsd") else {}
         return LossOutput(loss, metrics)

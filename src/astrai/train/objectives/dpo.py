@@ -50,6 +50,7 @@ class DPOObjective:
         o = cfg.objective
         self.beta, self.loss_type, self.label_noise = o.beta, o.loss_type, o.dpo_label_noise
         self.aux_coef = aux_coef(cfg, model)
+        self.layout = o.row_layout  # chosen and rejected rows share one micro-batch in it (packing.py)
         self.reference: Any = None  # a frozen module, or a LoRA model's AdapterDisabled view
         if not o.reference_free:
             self.reference = reference if reference is not None else frozen_reference(o.ref_model_path, model)
@@ -64,7 +65,7 @@ class DPOObjective:
 
     def _logps(self, model: nn.Module, ids: Tensor, labels: Tensor, mask: Tensor, pos: Tensor) -> tuple[Any, Tensor]:
         batch = {"input_ids": ids, "labels": labels, "attention_mask": mask, "position_ids": pos}
-        out, token_logps, _ = labelled_logps(model, batch)  # (M,), the chunked lm head at labelled tokens
+        out, token_logps, _ = labelled_logps(model, batch, self.layout)  # (M,), the chunked lm head at labelled tokens
         # IPO compares per-token mean log-probs (its length normalisation)
         return out, sum_token_logps(token_logps, labels != IGNORE_INDEX, average=self.loss_type == "ipo")  # (2B,)
 

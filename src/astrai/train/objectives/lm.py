@@ -25,6 +25,7 @@ class SeqObjective:
 
     def __init__(self, cfg: Config, model: nn.Module):
         self.label_smoothing = cfg.objective.label_smoothing
+        self.layout = cfg.objective.row_layout  # how a micro-batch's rows go through the model (packing.py)
         self.aux_coef = aux_coef(cfg, model)
 
     def setup(self, run: Run, total_steps: int) -> None:
@@ -35,7 +36,7 @@ class SeqObjective:
 
     def __call__(self, model: nn.Module, batch: Batch) -> LossOutput:
         # the lm head runs chunked at the labelled tokens only: no (B, T, V) logits
-        out, logps, mean_logps = labelled_logps(model, batch, smoothing=self.label_smoothing > 0)  # (M,) each
+        out, logps, mean_logps = labelled_logps(model, batch, self.layout, self.label_smoothing > 0)  # (M,) each
         loss_sum = cross_entropy_from_logps(logps, mean_logps, self.label_smoothing)
         num_tokens = (batch["labels"] != IGNORE_INDEX).sum()
         metrics: dict[str, Tensor] = {}

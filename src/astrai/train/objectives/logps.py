@@ -22,7 +22,7 @@ from astrai.model.chunked_head import HeadLogps, head_logps
 from astrai.train.dist import unwrap_model
 from astrai.train.losses import IGNORE_INDEX, importance_weights
 from astrai.train.objectives.base import Batch, labelled_positions
-from astrai.train.objectives.packing import RowLayout
+from astrai.train.objectives.packing import RowLayout, forward_rows
 from astrai.train.rl.sampler import RolloutSampling
 
 if TYPE_CHECKING:
@@ -60,22 +60,17 @@ def token_logps(model: Any, batch: Batch, sampling: RolloutSampling, entropy: bo
     layout = "trim" if layout == "sort" else layout
     if layout == "share" and getattr(getattr(unwrap_model(model), "config", None), "num_experts", 0):
         layout = "pack"  # MoE routing statistics count tokens: a shared prompt must count once per sample
-    rows = RowLayout.build(batch["attention_mask"], labelled, layout, batch["input_ids"])
-    keep = rows.keep()
-    targets = labels[rows.src]  # (M,)
+    targets = labels[labelled]  # (M,) row by row, as forward_rows gathers them
 
     # a repetition penalty reads each labelled token's context: its row of input_ids up to its column
-    context = (batch["input_ids"], *rows.src) if sampling.repetition_penalty != 1.0 else None
+    context = (batch["input_ids"], *labelled.nonzero(as_tuple=True)) if sampling.repetition_penalty != 1.0 else None
 
     def head(hidden: Tensor, lm_head: nn.Module) -> HeadLogps:
-        return head_logps(rows.gather(hidden, keep), lm_head, targets, sampling.temperature, sampling.top_k,
+        return head_logps(hidden, lm_head, targets, sampling.temperature, sampling.top_k,
                           sampling.top_p, entropy=entropy, entropy_grad=entropy_grad, min_p=sampling.min_p,
                           repetition_penalty=sampling.repetition_penalty, context=context)
 
-    inputs = rows.inputs(batch["input_ids"], batch["attention_mask"])
-    if "routing" in batch:  # routing_replay: the sampler's experts per token, placed like the tokens
-        inputs["routing"] = rows.place(batch["routing"], batch["attention_mask"])
-    out = model(**inputs, logits_indices=keep, head=head)
+    out, rows = forward_rows(model, batch, layout, labelled, head)
     idx = labelled_positions(labels)
     mask = labelled if idx is None else labelled[:, idx]  # (B, K)
     ent = rows.scatter(out.head.entropy, idx) if entropy else None

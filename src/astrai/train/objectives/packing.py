@@ -5,9 +5,12 @@ rollout's longest row: every layer's projections and MLP then run on padding. ``
 the rows to what the model runs on, and back: ``pad`` (as they come), ``trim`` (cut to the
 micro-batch's longest row), ``pack`` (the rows' real tokens placed into as few rows of that width
 as first-fit decreasing allows, position ids restarting at each sample and document ids keeping
-attention inside it, as packed SFT does). The objective keeps working on its padded (B, K) tensors:
+attention inside it, as packed SFT does; when no two rows fit together, ``trim``'s rows, which
+are the same work without a per-document mask). The objective keeps working on its padded (B, K) tensors:
 ``RowLayout`` says where each labelled token sits in the model's input (``dst``), which of those
 columns the last layer needs (``keep``), and scatters per-token results back (``scatter``).
+``forward_rows`` is the one call every objective makes: rows in, the model run in a layout, the
+labelled tokens' hidden states (or the model's per-token outputs) out, in the padded rows' order.
 
 ``share`` packs like ``pack`` and also computes a prompt once for the samples that share it: the
 G samples of a GRPO group are consecutive rows that begin with the same tokens, so the trunk's
@@ -22,10 +25,15 @@ per sample. Values equal the padded path's; gradients are the same sums in anoth
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
+
+from astrai.model.attention import document_ids_from_positions
+from astrai.train.losses import IGNORE_INDEX
 
 ROW_LAYOUTS = ("pad", "trim", "pack", "share")
 MIN_SHARED_PREFIX = 8  # shorter common prefixes are not worth a segment of their own
@@ -107,6 +115,8 @@ class RowLayout:
         offset = torch.zeros_like(rows)
         if layout == "pack":
             bins, offsets = first_fit_decreasing(lengths.tolist(), width)
+            if max(bins, default=0) + 1 == B:  # no two rows fit together: the trimmed rows are the same work
+                return cls.build(attention_mask, labelled, "trim")
             rows, offset = torch.tensor(bins, device=rows.device), torch.tensor(offsets, device=rows.device)
         r, c = labelled.nonzero(as_tuple=True)
         num_rows = int(rows.max()) + 1 if B else 0
@@ -138,14 +148,22 @@ class RowLayout:
         return cls("share", (B, T), bin_of, offset, num_rows, width, (r, c), (bin_of[r], cols), shared, base,
                    as_long(writes).bool())
 
-    def inputs(self, input_ids: Tensor, attention_mask: Tensor) -> dict[str, Tensor]:
-        """The model's keyword inputs: padded or trimmed rows as they are (position ids = columns,
-        as the padded path has them), packed rows with per-sample positions and document ids
-        (and, layout "share", the prefix document each sample's tokens also see)."""
+    def inputs(self, input_ids: Tensor, attention_mask: Tensor, position_ids: Tensor | None = None) -> dict[str, Tensor]:
+        """The model's keyword inputs: padded or trimmed rows as they are (position ids the rows'
+        own, or their columns), packed rows with per-sample positions and document ids (and,
+        layout "share", the prefix document each sample's tokens also see). Rows that already
+        hold several documents (``pack: true`` data: `position_ids` restart at each) keep them
+        apart as documents of their own."""
         if self.layout not in ("pack", "share"):
-            return {"input_ids": input_ids[:, :self.width], "attention_mask": attention_mask[:, :self.width]}
+            out = {"input_ids": input_ids[:, :self.width], "attention_mask": attention_mask[:, :self.width]}
+            if position_ids is not None:
+                out["position_ids"] = position_ids[:, :self.width]
+            return out
         r, c = attention_mask.nonzero(as_tuple=True)  # (N,) every real token
         documents_of = r + 1
+        within = None if position_ids is None or self.layout == "share" else document_ids_from_positions(position_ids)
+        if within is not None:  # (B, T) 0, 1, ... per document of a row: ids unique over the rows
+            documents_of = r * self.shape[1] + within[r, c] + 1
         if self.layout == "share":
             in_prefix = c < self.shared[r]
             keep = ~in_prefix | self.writes_prefix[r]  # a shared prefix is written once
@@ -160,7 +178,8 @@ class RowLayout:
         shape = (self.num_rows, self.width)
         ids = input_ids.new_zeros(shape).index_put_(at, input_ids[r, c])
         mask = attention_mask.new_zeros(shape).index_put_(at, attention_mask.new_ones(len(r)))
-        positions = torch.zeros(shape, dtype=torch.long, device=ids.device).index_put_(at, c)
+        positions_of = c if position_ids is None or self.layout == "share" else position_ids[r, c]
+        positions = torch.zeros(shape, dtype=torch.long, device=ids.device).index_put_(at, positions_of)
         documents = torch.zeros(shape, dtype=torch.long, device=ids.device).index_put_(at, documents_of)
         out = {"input_ids": ids, "attention_mask": mask, "position_ids": positions, "document_ids": documents}
         if self.layout == "share":
@@ -217,3 +236,29 @@ class RowLayout:
             c = where[c]
         K = T if idx is None else len(idx)
         return values.new_zeros(B, K).index_put((r, c), values)
+
+
+def forward_rows(model: Any, batch: dict[str, Any], layout: str, labelled: Tensor | None = None,
+                 head: Callable[[Tensor, nn.Module], Any] | None = None) -> tuple[Any, RowLayout]:
+    """Run a batch of right-padded rows (its ``input_ids``, ``attention_mask`` and, when there,
+    ``position_ids``) through `model` in `layout`: the one way every objective runs its rows, so
+    each layout serves each objective. `labelled` (B, T) bool says where a result is wanted
+    (default: where ``labels`` are set). With `head` (a causal LM): head(hidden (M, C) at the M
+    labelled tokens, row by row in order, lm_head) runs inside the forward, on the last layer's
+    labelled columns only; its result is ``out.head``. Without: the model's output as it is, in the
+    layout's rows (R, W, ...); ``rows.gather(output, None)`` reads it at the labelled tokens.
+    Values equal the padded path's whatever the layout (``tests/train/test_row_layouts.py``)."""
+    ids = batch["input_ids"]
+    mask = batch.get("attention_mask")
+    mask = torch.ones_like(ids) if mask is None else mask
+    if labelled is None:
+        labelled = batch["labels"] != IGNORE_INDEX
+    rows = RowLayout.build(mask, labelled, layout, ids)
+    inputs = rows.inputs(ids, mask, batch.get("position_ids"))
+    if "routing" in batch:  # routing_replay: the sampler's experts per token, placed like the tokens
+        inputs["routing"] = rows.place(batch["routing"], mask)
+    if head is None:
+        return model(**inputs), rows
+    keep = rows.keep()
+    out = model(**inputs, logits_indices=keep, head=lambda hidden, lm_head: head(rows.gather(hidden, keep), lm_head))
+    return out, rows

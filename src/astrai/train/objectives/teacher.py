@@ -24,6 +24,7 @@ from torch import Tensor, nn
 
 from astrai.train.losses import IGNORE_INDEX
 from astrai.train.objectives.logps import reference_logps
+from astrai.train.objectives.packing import forward_rows
 from astrai.train.rl.sampler import RolloutSampling
 
 if TYPE_CHECKING:
@@ -75,11 +76,11 @@ class LocalTeacher:
         return reference_logps(self.model, rollout, RAW, self.device)
 
     @torch.no_grad()
-    def logits(self, input_ids: Tensor, attention_mask: Tensor, position_ids: Tensor | None,
-               idx: Tensor | None) -> Tensor:
-        """The teacher's logits (B, K, V) at positions `idx` (every position when None)."""
-        return self.model(input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                          logits_indices=idx).logits.float()
+    def logits(self, batch: dict[str, Any], layout: str) -> Tensor:
+        """The teacher's logits (M, V) at the batch's M labelled tokens, row by row, the rows in
+        `layout` (``packing.forward_rows``)."""
+        out, _ = forward_rows(self.model, batch, layout, head=lambda hidden, lm_head: lm_head(hidden))
+        return out.head.float()
 
 
 class RemoteTeacher:
