@@ -169,10 +169,7 @@ def _validate_distill(cfg: Config) -> None:
 
 
 def _validate_reward(cfg: Config) -> None:
-    """A reward model trains all its weights and is judged on held-out pairs, not by generation."""
-    if cfg.lora.lora_r > 0:
-        raise ConfigError(f"lora_r={cfg.lora.lora_r}: train_type reward trains every weight (LoRA adapters for a "
-                          "reward model are not implemented); set --lora_r 0")
+    """A reward model is judged on held-out pairs, not by generation."""
     if cfg.data.eval_data_path is not None:
         raise ConfigError(f"eval_data_path={cfg.data.eval_data_path!r} holds prompts answered by generation, which a "
                           "reward model cannot do; give held-out preference pairs as --val_data_path (metrics "

@@ -48,6 +48,7 @@ import torch
 
 from astrai.config import RLConfig
 from astrai.data.tasks import SCORERS
+from astrai.model.lora import is_adapter_dir
 from astrai.model.manifest import resolve_model_dir
 from astrai.train.rl.guard import call_in_worker, outcome
 from astrai.train.rl.judge import Judge
@@ -252,8 +253,10 @@ class RewardSet:
         for name in self.names:
             if name in BUILTINS:
                 self.functions.append(BUILTINS[name](cfg))
-            elif Path(name).is_dir() and (resolve_model_dir(name) / "config.json").is_file():
-                # a reward model directory, or a reward run's ckpt_dir (its newest checkpoint)
+            elif Path(name).is_dir() and ((resolve_model_dir(name) / "config.json").is_file()
+                                          or is_adapter_dir(resolve_model_dir(name))):
+                # a reward model directory (a LoRA run's: its adapter), or a reward run's ckpt_dir
+                # (its newest checkpoint)
                 self.functions.append(RewardModel(resolve_model_dir(name), device or torch.device("cpu"),
                                                   policy_tokenizer=tokenizer))
             elif ":" in name:
