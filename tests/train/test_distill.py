@@ -19,7 +19,7 @@ from astrai.model.config import ModelConfig
 from astrai.model.hf import save_model
 from astrai.model.transformer import CausalLM
 from astrai.train.losses import IGNORE_INDEX
-from astrai.train.objectives.teacher import LocalTeacher, RemoteTeacher
+from astrai.train.objectives.teacher import LocalTeacher, RemoteTeacher, build_teacher
 from astrai.train.publish import latest_checkpoint
 from astrai.train.rl.data import Rollout
 from tests.train.resume_data import MODEL, read_metrics, train_in_process, write_run
@@ -85,8 +85,9 @@ def _rollout(tok) -> Rollout:
                    rewards=torch.zeros(3, 1), group_size=1, policy_version=0)
 
 
-def test_teacher_url_gives_the_local_teachers_logps(tmp_path, tok_dir):
+def test_teacher_url_gives_the_local_teachers_logps(tmp_path, tok_dir, monkeypatch):
     from astrai.serve.state import ServeConfig
+    from tests.serve.conftest import API_KEY
     from tests.serve.live import SERVER_ENGINE, LiveServer
 
     teacher = tmp_path / "teacher"
@@ -95,8 +96,22 @@ def test_teacher_url_gives_the_local_teachers_logps(tmp_path, tok_dir):
                              "--tokenizer_path", str(tok_dir)])
     rollout = _rollout(load_tokenizer(tok_dir))
     local = LocalTeacher(str(teacher), torch.device("cpu"), cfg).label_logps(rollout)
-    with LiveServer(ServeConfig(str(teacher), engine_kwargs=dict(SERVER_ENGINE))) as server:
-        remote = RemoteTeacher(server.base).label_logps(rollout)
+    monkeypatch.setenv("TEACHER_KEY", API_KEY)
+    with LiveServer(ServeConfig(str(teacher), api_key=API_KEY, engine_kwargs=dict(SERVER_ENGINE))) as server:
+        # a server started with --api_key: the key of teacher_api_key_env's variable, as a bearer token
+        cfg = load_config(None, ["--train_type", "online_distill", "--teacher_url", server.base,
+                                 "--teacher_api_key_env", "TEACHER_KEY", "--tokenizer_path", str(tok_dir)])
+        remote = build_teacher(cfg, CausalLM(ModelConfig(**MODEL))).label_logps(rollout)
+        with pytest.raises(ValueError, match="answered 401 .unauthorized.; set teacher_api_key_env") as refused:
+            RemoteTeacher(server.base).label_logps(rollout)  # no key: one line naming the field, at once
+        assert API_KEY not in str(refused.value)
+        monkeypatch.setenv("TEACHER_KEY", "wrong")
+        with pytest.raises(ValueError, match="answered 401") as refused:
+            RemoteTeacher(server.base, api_key_env="TEACHER_KEY").label_logps(rollout)
+        assert "wrong" not in str(refused.value)  # the key is never written out
+    monkeypatch.delenv("TEACHER_KEY")
+    with pytest.raises(ValueError, match="teacher_api_key_env='TEACHER_KEY' names an environment variable that is not"):
+        RemoteTeacher("http://127.0.0.1:9", api_key_env="TEACHER_KEY")
     labelled = rollout.labels != IGNORE_INDEX
     assert bool((local[labelled] < 0).all()) and bool((local[~labelled] == 0).all())
     assert torch.allclose(remote, local, atol=1e-5, rtol=0), (remote - local).abs().max()
@@ -119,6 +134,7 @@ def test_a_teacher_with_another_vocabulary_is_refused(tmp_path, tok_dir):
     (["--teacher_url", "http://x", "--distill_loss", "jsd"], "distill_loss=jsd compares full distributions"),
     (["--teacher_url", "http://x", "--distill_coef", "1", "--rewards", "[]"], "rewards is empty"),
     (["--teacher_url", "http://x", "--dynamic_sampling", "true"], "dynamic_sampling drops groups"),
+    (["--teacher_path", "t", "--teacher_api_key_env", "K"], "teacher_api_key_env='K' is the API key of teacher_url"),
 ])
 def test_distill_settings_that_cannot_work_are_refused(flags, message):
     with pytest.raises(ConfigError, match=message):
