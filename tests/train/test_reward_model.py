@@ -177,6 +177,29 @@ def test_lora_reward_run_resumes_exactly(tmp_path, tok_dir, monkeypatch):
     assert torch.equal(a.score.weight, b.score.weight)
 
 
+def test_a_finished_rollout_is_scored_where_the_reward_model_was_trained(tmp_path, tok_dir):
+    """Training rows are rendered conversations, whose last token is the template's newline after
+    <|im_end|>; a rollout that stopped ends at <|im_end|>, so the newline is appended before scoring
+    (scored at <|im_end|> itself, the model read a position it was never trained at)."""
+    from astrai.model.classifier import save_classifier
+
+    tok = load_tokenizer(tok_dir)
+    model = SequenceClassifier(ModelConfig(**MODEL), seed=3)
+    save_classifier(model, tmp_path / "rm", tokenizer=tok)
+    chat = [{"role": "user", "content": "12+30="}, {"role": "assistant", "content": "42"}]
+    rendered = tok.apply_chat_template(chat)  # what train_type reward reads (the dpo record form)
+    prompt = tok.apply_chat_template(chat[:1], add_generation_prompt=True)
+    stopped = prompt + tok.encode("42") + [tok.stop_token_ids[-1]]  # a rollout that sampled <|im_end|>
+    assert rendered[:len(stopped)] == stopped and len(rendered) == len(stopped) + 1
+    truncated = prompt + tok.encode("42")  # no stop token: scored where it ends
+    total, _ = RewardSet(RLConfig(rewards=[str(tmp_path / "rm")]), tokenizer=tok)(
+        ["p"] * 2, ["42"] * 2, [{}] * 2, [stopped, truncated], 1)
+    with torch.no_grad():
+        want = [float(model(torch.tensor([rendered]))[0, -1]), float(model(torch.tensor([truncated]))[0, -1])]
+        at_stop = float(model(torch.tensor([stopped]))[0, -1])
+    assert total.tolist() == pytest.approx(want, abs=1e-5) and abs(at_stop - want[0]) > 1e-4
+
+
 def test_reward_refuses_generation_eval(tmp_path):
     with pytest.raises(ConfigError, match="--val_data_path"):
         tiny_config(tmp_path, "--train_type", "reward", "--eval_data_path", "x.jsonl")

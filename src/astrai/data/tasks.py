@@ -146,6 +146,12 @@ def corrupt(item: TaskItem, rng: random.Random) -> str:
     return "".join(letters)
 
 
+def degenerate(item: TaskItem, rng: random.Random) -> str:
+    """A malformed reply that a policy drifts to under a learned reward (for reward-model rejected
+    replies): empty, the answer with more after it, the question echoed, or a stray symbol."""
+    return rng.choice(["", item.answer + item.answer, item.answer + "=", item.question, rng.choice("+-=")])
+
+
 def _write_jsonl(path: Path, records: Iterable[dict[str, Any]]) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     with path.open("w", encoding="utf-8") as f:
@@ -168,6 +174,16 @@ def dpo_record(item: TaskItem, rng: random.Random) -> dict[str, Any]:
     return {"prompt": item.prompt_messages,
             "chosen": [{"role": "assistant", "content": item.answer}],
             "rejected": [{"role": "assistant", "content": corrupt(item, rng)}]}
+
+
+def reward_record(item: TaskItem, rng: random.Random) -> dict[str, Any]:
+    """A reward model's preference pair: the answer chosen over a corrupted one (as `dpo_record`)
+    or, half the time, over a `degenerate` reply, so the model has seen the replies PPO can reach
+    that a corrupted answer never shows it (an empty reply, trailing text)."""
+    wrong = corrupt(item, rng) if rng.random() < 0.5 else degenerate(item, rng)
+    return {"prompt": item.prompt_messages,
+            "chosen": [{"role": "assistant", "content": item.answer}],
+            "rejected": [{"role": "assistant", "content": wrong}]}
 
 
 def prompt_record(item: TaskItem) -> dict[str, Any]:
@@ -225,7 +241,8 @@ def write_tool_task_files(out_dir: str | Path, num_traces: int = 1000, tool_shar
 def write_task_files(out_dir: str | Path, num_train: int = 2000, num_eval: int = 200,
                      tasks: Iterable[str] = ("add",), digits: int = 2, seed: int = 0,
                      num_corpus: int | None = None) -> dict[str, Path]:
-    """Write corpus.jsonl, sft.jsonl, dpo.jsonl, prompts.jsonl (train) and eval.jsonl (held out).
+    """Write corpus.jsonl, sft.jsonl, dpo.jsonl, rm.jsonl (reward-model pairs), prompts.jsonl
+    (train) and eval.jsonl (held out).
 
     The eval problems never appear in any training file. `num_corpus` (default 4x num_train)
     is the number of equations in the pre-training corpus; the SFT problems are among them.
@@ -239,11 +256,12 @@ def write_task_files(out_dir: str | Path, num_train: int = 2000, num_eval: int =
         if _capacity(tasks, digits) > max(num_train, num_corpus) + num_eval else \
         _with_repeats(max(num_train, num_corpus), tasks, digits, seed, held_out)
     sft_items = train_items[:num_train]
-    rng = random.Random(seed + 2)
+    rng, rm_rng = random.Random(seed + 2), random.Random(seed + 3)  # rm's own draws: dpo.jsonl stays as it was
     return {
         "corpus": _write_jsonl(out / "corpus.jsonl", corpus_records(train_items[:num_corpus])),
         "sft": _write_jsonl(out / "sft.jsonl", (sft_record(it) for it in sft_items)),
         "dpo": _write_jsonl(out / "dpo.jsonl", (dpo_record(it, rng) for it in sft_items)),
+        "rm": _write_jsonl(out / "rm.jsonl", (reward_record(it, rm_rng) for it in sft_items)),
         "prompts": _write_jsonl(out / "prompts.jsonl", (prompt_record(it) for it in sft_items)),
         "eval": _write_jsonl(out / "eval.jsonl", (prompt_record(it) for it in eval_items)),
     }
