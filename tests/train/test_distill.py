@@ -166,6 +166,22 @@ def test_online_distill_resumes_exactly(tmp_path, tok_dir, teacher_dir):
     assert a.keys() == b.keys() and all(a[k].equal(b[k]) for k in a)
 
 
+def test_kd_adds_an_moe_students_load_balancing_loss(tmp_path):
+    from astrai.train.objectives.distill import KDObjective
+    from tests.train.toydata import ToySeqDataset
+    from tests.train.trainer_utils import tiny_config, tiny_model
+
+    save_model(tiny_model(seed=1), tmp_path / "teacher")
+    student = tiny_model(num_experts=4, num_experts_per_tok=2, router_aux_loss_coef=0.5)
+    ds = ToySeqDataset(8)
+    batch = ds.collate([ds[i] for i in range(8)])
+    cfg = tiny_config(tmp_path, "--train_type", "kd", "--teacher_path", str(tmp_path / "teacher"))
+    out = KDObjective(cfg, student)(student, batch)
+    m = out.metrics
+    assert {"aux_loss", "aux_loss_weighted", "router/entropy"} <= set(m)
+    torch.testing.assert_close(out.loss.detach(), m["distill/jsd"] + 0.5 * m["aux_loss"])
+
+
 def test_kd_brings_the_student_towards_the_teacher_on_sft_records(tmp_path, tok_dir, teacher_dir, monkeypatch):
     # measured over 12 steps, student seeds 1-3 (1 and 2 threads alike): the JSD falls from 0.35-0.36
     # to 0.054-0.066, a ratio of 0.15-0.18; 0.5 leaves room

@@ -12,20 +12,29 @@ on-policy distillation). ``distill_coef`` adds that times the task reward's adva
 local teacher at every sampled position (TRL's on-policy GKD); the surrogate then carries only the
 task term. Metrics: ``distill/reverse_kl`` (the mean over sampled tokens of log pi_student - log
 pi_teacher, on a rollout's first step) and ``distill/teacher_seconds`` (the teacher's scoring
-time). ``kd`` (``KDObjective``) is the same JSD on an SFT batch's labelled tokens.
+time). ``kd`` (``KDObjective``) is the same JSD on an SFT batch's labelled tokens, plus an MoE
+student's load-balancing loss as ``sft`` adds it (``base.add_moe_terms``).
 """
 
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor, nn
 
 from astrai.config import Config
 from astrai.train.losses import IGNORE_INDEX, aggregate_token_loss, generalized_jsd
-from astrai.train.objectives.base import Batch, Companion, LossOutput, labelled_positions, wants
+from astrai.train.objectives.base import (
+    Batch,
+    Companion,
+    LossOutput,
+    add_moe_terms,
+    aux_coef,
+    labelled_positions,
+    wants,
+)
 from astrai.train.objectives.grpo import GRPOObjective
 from astrai.train.objectives.rollout_steps import loss_mask
 from astrai.train.objectives.teacher import LocalTeacher, build_teacher
@@ -35,17 +44,18 @@ if TYPE_CHECKING:
     from astrai.train.rl.data import Rollout
 
 
-def jsd_terms(model: nn.Module, teacher: LocalTeacher, batch: Batch, beta: float) -> tuple[Tensor, Tensor]:
-    """(per-token generalized JSD (B, K), loss mask (B, K)) of the batch's labelled positions,
-    the student's full distribution against the teacher's (temperature 1)."""
+def jsd_terms(model: nn.Module, teacher: LocalTeacher, batch: Batch, beta: float) -> tuple[Tensor, Tensor, Any]:
+    """(per-token generalized JSD (B, K), loss mask (B, K), the student's forward output) of the
+    batch's labelled positions, the student's full distribution against the teacher's (temperature 1)."""
     labels = batch["labels"]
     idx = labelled_positions(labels)
     mask = labels != IGNORE_INDEX if idx is None else (labels != IGNORE_INDEX)[:, idx]
     ids, attn, pos = batch["input_ids"], batch.get("attention_mask"), batch.get("position_ids")
-    student = model(ids, attention_mask=attn, position_ids=pos, logits_indices=idx).logits.float()  # (B, K, V)
+    out = model(ids, attention_mask=attn, position_ids=pos, logits_indices=idx)
+    student = out.logits.float()  # (B, K, V)
     teacher_logits = teacher.logits(ids, attn, pos, idx)  # (B, K, V)
     per_token = generalized_jsd(student.log_softmax(-1), teacher_logits.log_softmax(-1), beta)  # (B, K)
-    return torch.where(mask, per_token, 0.0), mask
+    return torch.where(mask, per_token, 0.0), mask, out
 
 
 class OnlineDistillObjective:
@@ -102,7 +112,7 @@ class OnlineDistillObjective:
         out = self.inner(model, batch)
         if self.loss == "jsd":
             assert isinstance(self.teacher, LocalTeacher)
-            per_token, mask = jsd_terms(model, self.teacher, batch, self.beta)
+            per_token, mask, _ = jsd_terms(model, self.teacher, batch, self.beta)
             total, _ = aggregate_token_loss(per_token, loss_mask(batch, mask), self.agg, self.max_len)
             out.loss = out.loss + total
             if wants(self.requested_metrics, "distill/jsd"):
@@ -129,6 +139,7 @@ class KDObjective:
         if not isinstance(teacher, LocalTeacher):
             raise ValueError("kd needs a local teacher; set --teacher_path")
         self.teacher, self.beta = teacher, cfg.objective.distill_beta
+        self.aux_coef = aux_coef(cfg, model)
 
     def setup(self, run: Run, total_steps: int) -> None:
         """Nothing is trained beside the student; the teacher is frozen."""
@@ -137,8 +148,9 @@ class KDObjective:
         return (batch["labels"] != IGNORE_INDEX).sum()
 
     def __call__(self, model: nn.Module, batch: Batch) -> LossOutput:
-        per_token, _ = jsd_terms(model, self.teacher, batch, self.beta)  # (B, K), 0 off-label
+        per_token, _, out = jsd_terms(model, self.teacher, batch, self.beta)  # (B, K), 0 off-label
         loss = per_token.sum()
         metrics = {"distill/jsd": loss.detach()} if wants(self.requested_metrics, "distill/jsd") else {}
+        loss = add_moe_terms(out, loss, self.num_units(batch), self.aux_coef, metrics, self.requested_metrics)
         return LossOutput(loss, metrics)
 
