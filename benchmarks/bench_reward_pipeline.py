@@ -90,7 +90,7 @@ def main(argv: list[str] | None = None) -> int:
     stages = sft_stages(out, scale=args.scale, seed=0, log=lambda *a: None)
     data, tok, sft = out / "data", out / "tokenizer", out / "sft" / "final"
     common = ["--tokenizer_path", tok, "--param_path", sft, "--device", "cpu", "--num_threads", 1,
-              "--progress", "false", "--summary_hints", "false"]
+              "--progress", "false", "--summary_hints", "false", "--overwrite_ckpt_dir", "true"]
     rm_steps, ppo_steps = max(20, int(600 * args.scale)), max(10, int(300 * args.scale))
     paths = pair_sets(data, sft)
     run_all({f"rm_{k}": ["--config", ROOT / "configs/reward_model.yaml", "--data_path", p, *common,

@@ -85,6 +85,10 @@ def test_task_files(tmp_path):
     # reward-model pairs also reject degenerate replies (empty, trailing text): what PPO finds otherwise
     assert any(r["rejected"][0]["content"] == "" for r in rows["rm"])
     assert any(r["rejected"][0]["content"].startswith(r["chosen"][0]["content"]) for r in rows["rm"])
+    # ... and arithmetic answers far from the right one, not only near misses
+    numbers = [(int(r["chosen"][0]["content"]), int(r["rejected"][0]["content"])) for r in rows["rm"]
+               if r["rejected"][0]["content"].isdigit() and r["chosen"][0]["content"].isdigit()]
+    assert any(abs(right - wrong) > 10 for right, wrong in numbers)
     again = write_task_files(tmp_path / "again", num_train=40, num_eval=10, tasks=["add", "sort"], seed=1)
     assert all(again[k].read_text() == paths[k].read_text() for k in paths)
 

@@ -176,11 +176,28 @@ def dpo_record(item: TaskItem, rng: random.Random) -> dict[str, Any]:
             "rejected": [{"role": "assistant", "content": corrupt(item, rng)}]}
 
 
+def any_wrong_number(item: TaskItem, rng: random.Random) -> str:
+    """A wrong answer drawn uniformly from every number the task's answers range over (0 to the
+    largest sum, difference or product of `digits`-digit operands): what a policy can reply."""
+    top = 10 ** item.metadata["digits"] - 1
+    largest = {"add": 2 * top, "sub": top, "mul": top * top}[item.task]
+    wrong = rng.randrange(largest)
+    return str(wrong if wrong < int(item.answer) else wrong + 1)
+
+
 def reward_record(item: TaskItem, rng: random.Random) -> dict[str, Any]:
-    """A reward model's preference pair: the answer chosen over a corrupted one (as `dpo_record`)
-    or, half the time, over a `degenerate` reply, so the model has seen the replies PPO can reach
-    that a corrupted answer never shows it (an empty reply, trailing text)."""
-    wrong = corrupt(item, rng) if rng.random() < 0.5 else degenerate(item, rng)
+    """A reward model's preference pair: the answer chosen over a rejected reply that covers what
+    PPO can reach, not only near misses: a corrupted answer (as `dpo_record`) a quarter of the
+    time, a `degenerate` reply (empty, trailing text) a quarter, and for arithmetic, half the time,
+    any other number of the answer range (a reward model shown only near misses over-scores far
+    ones, and PPO finds them; docs/performance.md)."""
+    draw = rng.random()
+    if draw < 0.25:
+        wrong = degenerate(item, rng)
+    elif draw < 0.5 or item.task not in _OPERATORS:
+        wrong = corrupt(item, rng)
+    else:
+        wrong = any_wrong_number(item, rng)
     return {"prompt": item.prompt_messages,
             "chosen": [{"role": "assistant", "content": item.answer}],
             "rejected": [{"role": "assistant", "content": wrong}]}
