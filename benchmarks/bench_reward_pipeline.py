@@ -2,15 +2,16 @@
 ("Distillation and reward models on the demo's task").
 
 Builds the demo's SFT model (`astrai.demo.sft_stages`, reused when done), writes four reward-model
-pair sets (`dpo.jsonl`: correct vs corrupted; `rm.jsonl`: half of the rejected replies degenerate;
-on-policy: the SFT model's own wrong samples of each training sum, mixed 1:1 with `rm.jsonl`;
+pair sets (`dpo.jsonl`: correct vs a near miss; `rm.jsonl`: vs a near miss, a degenerate reply or
+any other number of the answer range; on-policy: the SFT model's own wrong samples of each
+training sum, mixed 1:1 with `rm.jsonl`;
 exhaustive: every wrong number 0-19, plus half as many `rm.jsonl` pairs), trains a reward model on
 each as `configs/reward_model.yaml`, then runs `configs/ppo_reward_model.yaml` on each with
 `exact_match` logged beside it (weight 0), every run its own process on one thread, side by side.
 Prints one row per pair set: the reward model's held-out pair accuracy, PPO's held-out greedy
 accuracy at its start and end, and the rollouts' exact match over the first and last 25 steps.
 
-    python benchmarks/bench_reward_pipeline.py --out out/bench_rm     # about 3 min on 16 idle cores
+    python benchmarks/bench_reward_pipeline.py --out out/bench_rm     # 8 min on 2 idle cores, 3 on 16
 """
 
 from __future__ import annotations
