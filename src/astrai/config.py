@@ -105,6 +105,7 @@ class ObjectiveConfig:
     center_rewards_coefficient: float = knob(0.0, ge=0)  # reward: weight of (r_chosen + r_rejected)^2, keeping scores near 0 (TRL)
     teacher_path: str | None = None  # online_distill, kd: the teacher model directory (the policy's tokenizer)
     teacher_url: str | None = None  # online_distill: an OpenAI-compatible server returning prompt log-probs (echo + logprobs)
+    teacher_api_key_env: str | None = None  # teacher_url: the environment variable holding the server's API key
     distill_loss: str = "reverse_kl_pg"  # online_distill: reverse_kl_pg (per-token advantage log teacher - log student) | jsd
     distill_beta: float = knob(0.5, ge=0, le=1)  # jsd (online_distill) and kd: 0 forward KL, 1 reverse KL (TRL GKD's beta)
     distill_coef: float = knob(0.0, ge=0)  # online_distill: weight of the task reward's advantage beside the teacher's

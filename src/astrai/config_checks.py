@@ -173,16 +173,16 @@ def _validate_distill(cfg: Config) -> None:
         raise ConfigError("dynamic_sampling drops groups whose rewards are equal, but pure distillation "
                           "(distill_coef=0) learns from the teacher, not the rewards; set --dynamic_sampling false "
                           "or --distill_coef above 0")
+    if o.teacher_api_key_env is not None and o.teacher_url is None:
+        raise ConfigError(f"teacher_api_key_env={o.teacher_api_key_env!r} is the API key of teacher_url, which is not "
+                          "set; an in-process teacher (teacher_path) needs none: remove teacher_api_key_env")
     if o.distill_loss == "jsd" and o.teacher_path is None:
         raise ConfigError("distill_loss=jsd compares full distributions, which a server does not return; set "
                           "--teacher_path DIR, or use --distill_loss reverse_kl_pg with teacher_url")
 
 
 def _validate_reward(cfg: Config) -> None:
-    """A reward model trains all its weights and is judged on held-out pairs, not by generation."""
-    if cfg.lora.lora_r > 0:
-        raise ConfigError(f"lora_r={cfg.lora.lora_r}: train_type reward trains every weight (LoRA adapters for a "
-                          "reward model are not implemented); set --lora_r 0")
+    """A reward model is judged on held-out pairs, not by generation."""
     if cfg.data.eval_data_path is not None:
         raise ConfigError(f"eval_data_path={cfg.data.eval_data_path!r} holds prompts answered by generation, which a "
                           "reward model cannot do; give held-out preference pairs as --val_data_path (metrics "

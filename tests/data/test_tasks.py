@@ -78,9 +78,17 @@ def test_task_files(tmp_path):
     assert all(r["messages"][0]["content"] not in eval_questions for r in rows["sft"])
     assert all(f"\n{q}=" not in f"\n{train_text}" for q in eval_questions)
     assert sum(len(r["text"].splitlines()) for r in rows["corpus"]) == 160
-    for dpo, prompt in zip(rows["dpo"], rows["prompts"]):
+    for dpo, rm, prompt in zip(rows["dpo"], rows["rm"], rows["prompts"]):
         assert dpo["chosen"][0]["content"] == prompt["answer"] != dpo["rejected"][0]["content"]
+        assert rm["chosen"][0]["content"] == prompt["answer"] != rm["rejected"][0]["content"]
         assert prompt["metadata"]["task"] in ("add", "sort")
+    # reward-model pairs also reject degenerate replies (empty, trailing text): what PPO finds otherwise
+    assert any(r["rejected"][0]["content"] == "" for r in rows["rm"])
+    assert any(r["rejected"][0]["content"].startswith(r["chosen"][0]["content"]) for r in rows["rm"])
+    # ... and arithmetic answers far from the right one, not only near misses
+    numbers = [(int(r["chosen"][0]["content"]), int(r["rejected"][0]["content"])) for r in rows["rm"]
+               if r["rejected"][0]["content"].isdigit() and r["chosen"][0]["content"].isdigit()]
+    assert any(abs(right - wrong) > 10 for right, wrong in numbers)
     again = write_task_files(tmp_path / "again", num_train=40, num_eval=10, tasks=["add", "sort"], seed=1)
     assert all(again[k].read_text() == paths[k].read_text() for k in paths)
 

@@ -1,5 +1,5 @@
 """LoRA adapters as PEFT directories: written here and opened by PEFT with the same logits, made by
-PEFT and loaded here with the same logits, merged by `astrai lora merge`, and the adapter-disabled
+PEFT and loaded here with the same logits (a reward model's SEQ_CLS adapter too), merged by `astrai lora merge`, and the adapter-disabled
 view that stands in for a reference model."""
 
 from __future__ import annotations
@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from astrai.cli import main as astrai_main
+from astrai.model.classifier import load_classifier
 from astrai.model.config import ModelConfig
 from astrai.model.hf import load_model, save_model
 from astrai.model.lora import (
@@ -97,6 +98,26 @@ def test_peft_made_adapter_loads_here_with_the_same_logits(tmp_path, base_dir):
         torch.testing.assert_close(merged(IDS).logits, want, atol=1e-4, rtol=0)
 
 
+def test_peft_made_reward_model_adapter_loads_here_with_the_same_scores(tmp_path, base_dir):
+    transformers = pytest.importorskip("transformers")
+    peft = pytest.importorskip("peft")
+    hf = transformers.AutoModelForSequenceClassification.from_pretrained(base_dir, num_labels=1, dtype=torch.float32)
+    lora = peft.LoraConfig(r=2, lora_alpha=4, target_modules=["q_proj", "down_proj"], task_type="SEQ_CLS")
+    peft_model = peft.get_peft_model(hf, lora)  # SEQ_CLS: the score head trains whole (modules_to_save)
+    with torch.no_grad():
+        for name, p in peft_model.named_parameters():
+            if "lora_B" in name or "score" in name:
+                p.normal_(0, 0.1)
+    peft_model.eval().save_pretrained(tmp_path / "rm_ad")
+    assert read_adapter_config(tmp_path / "rm_ad")["modules_to_save"] == ["classifier", "score"]
+    with torch.no_grad():
+        want = peft_model(input_ids=IDS[:1]).logits[0, 0]
+        got = load_classifier(tmp_path / "rm_ad").eval()(IDS[:1])[0, -1]
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=0)
+    with pytest.raises(ValueError, match="is a sequence-classification .reward model. adapter, but the model is a CausalLM"):
+        load_model(tmp_path / "rm_ad")
+
+
 def test_lora_merge_command_writes_a_plain_model_dir(tmp_path, base_dir):
     m = adapted(base_dir)
     save_adapter(m, tmp_path / "ad", str(base_dir))
@@ -116,6 +137,9 @@ def test_unsupported_peft_options_are_errors(tmp_path, base_dir):
     config = json.loads((tmp_path / "ad" / ADAPTER_CONFIG).read_text())
     (tmp_path / "ad" / ADAPTER_CONFIG).write_text(json.dumps({**config, "use_dora": True}))
     with pytest.raises(ValueError, match="use_dora=True is not supported"):
+        read_adapter_config(tmp_path / "ad")
+    (tmp_path / "ad" / ADAPTER_CONFIG).write_text(json.dumps({**config, "modules_to_save": ["lm_head"]}))
+    with pytest.raises(ValueError, match=r"modules_to_save=\['lm_head'\] with task_type='CAUSAL_LM' is not supported"):
         read_adapter_config(tmp_path / "ad")
 
 

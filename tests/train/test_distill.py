@@ -1,16 +1,19 @@
 """Distillation (`online_distill`, `kd`): the student's reverse KL to a teacher falls over a short
-run; a teacher behind `astrai serve` (`teacher_url`) gives the in-process teacher's log-probs; the
+run, and a weaker student's held-out accuracy rises toward its teacher's; a teacher behind
+`astrai serve` (`teacher_url`, with an API key) gives the in-process teacher's log-probs; the
 settings that cannot work are refused in one line."""
 
 from __future__ import annotations
 
 import json
 import math
+from pathlib import Path
 
 import pytest
 import torch
 import yaml
 
+from astrai.cli import main as astrai_main
 from astrai.config import load_config
 from astrai.config_values import ConfigError
 from astrai.data.tokenizer import load_tokenizer
@@ -18,8 +21,9 @@ from astrai.data.tokenizer_training import train_tokenizer
 from astrai.model.config import ModelConfig
 from astrai.model.hf import save_model
 from astrai.model.transformer import CausalLM
+from astrai.train import signals
 from astrai.train.losses import IGNORE_INDEX
-from astrai.train.objectives.teacher import LocalTeacher, RemoteTeacher
+from astrai.train.objectives.teacher import LocalTeacher, RemoteTeacher, build_teacher
 from astrai.train.publish import latest_checkpoint
 from astrai.train.rl.data import Rollout
 from tests.train.resume_data import MODEL, read_metrics, train_in_process, write_run
@@ -85,8 +89,9 @@ def _rollout(tok) -> Rollout:
                    rewards=torch.zeros(3, 1), group_size=1, policy_version=0)
 
 
-def test_teacher_url_gives_the_local_teachers_logps(tmp_path, tok_dir):
+def test_teacher_url_gives_the_local_teachers_logps(tmp_path, tok_dir, monkeypatch):
     from astrai.serve.state import ServeConfig
+    from tests.serve.conftest import API_KEY
     from tests.serve.live import SERVER_ENGINE, LiveServer
 
     teacher = tmp_path / "teacher"
@@ -95,8 +100,22 @@ def test_teacher_url_gives_the_local_teachers_logps(tmp_path, tok_dir):
                              "--tokenizer_path", str(tok_dir)])
     rollout = _rollout(load_tokenizer(tok_dir))
     local = LocalTeacher(str(teacher), torch.device("cpu"), cfg).label_logps(rollout)
-    with LiveServer(ServeConfig(str(teacher), engine_kwargs=dict(SERVER_ENGINE))) as server:
-        remote = RemoteTeacher(server.base).label_logps(rollout)
+    monkeypatch.setenv("TEACHER_KEY", API_KEY)
+    with LiveServer(ServeConfig(str(teacher), api_key=API_KEY, engine_kwargs=dict(SERVER_ENGINE))) as server:
+        # a server started with --api_key: the key of teacher_api_key_env's variable, as a bearer token
+        cfg = load_config(None, ["--train_type", "online_distill", "--teacher_url", server.base,
+                                 "--teacher_api_key_env", "TEACHER_KEY", "--tokenizer_path", str(tok_dir)])
+        remote = build_teacher(cfg, CausalLM(ModelConfig(**MODEL))).label_logps(rollout)
+        with pytest.raises(ValueError, match="answered 401 .unauthorized.; set teacher_api_key_env") as refused:
+            RemoteTeacher(server.base).label_logps(rollout)  # no key: one line naming the field, at once
+        assert API_KEY not in str(refused.value)
+        monkeypatch.setenv("TEACHER_KEY", "wrong")
+        with pytest.raises(ValueError, match="answered 401") as refused:
+            RemoteTeacher(server.base, api_key_env="TEACHER_KEY").label_logps(rollout)
+        assert "wrong" not in str(refused.value)  # the key is never written out
+    monkeypatch.delenv("TEACHER_KEY")
+    with pytest.raises(ValueError, match="teacher_api_key_env='TEACHER_KEY' names an environment variable that is not"):
+        RemoteTeacher("http://127.0.0.1:9", api_key_env="TEACHER_KEY")
     labelled = rollout.labels != IGNORE_INDEX
     assert bool((local[labelled] < 0).all()) and bool((local[~labelled] == 0).all())
     assert torch.allclose(remote, local, atol=1e-5, rtol=0), (remote - local).abs().max()
@@ -119,6 +138,7 @@ def test_a_teacher_with_another_vocabulary_is_refused(tmp_path, tok_dir):
     (["--teacher_url", "http://x", "--distill_loss", "jsd"], "distill_loss=jsd compares full distributions"),
     (["--teacher_url", "http://x", "--distill_coef", "1", "--rewards", "[]"], "rewards is empty"),
     (["--teacher_url", "http://x", "--dynamic_sampling", "true"], "dynamic_sampling drops groups"),
+    (["--teacher_path", "t", "--teacher_api_key_env", "K"], "teacher_api_key_env='K' is the API key of teacher_url"),
 ])
 def test_distill_settings_that_cannot_work_are_refused(flags, message):
     with pytest.raises(ConfigError, match=message):
@@ -150,6 +170,22 @@ def test_online_distill_resumes_exactly(tmp_path, tok_dir, teacher_dir):
     assert a.keys() == b.keys() and all(a[k].equal(b[k]) for k in a)
 
 
+def test_kd_adds_an_moe_students_load_balancing_loss(tmp_path):
+    from astrai.train.objectives.distill import KDObjective
+    from tests.train.toydata import ToySeqDataset
+    from tests.train.trainer_utils import tiny_config, tiny_model
+
+    save_model(tiny_model(seed=1), tmp_path / "teacher")
+    student = tiny_model(num_experts=4, num_experts_per_tok=2, router_aux_loss_coef=0.5)
+    ds = ToySeqDataset(8)
+    batch = ds.collate([ds[i] for i in range(8)])
+    cfg = tiny_config(tmp_path, "--train_type", "kd", "--teacher_path", str(tmp_path / "teacher"))
+    out = KDObjective(cfg, student)(student, batch)
+    m = out.metrics
+    assert {"aux_loss", "aux_loss_weighted", "router/entropy"} <= set(m)
+    torch.testing.assert_close(out.loss.detach(), m["distill/jsd"] + 0.5 * m["aux_loss"])
+
+
 def test_kd_brings_the_student_towards_the_teacher_on_sft_records(tmp_path, tok_dir, teacher_dir, monkeypatch):
     # measured over 12 steps, student seeds 1-3 (1 and 2 threads alike): the JSD falls from 0.35-0.36
     # to 0.054-0.066, a ratio of 0.15-0.18; 0.5 leaves room
@@ -164,3 +200,61 @@ def test_kd_brings_the_student_towards_the_teacher_on_sft_records(tmp_path, tok_
     rows = read_metrics(tmp_path)
     assert rows[-1]["loss"] < 0.5 * rows[0]["loss"], [m["loss"] for m in rows]
     assert rows[0]["distill/jsd"] == pytest.approx(rows[0]["loss"])
+
+
+HELD_OUT_SEED = 0  # the spread in the test's docstring was measured at seeds 0-4
+
+
+@pytest.mark.slow
+def test_online_distill_raises_a_weaker_students_held_out_accuracy(tmp_path, tok_dir):
+    """The teacher is an SFT model of 1-digit addition (150 steps from scratch); the student is that
+    model after 15 more SFT steps on replies followed by " ok", so it answers in a form the task's
+    exact match refuses. 30 steps of on-policy distillation on the training prompts bring the
+    student back to the teacher's form, and its sampled accuracy on the 40 held-out sums (16
+    samples each, never in any training file) rises: the teacher's signal on training prompts
+    carries over to prompts the student never distilled on.
+    Measured at seeds 0-4 (teacher, student and distillation seed alike; training at 1 thread):
+    teacher 0.24-0.35, student 0.000-0.045, distilled 0.116-0.258 sampled held-out accuracy, a rise
+    of 0.116 / 0.168 / 0.235 (min / mean / max); 20 steps at lr 1e-3 rose only 0.014 at seed 4.
+    The assertion asks half the smallest rise, 0.06. About 7-13 s."""
+    from astrai.data.tasks import write_task_files
+    from astrai.eval import SCORERS, read_prompt_records
+    from astrai.infer.llm import LLM
+    from astrai.infer.sampling import SamplingParams
+
+    files = write_task_files(tmp_path / "data", num_train=2000, num_eval=40, tasks=("add",), digits=1, seed=0)
+    ok = tmp_path / "data" / "sft_ok.jsonl"
+    rows = [json.loads(line) for line in files["sft"].read_text().splitlines()]
+    ok.write_text("".join(json.dumps({"messages": r["messages"][:-1] + [
+        {"role": "assistant", "content": r["messages"][-1]["content"] + " ok"}]}) + "\n" for r in rows))
+    (tmp_path / "model.yaml").write_text(yaml.safe_dump({"model": {**MODEL, "hidden_size": 64, "intermediate_size": 128}}))
+    common = ["--tokenizer_path", tok_dir, "--random_seed", HELD_OUT_SEED, "--device", "cpu", "--num_threads", 1,
+              "--progress", "false", "--ckpt_interval", 0, "--keep_last", 1, "--n_epoch", 1000]
+    sft = ["--train_type", "sft", "--max_seq_len", 32, "--batch_per_device", 32, "--max_lr", 3e-3]
+
+    def train(name: str, *flags) -> Path:
+        args = [*flags, *common, "--ckpt_dir", tmp_path / name / "ckpt", "--log_dir", tmp_path / name]
+        try:
+            assert astrai_main(["train", *map(str, args)]) == 0
+        finally:
+            signals.uninstall_signal_handlers()
+        return latest_checkpoint(tmp_path / name / "ckpt")
+
+    def sampled_accuracy(model_dir) -> float:
+        records = read_prompt_records(files["eval"])
+        params = SamplingParams(temperature=1.0, max_tokens=8, n=16, seed=1234)
+        outputs = LLM(str(model_dir)).chat([r["messages"] for r in records], params)
+        right = [SCORERS["exact"](c.text, r["answer"]) for r, o in zip(records, outputs) for c in o.outputs]
+        return sum(right) / len(right)
+
+    teacher = train("teacher", "--config", tmp_path / "model.yaml", *sft, "--data_path", files["sft"],
+                    "--max_steps", 150, "--warmup_ratio", 0.05)
+    student = train("student", *sft, "--data_path", ok, "--param_path", teacher, "--max_steps", 15)
+    distilled = train("distill", "--train_type", "online_distill", "--data_path", files["prompts"],
+                      "--param_path", student, "--teacher_path", teacher, "--rewards", "[]", "--max_steps", 30,
+                      "--batch_per_device", 32, "--group_size", 4, "--rollout_max_tokens", 8, "--max_prompt_len", 32,
+                      "--max_lr", 2e-3, "--schedule", "constant", "--warmup_steps", 2)
+    before, after = sampled_accuracy(student), sampled_accuracy(distilled)
+    print(f"held-out sampled accuracy: teacher {sampled_accuracy(teacher):.3f}, student {before:.3f} -> "
+          f"distilled {after:.3f}")
+    assert after >= before + 0.06, (before, after)

@@ -148,20 +148,25 @@ def test_bad_judge_settings_are_refused():
         Judge(rl("http://127.0.0.1:9", judge_prompt="{question}"))
 
 
-def test_the_judge_works_against_astrai_serve(tmp_path, tok_dir):
+def test_the_judge_works_against_astrai_serve(tmp_path, tok_dir, monkeypatch):
     from astrai.data.tokenizer import load_tokenizer
     from astrai.model.config import ModelConfig
     from astrai.model.hf import save_model
     from astrai.model.transformer import CausalLM
     from astrai.serve.state import ServeConfig
+    from tests.serve.conftest import API_KEY
     from tests.serve.live import SERVER_ENGINE, LiveServer
     from tests.train.resume_data import MODEL
 
     model_dir = tmp_path / "served-judge"
     save_model(CausalLM(ModelConfig(**MODEL), seed=5), model_dir, load_tokenizer(tok_dir))
-    with LiveServer(ServeConfig(str(model_dir), engine_kwargs=dict(SERVER_ENGINE))) as server:
-        rewards = RewardSet(rl(server.base, judge_prompt="{prompt}={completion}", judge_concurrency=2))
+    monkeypatch.setenv("JUDGE_KEY", API_KEY)
+    with LiveServer(ServeConfig(str(model_dir), api_key=API_KEY, engine_kwargs=dict(SERVER_ENGINE))) as server:
+        rewards = RewardSet(rl(server.base, judge_prompt="{prompt}={completion}", judge_concurrency=2,
+                               judge_api_key_env="JUDGE_KEY"))
         total, terms = score(rewards, ["12", "12", "3"])
+        with pytest.raises(ValueError, match="answered 401 .unauthorized.; set judge_api_key_env"):
+            score(RewardSet(rl(server.base)), ["12"])  # a server that wants a key: an error, not a run of Nones
     judge = rewards.functions[0]
     assert judge.num_requests == 3 and judge.model == "served-judge"  # the served model's name (its directory)
     # a random model's reply may hold no number: each completion has a score or is counted as failed

@@ -146,6 +146,12 @@ def corrupt(item: TaskItem, rng: random.Random) -> str:
     return "".join(letters)
 
 
+def degenerate(item: TaskItem, rng: random.Random) -> str:
+    """A malformed reply that a policy drifts to under a learned reward (for reward-model rejected
+    replies): empty, the answer with more after it, the question echoed, or a stray symbol."""
+    return rng.choice(["", item.answer + item.answer, item.answer + "=", item.question, rng.choice("+-=")])
+
+
 def _write_jsonl(path: Path, records: Iterable[dict[str, Any]]) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     with path.open("w", encoding="utf-8") as f:
@@ -168,6 +174,33 @@ def dpo_record(item: TaskItem, rng: random.Random) -> dict[str, Any]:
     return {"prompt": item.prompt_messages,
             "chosen": [{"role": "assistant", "content": item.answer}],
             "rejected": [{"role": "assistant", "content": corrupt(item, rng)}]}
+
+
+def any_wrong_number(item: TaskItem, rng: random.Random) -> str:
+    """A wrong answer drawn uniformly from every number the task's answers range over (0 to the
+    largest sum, difference or product of `digits`-digit operands): what a policy can reply."""
+    top = 10 ** item.metadata["digits"] - 1
+    largest = {"add": 2 * top, "sub": top, "mul": top * top}[item.task]
+    wrong = rng.randrange(largest)
+    return str(wrong if wrong < int(item.answer) else wrong + 1)
+
+
+def reward_record(item: TaskItem, rng: random.Random) -> dict[str, Any]:
+    """A reward model's preference pair: the answer chosen over a rejected reply that covers what
+    PPO can reach, not only near misses: a corrupted answer (as `dpo_record`) a quarter of the
+    time, a `degenerate` reply (empty, trailing text) a quarter, and for arithmetic, half the time,
+    any other number of the answer range (a reward model shown only near misses over-scores far
+    ones, and PPO finds them; docs/performance.md)."""
+    draw = rng.random()
+    if draw < 0.25:
+        wrong = degenerate(item, rng)
+    elif draw < 0.5 or item.task not in _OPERATORS:
+        wrong = corrupt(item, rng)
+    else:
+        wrong = any_wrong_number(item, rng)
+    return {"prompt": item.prompt_messages,
+            "chosen": [{"role": "assistant", "content": item.answer}],
+            "rejected": [{"role": "assistant", "content": wrong}]}
 
 
 def prompt_record(item: TaskItem) -> dict[str, Any]:
@@ -225,7 +258,8 @@ def write_tool_task_files(out_dir: str | Path, num_traces: int = 1000, tool_shar
 def write_task_files(out_dir: str | Path, num_train: int = 2000, num_eval: int = 200,
                      tasks: Iterable[str] = ("add",), digits: int = 2, seed: int = 0,
                      num_corpus: int | None = None) -> dict[str, Path]:
-    """Write corpus.jsonl, sft.jsonl, dpo.jsonl, prompts.jsonl (train) and eval.jsonl (held out).
+    """Write corpus.jsonl, sft.jsonl, dpo.jsonl, rm.jsonl (reward-model pairs), prompts.jsonl
+    (train) and eval.jsonl (held out).
 
     The eval problems never appear in any training file. `num_corpus` (default 4x num_train)
     is the number of equations in the pre-training corpus; the SFT problems are among them.
@@ -239,11 +273,12 @@ def write_task_files(out_dir: str | Path, num_train: int = 2000, num_eval: int =
         if _capacity(tasks, digits) > max(num_train, num_corpus) + num_eval else \
         _with_repeats(max(num_train, num_corpus), tasks, digits, seed, held_out)
     sft_items = train_items[:num_train]
-    rng = random.Random(seed + 2)
+    rng, rm_rng = random.Random(seed + 2), random.Random(seed + 3)  # rm's own draws: dpo.jsonl stays as it was
     return {
         "corpus": _write_jsonl(out / "corpus.jsonl", corpus_records(train_items[:num_corpus])),
         "sft": _write_jsonl(out / "sft.jsonl", (sft_record(it) for it in sft_items)),
         "dpo": _write_jsonl(out / "dpo.jsonl", (dpo_record(it, rng) for it in sft_items)),
+        "rm": _write_jsonl(out / "rm.jsonl", (reward_record(it, rm_rng) for it in sft_items)),
         "prompts": _write_jsonl(out / "prompts.jsonl", (prompt_record(it) for it in sft_items)),
         "eval": _write_jsonl(out / "eval.jsonl", (prompt_record(it) for it in eval_items)),
     }

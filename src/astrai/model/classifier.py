@@ -7,7 +7,9 @@ from a causal LM's trunk (``from_causal_lm``: a fresh seeded head) or loaded fro
 directory (``load_classifier``); ``save_classifier`` writes a Hugging Face sequence-classification
 directory (``<Family>ForSequenceClassification``, ``id2label`` with one label, ``pad_token_id``)
 that ``transformers.AutoModelForSequenceClassification`` loads with the same scores, and that
-``ValueModel.from_pretrained`` reads as it is (``rewards: [DIR]``, ``critic_model_path``).
+``ValueModel.from_pretrained`` reads as it is (``rewards: [DIR]``, ``critic_model_path``). Under
+LoRA the ``score`` head trains whole beside the adapters and a checkpoint is a PEFT ``SEQ_CLS``
+adapter directory (``model/lora.py``); ``load_classifier`` loads one on its base, merged.
 """
 
 from __future__ import annotations
@@ -25,6 +27,10 @@ from astrai.model.transformer import CausalLM, Transformer, WithTrunk
 
 
 class SequenceClassifier(WithTrunk):
+    # LoRA (model/lora.py): the head trains whole and is saved with the adapters, as PEFT's SEQ_CLS does
+    peft_task_type = "SEQ_CLS"
+    peft_modules_to_save = ("score",)
+
     def __init__(self, config: ModelConfig, seed: int | None = 0, trunk: Transformer | None = None) -> None:
         """A classifier with a fresh trunk (seeded like CausalLM), or around `trunk`; the head is
         drawn from N(0, initializer_range^2) with `seed` (transformers' init of ``score``)."""
@@ -76,13 +82,20 @@ def is_classifier_dir(path: str | Path) -> bool:
 
 def load_classifier(path: str | Path, seed: int = 0, dtype: torch.dtype = torch.float32) -> SequenceClassifier:
     """A classifier from a model directory: a sequence-classification directory keeps its
-    ``score`` head; a causal LM directory gives its trunk and a fresh head seeded with `seed`."""
+    ``score`` head; a causal LM directory gives its trunk and a fresh head seeded with `seed`; a
+    PEFT ``SEQ_CLS`` adapter directory (a LoRA reward run's checkpoint) loads its base (either of
+    those) with the adapter merged and its own ``score`` head."""
     from astrai.model.hf_dir import load_config, load_model_dir
     from astrai.model.hf_weights import state_dict_from_hf
+    from astrai.model.lora import is_adapter_dir, load_adapter, merge_lora, resolve_base
     from astrai.model.manifest import check_model_dir
     from astrai.model.safetensors_io import read_safetensors
 
     path = Path(path)
+    if is_adapter_dir(path) and not (path / "config.json").is_file():
+        model = load_classifier(resolve_base(path), seed, dtype)
+        load_adapter(model, path)
+        return merge_lora(model)
     if not is_classifier_dir(path):
         return SequenceClassifier.from_causal_lm(load_model_dir(path, dtype), seed)
     check_model_dir(path)

@@ -11,7 +11,10 @@ that still carries adapters: a normal Hugging Face model directory).
 Adapters travel in PEFT's format: `save_adapter` writes `adapter_config.json` +
 `adapter_model.safetensors` (keys `base_model.model.<name>.lora_A.weight`), `load_adapter` reads
 one (written here or by PEFT) onto a loaded base, and `resolve_base` finds an adapter's base
-directory. The tensor files go through safetensors_io.py; this module imports no model
+directory. A model class may name heads that train whole beside the adapters (PEFT's
+`modules_to_save`) and its PEFT task type, as class attributes `peft_modules_to_save` and
+`peft_task_type`: a reward model (`SequenceClassifier`) trains its `score` head and travels as a
+`SEQ_CLS` adapter holding `base_model.model.score.weight`, the way PEFT saves one. The tensor files go through safetensors_io.py; this module imports no model
 directory code: hf.py, above it, composes "adapter directory = base + adapter" for
 `astrai.load_model(adapter_dir)`, `--lora` and `astrai lora merge`.
 `adapters_disabled` / `AdapterDisabled` run the same module as its frozen base: the reference
@@ -96,6 +99,17 @@ def merged_weight(weight: Tensor, lora_A: Tensor, lora_B: Tensor, scaling: float
     return weight + lora_delta(lora_A, lora_B, scaling).to(weight.dtype)
 
 
+def modules_to_save(model: nn.Module) -> tuple[str, ...]:
+    """The heads of `model` that train whole under LoRA and are saved with its adapters."""
+    return tuple(getattr(getattr(model, "module", model), "peft_modules_to_save", ()))
+
+
+def is_adapter_tensor(model: nn.Module, key: str) -> bool:
+    """Whether state-dict `key` of `model` is saved in its adapter directory: an adapter matrix,
+    or a tensor of a head that trains whole (`modules_to_save`)."""
+    return key.endswith((".lora_A", ".lora_B")) or key.split(".", 1)[0] in modules_to_save(model)
+
+
 def _resolve_targets(targets: tuple[str, ...] | list[str]) -> set[str]:
     unknown = [t for t in targets if t not in PROJECTIONS and t not in PROJECTIONS.values()]
     if unknown or not targets:
@@ -112,7 +126,8 @@ def apply_lora(
     dropout: float = 0.0,
     targets: tuple[str, ...] | list[str] = DEFAULT_TARGETS,
 ) -> list[str]:
-    """Wrap the target projections in place and freeze everything else; returns wrapped names."""
+    """Wrap the target projections in place and freeze everything else but the model's
+    `modules_to_save` (a reward model's score head); returns wrapped names."""
     names = _resolve_targets(targets)
     wrapped = []
     for name, module in list(model.named_modules()):
@@ -123,13 +138,14 @@ def apply_lora(
     if not wrapped:
         raise ValueError(f"no nn.Linear named {sorted(names)} found in {type(model).__name__}")
     for pname, p in model.named_parameters():
-        p.requires_grad_(".lora_A" in f".{pname}" or ".lora_B" in f".{pname}")
+        p.requires_grad_(is_adapter_tensor(model, pname))
     return wrapped
 
 
 def lora_state_dict(model: nn.Module) -> dict[str, Tensor]:
-    """Only the adapter tensors (what a LoRA run needs to save besides the frozen base)."""
-    return {k: v for k, v in model.state_dict().items() if k.endswith((".lora_A", ".lora_B"))}
+    """Only the adapter tensors and whole-trained heads (what a LoRA run saves besides the
+    frozen base)."""
+    return {k: v for k, v in model.state_dict().items() if is_adapter_tensor(model, k)}
 
 
 def merge_lora(model: nn.Module) -> nn.Module:
@@ -208,24 +224,30 @@ def peft_config(model: nn.Module, base_model_name_or_path: str | None) -> dict[s
         raise ValueError("PEFT's adapter_config.json holds one r and alpha; this model's adapters differ")
     dropout = first.dropout.p if isinstance(first.dropout, nn.Dropout) else 0.0
     targets = sorted({name.rsplit(".", 1)[-1] for name in _layers(model)})
+    heads = list(modules_to_save(model)) or None
+    task_type = getattr(getattr(model, "module", model), "peft_task_type", "CAUSAL_LM")
     return {
-        "peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": base_model_name_or_path,
+        "peft_type": "LORA", "task_type": task_type, "base_model_name_or_path": base_model_name_or_path,
         "r": first.r, "lora_alpha": first.alpha, "lora_dropout": dropout, "target_modules": targets,
         "bias": "none", "fan_in_fan_out": False, "use_rslora": False, "use_dora": False,
-        "modules_to_save": None, "init_lora_weights": True, "inference_mode": True,
+        "modules_to_save": heads, "init_lora_weights": True, "inference_mode": True,
         "layers_to_transform": None, "layers_pattern": None, "rank_pattern": {}, "alpha_pattern": {},
         "revision": None,
     }
 
 
 def to_peft_key(name: str) -> str:
-    """`model.layers.0.self_attn.q_proj.lora_A` -> PEFT's `base_model.model.<same>.weight`."""
-    return f"{PEFT_PREFIX}{name}.weight"
+    """`model.layers.0.self_attn.q_proj.lora_A` -> PEFT's `base_model.model.<same>.weight`; a
+    head's tensor keeps its own name: `score.weight` -> `base_model.model.score.weight`."""
+    return f"{PEFT_PREFIX}{name}.weight" if name.endswith((".lora_A", ".lora_B")) else f"{PEFT_PREFIX}{name}"
 
 
 def from_peft_key(key: str) -> str:
-    name = key.removeprefix(PEFT_PREFIX).removesuffix(".weight")
-    return name.replace(".lora_A.default", ".lora_A").replace(".lora_B.default", ".lora_B")
+    """PEFT's key -> the state-dict name (the inverse of `to_peft_key`; PEFT's in-memory names,
+    with `.default` and `.modules_to_save.default`, map the same way)."""
+    name = key.removeprefix(PEFT_PREFIX).replace(".modules_to_save.default", "")
+    name = name.replace(".lora_A.default", ".lora_A").replace(".lora_B.default", ".lora_B")
+    return name.removesuffix(".weight") if name.endswith((".lora_A.weight", ".lora_B.weight")) else name
 
 
 def save_adapter(model: nn.Module, path: str | Path, base_model_name_or_path: str | None,
@@ -237,7 +259,7 @@ def save_adapter(model: nn.Module, path: str | Path, base_model_name_or_path: st
     config = peft_config(model, base_model_name_or_path)
     state = state_dict if state_dict is not None else getattr(model, "module", model).state_dict()
     tensors = {to_peft_key(k): v.detach().to("cpu").contiguous()
-               for k, v in state.items() if k.endswith((".lora_A", ".lora_B"))}
+               for k, v in state.items() if is_adapter_tensor(model, k)}
     save_safetensors(tensors, path / ADAPTER_WEIGHTS)
     (path / ADAPTER_CONFIG).write_text(json.dumps(config, indent=2) + "\n")
     if tokenizer is not None:
@@ -251,7 +273,9 @@ def is_adapter_dir(path: str | Path) -> bool:
 
 # PEFT options astrai's LoraLinear does not implement, with the value that it does
 _PEFT_NEUTRAL = {"use_rslora": False, "use_dora": False, "fan_in_fan_out": False, "bias": "none",
-                 "modules_to_save": None, "rank_pattern": {}, "alpha_pattern": {}, "layers_to_transform": None}
+                 "rank_pattern": {}, "alpha_pattern": {}, "layers_to_transform": None}
+# the heads PEFT trains whole for a SEQ_CLS task (its classifier_module_names); absent ones are skipped
+SEQ_CLS_HEADS = ("classifier", "score")
 
 
 def read_adapter_config(path: str | Path) -> dict[str, Any]:
@@ -277,6 +301,12 @@ def read_adapter_config(path: str | Path) -> dict[str, Any]:
         value = config.get(key)
         if value is not None and value != neutral and value not in ([], {}):
             raise ValueError(f"{file}: {key}={config[key]!r} is not supported; astrai's LoRA supports {key}={neutral!r}")
+    heads = config.get("modules_to_save") or []
+    allowed = SEQ_CLS_HEADS if config.get("task_type") == "SEQ_CLS" else ()
+    if not isinstance(heads, list) or any(h not in allowed for h in heads):
+        raise ValueError(f"{file}: modules_to_save={heads!r} with task_type={config.get('task_type')!r} is not "
+                         f"supported; astrai trains whole heads only for SEQ_CLS adapters (a reward model's "
+                         f"{SEQ_CLS_HEADS[1]!r})")
     targets = config.get("target_modules")
     if not isinstance(targets, list) or not targets:
         raise ValueError(f"{file}: target_modules is {targets!r}; astrai needs a list of projection names "
@@ -333,14 +363,22 @@ def read_adapter(path: str | Path, verify: bool | None = None) -> tuple[dict[str
 
 def load_adapter(model: nn.Module, path: str | Path, verify: bool | None = None) -> list[str]:
     """Wrap `model`'s target projections and load the adapter at `path` onto them (the model's
-    device and dtype); returns the wrapped names. The model is left unmerged (trainable adapters).
-    The directory is read and checked by `read_adapter` first."""
+    device and dtype), and its whole-trained heads (a SEQ_CLS adapter's ``score``) onto the
+    model's; returns the wrapped names. The model is left unmerged (trainable adapters). The
+    directory is read and checked by `read_adapter` first."""
     config, tensors = read_adapter(path, verify)
+    is_seq_cls, has_heads = config.get("task_type") == "SEQ_CLS", bool(modules_to_save(model))
+    if is_seq_cls != has_heads:
+        what = "a sequence-classification (reward model) adapter" if is_seq_cls else \
+            f"a {config.get('task_type') or 'causal LM'} adapter without a score head"
+        fix = "load it as a reward model (rewards: [DIR], critic_model_path, load_classifier)" if is_seq_cls else \
+            "load it onto a causal LM (load_model), or train a reward model with train_type reward"
+        raise ValueError(f"adapter {path} is {what}, but the model is a {type(model).__name__}; {fix}")
     r = config["r"]
     wrapped = apply_lora(model, r=r, alpha=float(config.get("lora_alpha", r)), dropout=0.0,
                          targets=config["target_modules"])
     state = model.state_dict()
-    expected = {k for k in state if k.endswith((".lora_A", ".lora_B"))}
+    expected = {k for k in state if is_adapter_tensor(model, k)}
     if set(tensors) != expected:
         missing, unexpected = sorted(expected - set(tensors)), sorted(set(tensors) - expected)
         raise ValueError(f"adapter {path} does not fit the model: missing {missing[:4]}, unexpected "

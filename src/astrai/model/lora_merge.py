@@ -2,7 +2,8 @@
 
 The command-line end of LoRA: `astrai.load_model(adapter_dir)` (in `hf.py`) loads base +
 adapter merged; this writes that model out with the tokenizer files, so it opens anywhere a
-normal Hugging Face model directory does.
+normal Hugging Face model directory does. A reward model's adapter (PEFT's SEQ_CLS, a LoRA
+`train_type: reward` checkpoint) merges into a sequence-classification directory the same way.
 """
 
 from __future__ import annotations
@@ -12,8 +13,10 @@ import sys
 from pathlib import Path
 
 from astrai.flags import ArgumentParser
+from astrai.model.classifier import load_classifier
 from astrai.model.hf import load_model, save_model
-from astrai.model.lora import resolve_base
+from astrai.model.hf_dir import resolve_dtype
+from astrai.model.lora import load_adapter, merge_lora, read_adapter_config, resolve_base
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
 
@@ -38,7 +41,12 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         base = resolve_base(args.adapter, args.base)
-        model = load_model(base, dtype=args.dtype, lora=args.adapter)
+        if read_adapter_config(args.adapter).get("task_type") == "SEQ_CLS":  # a reward model
+            model = load_classifier(base)
+            load_adapter(model, args.adapter)
+            merge_lora(model).to(resolve_dtype(args.dtype, model.config))
+        else:
+            model = load_model(base, dtype=args.dtype, lora=args.adapter)
         save_model(model, args.out)
         copy_tokenizer_files(Path(args.adapter) if (Path(args.adapter) / "tokenizer.json").is_file() else base,
                              Path(args.out))

@@ -49,15 +49,25 @@ class ValueModel(WithTrunk):
                         require_head: bool = False) -> ValueModel:
         """A critic (or reward model) from a model directory: the trunk from its weights, the head
         from ``score.weight`` (transformers' sequence classification, one label) or
-        ``value_head.weight``/``.bias`` when present, else zero (a warm start from a policy)."""
+        ``value_head.weight``/``.bias`` when present, else zero (a warm start from a policy). A
+        LoRA reward run's checkpoint (a PEFT ``SEQ_CLS`` adapter) is its base with the adapter
+        merged and the adapter's ``score`` head (``classifier.load_classifier``)."""
+        from astrai.model.classifier import load_classifier
         from astrai.model.hf_dir import load_config
         from astrai.model.hf_weights import state_dict_from_hf
         from astrai.model.hub import resolve_model_path
+        from astrai.model.lora import is_adapter_dir
         from astrai.model.manifest import resolve_model_dir
         from astrai.model.safetensors_io import read_safetensors
 
         path = resolve_model_path(path, "critic_model_path")  # a Hub id -> its cached snapshot
         path = resolve_model_dir(path)  # a run's ckpt_dir -> its newest complete checkpoint
+        if is_adapter_dir(path) and not (Path(path) / "config.json").is_file():
+            scorer = load_classifier(path)
+            critic = cls(scorer.config, trunk=scorer.model)
+            with torch.no_grad():
+                critic.value_head.weight.copy_(scorer.score.weight)
+            return critic.to(device) if device is not None else critic
         config = load_config(path)
         tensors = read_safetensors(path)
         weight, bias = tensors.pop("score.weight", None), tensors.pop("score.bias", None)

@@ -134,7 +134,7 @@ def save_training_checkpoint(
     fsyncs and renames on a thread (see `publish`); call `wait_for_publish()` before exiting.
     """
     from astrai.model.hf import save_model
-    from astrai.model.lora import has_lora, save_adapter
+    from astrai.model.lora import has_lora, is_adapter_tensor, save_adapter
 
     # gathers are collectives: every rank takes part, rank 0 receives the CPU tensors
     model_state = dist.full_model_state_dict(model) if dist.is_fsdp(model) else None
@@ -159,7 +159,7 @@ def save_training_checkpoint(
             state_json = _dump_json(trainer_state)
             # what the files will take, for a full disk's message (the tensors dominate)
             written = {k: v for k, v in (model_state if model_state is not None else dist.unwrap_model(model).state_dict()).items()
-                       if not has_lora(model) or k.endswith((".lora_A", ".lora_B"))}
+                       if not has_lora(model) or is_adapter_tensor(model, k)}
             num_bytes = sum(_tensor_bytes(s) for s in (written, optim_state, extra_state, per_rank))
 
             def write(staging: Path) -> None:
@@ -302,7 +302,7 @@ def _torch_load(path: Path) -> Any:
 
 def _read_model_weights(path: Path, model: torch.nn.Module) -> dict[str, torch.Tensor]:
     from astrai.model.hf_weights import state_dict_from_hf
-    from astrai.model.lora import ADAPTER_WEIGHTS, from_peft_key, has_lora, is_adapter_dir
+    from astrai.model.lora import ADAPTER_WEIGHTS, from_peft_key, has_lora, is_adapter_dir, is_adapter_tensor
     from astrai.model.safetensors_io import read_safetensors
 
     if has_lora(model) != is_adapter_dir(path):
@@ -317,7 +317,7 @@ def _read_model_weights(path: Path, model: torch.nn.Module) -> dict[str, torch.T
         except Exception as e:
             raise CheckpointError(f"{path / ADAPTER_WEIGHTS} cannot be read ({type(e).__name__}: {e})") from e
         state = dist.unwrap_model(model).state_dict()
-        expected = {k for k in state if k.endswith((".lora_A", ".lora_B"))}
+        expected = {k for k in state if is_adapter_tensor(model, k)}
         if set(adapter) != expected:
             raise CheckpointError(f"{path / ADAPTER_WEIGHTS} does not match this run's adapters (missing "
                                   f"{sorted(expected - set(adapter))[:3]}, unexpected {sorted(set(adapter) - expected)[:3]}); "

@@ -12,20 +12,29 @@ on-policy distillation). ``distill_coef`` adds that times the task reward's adva
 local teacher at every sampled position (TRL's on-policy GKD); the surrogate then carries only the
 task term. Metrics: ``distill/reverse_kl`` (the mean over sampled tokens of log pi_student - log
 pi_teacher, on a rollout's first step) and ``distill/teacher_seconds`` (the teacher's scoring
-time). ``kd`` (``KDObjective``) is the same JSD on an SFT batch's labelled tokens.
+time). ``kd`` (``KDObjective``) is the same JSD on an SFT batch's labelled tokens, plus an MoE
+student's load-balancing loss as ``sft`` adds it (``base.add_moe_terms``).
 """
 
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor, nn
 
 from astrai.config import Config
 from astrai.train.losses import IGNORE_INDEX, aggregate_token_loss, generalized_jsd
-from astrai.train.objectives.base import Batch, Companion, LossOutput, labelled_positions, wants
+from astrai.train.objectives.base import (
+    Batch,
+    Companion,
+    LossOutput,
+    add_moe_terms,
+    aux_coef,
+    labelled_positions,
+    wants,
+)
 from astrai.train.objectives.grpo import GRPOObjective
 from astrai.train.objectives.packing import forward_rows
 from astrai.train.objectives.rollout_steps import loss_mask
@@ -37,17 +46,17 @@ if TYPE_CHECKING:
 
 
 def jsd_terms(model: nn.Module, teacher: LocalTeacher, batch: Batch, beta: float,
-              layout: str = "pad") -> tuple[Tensor, Tensor]:
-    """(per-token generalized JSD (B, K), loss mask (B, K)) of the batch's labelled positions,
-    the student's full distribution against the teacher's (temperature 1), both models running
-    the rows in `layout` (``packing.forward_rows``)."""
+              layout: str = "pad") -> tuple[Tensor, Tensor, Any]:
+    """(per-token generalized JSD (B, K), loss mask (B, K), the student's forward output) of the
+    batch's labelled positions, the student's full distribution against the teacher's (temperature
+    1), both models running the rows in `layout` (``packing.forward_rows``)."""
     labels = batch["labels"]
     idx = labelled_positions(labels)
     mask = labels != IGNORE_INDEX if idx is None else (labels != IGNORE_INDEX)[:, idx]
     student, rows = forward_rows(model, batch, layout, head=lambda hidden, lm_head: lm_head(hidden))
     teacher_logits = teacher.logits(batch, layout)  # (M, V)
     per_token = generalized_jsd(student.head.float().log_softmax(-1), teacher_logits.log_softmax(-1), beta)  # (M,)
-    return rows.scatter(per_token, idx), mask
+    return rows.scatter(per_token, idx), mask, student
 
 
 class OnlineDistillObjective:
@@ -104,7 +113,7 @@ class OnlineDistillObjective:
         out = self.inner(model, batch)
         if self.loss == "jsd":
             assert isinstance(self.teacher, LocalTeacher)
-            per_token, mask = jsd_terms(model, self.teacher, batch, self.beta)
+            per_token, mask, _ = jsd_terms(model, self.teacher, batch, self.beta)
             total, _ = aggregate_token_loss(per_token, loss_mask(batch, mask), self.agg, self.max_len)
             out.loss = out.loss + total
             if wants(self.requested_metrics, "distill/jsd"):
@@ -132,6 +141,7 @@ class KDObjective:
             raise ValueError("kd needs a local teacher; set --teacher_path")
         self.teacher, self.beta = teacher, cfg.objective.distill_beta
         self.layout = cfg.objective.row_layout
+        self.aux_coef = aux_coef(cfg, model)
 
     def setup(self, run: Run, total_steps: int) -> None:
         """Nothing is trained beside the student; the teacher is frozen."""
@@ -140,8 +150,9 @@ class KDObjective:
         return (batch["labels"] != IGNORE_INDEX).sum()
 
     def __call__(self, model: nn.Module, batch: Batch) -> LossOutput:
-        per_token, _ = jsd_terms(model, self.teacher, batch, self.beta, self.layout)  # (B, K), 0 off-label
+        per_token, _, out = jsd_terms(model, self.teacher, batch, self.beta, self.layout)  # (B, K), 0 off-label
         loss = per_token.sum()
         metrics = {"distill/jsd": loss.detach()} if wants(self.requested_metrics, "distill/jsd") else {}
+        loss = add_moe_terms(out, loss, self.num_units(batch), self.aux_coef, metrics, self.requested_metrics)
         return LossOutput(loss, metrics)
 

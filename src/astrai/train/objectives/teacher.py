@@ -6,7 +6,8 @@ runs a frozen model directory in-process (``teacher_path``; it must share the po
 through the same chunked log-prob function as the policy (``logps.reference_logps``), and also
 gives full-vocabulary log-probs for the JSD losses; ``RemoteTeacher`` asks any OpenAI-compatible
 completions server for the echoed prompt log-probs of token-id prompts (``teacher_url``:
-``astrai serve``, vLLM), the route lm-eval's loglikelihood uses. Both return (N, T) tensors aligned
+``astrai serve``, vLLM), the route lm-eval's loglikelihood uses, with the API key of the
+environment variable that ``teacher_api_key_env`` names as a bearer header. Both return (N, T) tensors aligned
 with a rollout's labels, 0 where there is no label.
 """
 
@@ -25,6 +26,7 @@ from torch import Tensor, nn
 from astrai.train.losses import IGNORE_INDEX
 from astrai.train.objectives.logps import reference_logps
 from astrai.train.objectives.packing import forward_rows
+from astrai.train.rl.judge import auth_refused, bearer_header
 from astrai.train.rl.sampler import RolloutSampling
 
 if TYPE_CHECKING:
@@ -87,20 +89,23 @@ class RemoteTeacher:
     """A completions server: one request per chunk of rows, ``echo`` with ``logprobs``, so the
     server prefills each row once and returns every token's log-prob under its model."""
 
-    def __init__(self, url: str, timeout: float = 60.0, rows_per_request: int = 16):
+    def __init__(self, url: str, timeout: float = 60.0, rows_per_request: int = 16, api_key_env: str | None = None):
+        """`api_key_env`: the environment variable holding the server's API key (read once, here)."""
         self.url, self.timeout, self.rows_per_request = url.rstrip("/"), timeout, rows_per_request
+        self.headers = {"Content-Type": "application/json", **bearer_header("teacher_api_key_env", api_key_env)}
         self.model_name: str | None = None
 
     def _post(self, route: str, body: dict[str, Any] | None) -> dict[str, Any]:
         """JSON from `route` (GET when `body` is None), retried on 429/5xx and refused connections."""
         data = None if body is None else json.dumps(body).encode()
         for attempt in range(RETRIES + 1):
-            request = urllib.request.Request(f"{self.url}{route}", data=data,
-                                             headers={"Content-Type": "application/json"})
+            request = urllib.request.Request(f"{self.url}{route}", data=data, headers=self.headers)
             try:
                 with urllib.request.urlopen(request, timeout=self.timeout or None) as response:
                     return json.loads(response.read())
             except urllib.error.HTTPError as e:
+                if e.code in (401, 403):
+                    raise auth_refused(f"teacher_url {self.url}{route}", e.code, "teacher_api_key_env") from None
                 if (e.code == 429 or e.code >= 500) and attempt < RETRIES:
                     time.sleep(0.5 * 2**attempt)
                     continue
@@ -152,4 +157,4 @@ def build_teacher(cfg: Config, model: nn.Module) -> LocalTeacher | RemoteTeacher
 
         path = str(resolve_model_dir(resolve_model_path(o.teacher_path, "teacher_path")))
         return LocalTeacher(path, next(model.parameters()).device, cfg)
-    return RemoteTeacher(o.teacher_url, timeout=cfg.rl.reward_timeout)
+    return RemoteTeacher(o.teacher_url, timeout=cfg.rl.reward_timeout, api_key_env=o.teacher_api_key_env)

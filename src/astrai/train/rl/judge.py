@@ -5,7 +5,8 @@ form. Each completion becomes one chat request: ``judge_prompt`` with ``{prompt}
 last user message, or the prompt text), ``{completion}`` and ``{answer}`` (the record's reference,
 empty when it has none), sent to ``judge_url`` for ``judge_model`` (default: the server's first
 model) with temperature 0 and, when ``judge_api_key_env`` names an environment variable, its value
-as the bearer key. Identical requests within a rollout are asked once; up to ``judge_concurrency``
+as the bearer key (``bearer_header``, which ``teacher_url`` uses too; the key is never logged, and
+the config names only the variable). A 401 or 403 answer is an error: no later request can succeed. Identical requests within a rollout are asked once; up to ``judge_concurrency``
 are in flight at a time, each bounded by ``reward_timeout`` seconds and retried on 429 and 5xx
 answers and dropped connections with exponential backoff. The score is the first number in the
 judge's reply; a reply without one, or a request that still fails, scores ``None`` (no score, never
@@ -40,6 +41,24 @@ def chat_route(url: str) -> str:
     return f"{base}/chat/completions" if base.endswith("/v1") else f"{base}/v1/chat/completions"
 
 
+def bearer_header(field: str, env_name: str | None) -> dict[str, str]:
+    """``{"Authorization": "Bearer KEY"}`` with KEY the value of environment variable `env_name`
+    (the setting `field` names it), ``{}`` without one; an unset variable is an error."""
+    if not env_name:
+        return {}
+    key = os.environ.get(env_name)
+    if not key:
+        raise ValueError(f"{field}={env_name!r} names an environment variable that is not set; export it with "
+                         f"the server's API key, or unset {field}")
+    return {"Authorization": f"Bearer {key}"}
+
+
+def auth_refused(url: str, code: int, field: str) -> ValueError:
+    """The error for a server that refuses the key (401/403): asking again cannot help."""
+    return ValueError(f"{url} answered {code} ({'unauthorized' if code == 401 else 'forbidden'}); set {field} to the "
+                      "environment variable holding its API key (astrai serve: the --api_key value), or fix that key")
+
+
 def parse_score(text: str) -> float | None:
     """The first number in a judge's reply, None when it holds none (or one that is not finite)."""
     found = NUMBER.search(text or "")
@@ -67,13 +86,7 @@ class Judge:
         except (KeyError, IndexError, ValueError) as e:
             raise ValueError(f"judge_prompt {self.template[:80]!r} is not a template of {{prompt}}, {{completion}} "
                              f"and {{answer}} ({type(e).__name__}: {e}); write other braces as {{{{ and }}}}") from None
-        self.headers = {"Content-Type": "application/json"}
-        if cfg.judge_api_key_env:
-            key = os.environ.get(cfg.judge_api_key_env)
-            if not key:
-                raise ValueError(f"judge_api_key_env={cfg.judge_api_key_env!r} names an environment variable that is "
-                                 "not set; export it with the judge's API key, or unset judge_api_key_env")
-            self.headers["Authorization"] = f"Bearer {key}"
+        self.headers = {"Content-Type": "application/json", **bearer_header("judge_api_key_env", cfg.judge_api_key_env)}
         self.num_requests = 0
         self.__name__ = "judge"
 
@@ -116,6 +129,8 @@ class Judge:
                 with urllib.request.urlopen(request, timeout=self.timeout or None) as response:
                     return json.loads(response.read())
             except urllib.error.HTTPError as e:
+                if e.code in (401, 403):
+                    raise auth_refused(self.route, e.code, "judge_api_key_env") from None
                 if not (e.code == 429 or e.code >= 500):
                     return None  # the request itself is wrong: asking again gives the same answer
             except (urllib.error.URLError, TimeoutError, ConnectionError, json.JSONDecodeError):
@@ -130,5 +145,9 @@ class Judge:
         try:
             with urllib.request.urlopen(request, timeout=self.timeout or None) as response:
                 return json.loads(response.read())["data"][0]["id"]
+        except urllib.error.HTTPError as e:
+            if e.code in (401, 403):
+                raise auth_refused(request.full_url, e.code, "judge_api_key_env") from None
+            return None
         except (urllib.error.URLError, TimeoutError, ConnectionError, json.JSONDecodeError, KeyError, IndexError):
             return None

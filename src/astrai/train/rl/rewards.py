@@ -48,6 +48,7 @@ import torch
 
 from astrai.config import RLConfig
 from astrai.data.tasks import SCORERS
+from astrai.model.lora import is_adapter_dir
 from astrai.model.manifest import resolve_model_dir
 from astrai.train.rl.guard import call_in_worker, outcome
 from astrai.train.rl.judge import Judge
@@ -165,12 +166,26 @@ def same_tokenizer(a: Any, b: Any) -> bool:
         return False
 
 
+def turn_suffix(tokenizer: Any) -> list[int]:
+    """The ids a chat template puts after the stop token that closes an assistant turn (ChatML: the
+    newline after ``<|im_end|>``), [] when it puts none or has no template. A reward model trained
+    on rendered conversations (``train_type: reward``) read its score there, at the row's last
+    token, so a finished rollout is scored with them appended: at the position the model learned."""
+    if tokenizer is None or not getattr(tokenizer, "chat_template", None):
+        return []
+    full = tokenizer.apply_chat_template([{"role": "user", "content": "x"}, {"role": "assistant", "content": "y"}])
+    stops = set(tokenizer.stop_token_ids)
+    ends = [i for i, t in enumerate(full) if t in stops]
+    return list(full[ends[-1] + 1:]) if ends else []
+
+
 class RewardModel:
     """A scalar-head model that scores prompt + completion token ids (the value at the last token).
 
     ``tokenizer`` is the reward model's own when its directory has one that differs from the
     policy's (``same_tokenizer``); then ``inputs`` re-encodes the texts, else it passes the
-    policy's ids through unchanged."""
+    policy's ids through, a finished turn (ending in a stop token) followed by the chat template's
+    ``turn_suffix``: the row a rendered conversation gives, as the reward model was trained on."""
 
     def __init__(self, path: str | Path, device: torch.device, batch_size: int = 16,
                  policy_tokenizer: Any | None = None):
@@ -185,6 +200,8 @@ class RewardModel:
         if policy_tokenizer is not None and (Path(path) / "tokenizer.json").is_file():
             own = load_tokenizer(path)
             self.tokenizer = None if same_tokenizer(own, policy_tokenizer) else own
+        self.suffix = turn_suffix(policy_tokenizer) if self.tokenizer is None else []
+        self.stops = set(policy_tokenizer.stop_token_ids) if self.suffix else set()
 
     def inputs(self, prompts: list[str], completions: list[str], records: list[dict[str, Any]],
                sequences: list[list[int]]) -> list[list[int]]:
@@ -193,7 +210,7 @@ class RewardModel:
         or, without a template, the decoded prompt text + completion, encoded by its tokenizer."""
         tok = self.tokenizer
         if tok is None:
-            return sequences
+            return [s + self.suffix if s and s[-1] in self.stops else s for s in sequences]
         out = []
         for prompt, completion, record in zip(prompts, completions, records):
             messages = record.get("messages")
@@ -252,8 +269,10 @@ class RewardSet:
         for name in self.names:
             if name in BUILTINS:
                 self.functions.append(BUILTINS[name](cfg))
-            elif Path(name).is_dir() and (resolve_model_dir(name) / "config.json").is_file():
-                # a reward model directory, or a reward run's ckpt_dir (its newest checkpoint)
+            elif Path(name).is_dir() and ((resolve_model_dir(name) / "config.json").is_file()
+                                          or is_adapter_dir(resolve_model_dir(name))):
+                # a reward model directory (a LoRA run's: its adapter), or a reward run's ckpt_dir
+                # (its newest checkpoint)
                 self.functions.append(RewardModel(resolve_model_dir(name), device or torch.device("cpu"),
                                                   policy_tokenizer=tokenizer))
             elif ":" in name:
