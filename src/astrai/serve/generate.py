@@ -17,13 +17,13 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, Field, field_validator
+from pydantic import BaseModel, Field
 
 from astrai.infer.sampling import SamplingParams
 from astrai.serve.protocol import (
+    SamplingKnobs,
     StreamOptions,
     StrictModel,
-    check_stops,
     logprob_value,
     prompt_logprobs_entries,
     sampling_field,
@@ -36,39 +36,15 @@ from astrai.serve.state import ServerState
 ROUTE = "/inference/v1/generate"
 
 
-class GenerateSampling(StrictModel):
+class GenerateSampling(SamplingKnobs):
     """`sampling_params` of a generate request: vLLM's SamplingParams names, SamplingParams' bounds."""
 
-    n: int = sampling_field("n", 1, le=128)
-    temperature: float | None = sampling_field("temperature")
-    top_p: float | None = sampling_field("top_p")
-    top_k: int | None = sampling_field("top_k")
-    min_p: float | None = sampling_field("min_p")
-    frequency_penalty: float | None = sampling_field("frequency_penalty")
-    presence_penalty: float | None = sampling_field("presence_penalty")
-    repetition_penalty: float | None = sampling_field("repetition_penalty")
-    logit_bias: dict[str, Annotated[float, Field(ge=-100.0, le=100.0)]] | None = None
-    seed: int | None = sampling_field("seed")
-    stop: str | list[str] | None = None
-    stop_token_ids: list[Annotated[int, Field(ge=0)]] | None = None
-    ignore_eos: bool = False
     max_tokens: int = sampling_field("max_tokens", 16)  # vLLM's SamplingParams default
-    min_tokens: int = sampling_field("min_tokens", 0)
     logprobs: int | None = sampling_field("logprobs")  # k alternatives per generated token
     prompt_logprobs: int | None = sampling_field("prompt_logprobs")
     # the answer holds no text, so how text would be decoded changes nothing: accepted as no-ops
     detokenize: bool = True
     skip_special_tokens: bool = True
-
-    @field_validator("stop")
-    @classmethod
-    def _bounded_stops(cls, value: str | list[str] | None) -> str | list[str] | None:
-        check_stops([value] if isinstance(value, str) else value or [])
-        return value
-
-    def stop_list(self) -> list[str]:
-        stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
-        return [s for s in stops if s]
 
 
 class GenerateRequest(StrictModel):

@@ -102,12 +102,12 @@ class ChatMessage(StrictModel):
         return msg
 
 
-class _SamplingFields(StrictModel):
-    """Fields shared by both completion endpoints (OpenAI names plus vLLM's extras)."""
+class SamplingKnobs(StrictModel):
+    """The sampling fields every generation route takes under vLLM's names (the completion
+    endpoints below and the token-in route, ``serve/generate.py``), bounded as ``SamplingParams``."""
 
-    model: str
     n: int = sampling_field("n", 1, le=128)
-    temperature: float | None = sampling_field("temperature", le=2.0)  # OpenAI's cap
+    temperature: float | None = sampling_field("temperature")
     top_p: float | None = sampling_field("top_p")
     top_k: int | None = sampling_field("top_k")
     min_p: float | None = sampling_field("min_p")
@@ -118,17 +118,8 @@ class _SamplingFields(StrictModel):
     stop: str | list[str] | None = None
     stop_token_ids: list[Annotated[int, Field(ge=0)]] | None = None
     seed: int | None = sampling_field("seed")
-    stream: bool = False
-    stream_options: StreamOptions | None = None
     ignore_eos: bool = False
     min_tokens: int = sampling_field("min_tokens", 0)
-    user: str | None = None
-    # vLLM's token-in/token-out fields: the prompt's and each choice's token ids in the response
-    return_token_ids: bool = False
-    # vLLM's logprobs modes: raw_logprobs (the unprocessed model at temperature 1, the default) or
-    # processed_logprobs (the sampler's behaviour log-probs: after penalties, temperature and
-    # truncation, the distribution each token was drawn from; what an RL trainer needs)
-    logprobs_mode: Literal["raw_logprobs", "processed_logprobs"] = "raw_logprobs"
 
     @field_validator("logit_bias")
     @classmethod
@@ -144,16 +135,32 @@ class _SamplingFields(StrictModel):
         check_stops([value] if isinstance(value, str) else value or [])
         return value
 
+    def stop_list(self) -> list[str]:
+        stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+        return [s for s in stops if s]
+
+
+class _SamplingFields(SamplingKnobs):
+    """Fields shared by both completion endpoints (OpenAI names plus vLLM's extras)."""
+
+    model: str
+    temperature: float | None = sampling_field("temperature", le=2.0)  # OpenAI's cap
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None
+    # vLLM's token-in/token-out fields: the prompt's and each choice's token ids in the response
+    return_token_ids: bool = False
+    # vLLM's logprobs modes: raw_logprobs (the unprocessed model at temperature 1, the default) or
+    # processed_logprobs (the sampler's behaviour log-probs: after penalties, temperature and
+    # truncation, the distribution each token was drawn from; what an RL trainer needs)
+    logprobs_mode: Literal["raw_logprobs", "processed_logprobs"] = "raw_logprobs"
+
     @field_validator("stream_options")
     @classmethod
     def _stream_options_need_stream(cls, value: StreamOptions | None, info: ValidationInfo):
         if value is not None and not info.data.get("stream"):
             raise ValueError("stream_options is only allowed when stream is true")
         return value
-
-    def stop_list(self) -> list[str]:
-        stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
-        return [s for s in stops if s]
 
 
 class FunctionDef(StrictModel):
