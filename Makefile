@@ -20,7 +20,7 @@ lint: setup
 	$(VENV)/bin/ruff check src tests benchmarks
 
 test: setup lint
-	$(VENV)/bin/pytest -q -ra --durations=25 -n 2 --dist load
+	$(VENV)/bin/pytest -q -ra --durations=25 -n 2 --dist worksteal
 
 bench: setup
 	$(PY) benchmarks/run_all.py
