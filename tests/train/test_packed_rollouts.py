@@ -26,6 +26,7 @@ from astrai.train.objectives.logps import PolicyLogps
 from astrai.train.objectives.packing import MIN_SHARED_PREFIX, RowLayout, first_fit_decreasing, prefix_trees
 from astrai.train.rl.data import Rollout
 from tests.train.resume_data import MODEL
+from tests.train.trainer_utils import dpo_with_a_moved_reference
 
 V = MODEL["vocab_size"]
 
@@ -295,12 +296,7 @@ def test_sft_loss_and_gradient_equal_the_full_logits_path(smoothing):
 def test_dpo_loss_and_gradient_equal_the_full_logits_path(loss_type):
     from astrai.train.objectives.dpo import concat_pairs
 
-    cfg = load_config(None, ["--train_type", "dpo", "--loss_type", loss_type])
-    model = CausalLM(ModelConfig(**MODEL), seed=0)
-    objective = OBJECTIVES["dpo"](cfg, model)
-    with torch.no_grad():  # a reference that differs from the policy
-        for p in objective.reference.parameters():
-            p.add_(0.01 * torch.randn_like(p))
+    model, objective = dpo_with_a_moved_reference(loss_type, MODEL)
     batch = {}
     for side, T in (("chosen", 9), ("rejected", 7)):
         ids = torch.randint(3, V, (2, T))
@@ -317,7 +313,7 @@ def test_dpo_loss_and_gradient_equal_the_full_logits_path(loss_type):
     pol = seq(model)
     with torch.no_grad():
         ref = seq(objective.reference)
-    losses, _, _ = dpo_loss(pol[:2], pol[2:], ref[:2], ref[2:], cfg.objective.beta, loss_type)
+    losses, _, _ = dpo_loss(pol[:2], pol[2:], ref[:2], ref[2:], objective.beta, loss_type)
     torch.testing.assert_close(new, losses.sum(), atol=1e-6, rtol=1e-6)
     for a, b in zip(torch.autograd.grad(new, params), torch.autograd.grad(losses.sum(), params), strict=True):
         assert_grad_close(a, b)

@@ -25,6 +25,7 @@ from astrai.model.transformer import CausalLM
 from astrai.train.objectives import OBJECTIVES
 from astrai.train.objectives.packing import ROW_LAYOUTS, RowLayout
 from tests.train.resume_data import MODEL
+from tests.train.trainer_utils import dpo_with_a_moved_reference
 
 V = MODEL["vocab_size"]
 LENGTHS, PROMPTS = [12, 5, 9, 3, 7, 10], [4, 2, 6, 1, 3, 5]
@@ -104,12 +105,7 @@ def test_rows_that_already_hold_several_documents_keep_them_apart():
 
 @pytest.mark.parametrize("loss_type", ["sigmoid", "ipo"])
 def test_dpo_layouts_agree_with_chosen_and_rejected_in_one_padding_free_batch(loss_type):
-    cfg = load_config(None, ["--train_type", "dpo", "--loss_type", loss_type])
-    model = CausalLM(ModelConfig(**MODEL), seed=0)
-    objective = OBJECTIVES["dpo"](cfg, model)
-    with torch.no_grad():  # a reference that differs from the policy
-        for p in objective.reference.parameters():
-            p.add_(0.01 * torch.randn_like(p))
+    model, objective = dpo_with_a_moved_reference(loss_type, MODEL)
     assert_layouts_agree(objective, model, pair_batch())
 
 

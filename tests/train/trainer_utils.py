@@ -1,6 +1,9 @@
-"""Helpers for trainer tests: a tiny model, a config from flags, checkpoints switched off."""
+"""Helpers for trainer tests: a tiny model, a config from flags, checkpoints switched off, a DPO
+objective whose reference differs from its policy."""
 
 from __future__ import annotations
+
+import torch
 
 from astrai.config import Config, load_config
 from astrai.model import CausalLM, ModelConfig
@@ -26,3 +29,16 @@ def without_checkpoints(trainer) -> None:
     from astrai.train.callbacks import CheckpointSaver
 
     trainer.callbacks.callbacks = [cb for cb in trainer.callbacks.callbacks if not isinstance(cb, CheckpointSaver)]
+
+
+def dpo_with_a_moved_reference(loss_type: str, model_kwargs: dict):
+    """(policy, dpo objective) on a fresh CausalLM(model_kwargs), its frozen reference nudged off the
+    policy so the two differ."""
+    from astrai.train.objectives import OBJECTIVES
+
+    model = CausalLM(ModelConfig(**model_kwargs), seed=0)
+    objective = OBJECTIVES["dpo"](load_config(None, ["--train_type", "dpo", "--loss_type", loss_type]), model)
+    with torch.no_grad():  # a reference that differs from the policy
+        for p in objective.reference.parameters():
+            p.add_(0.01 * torch.randn_like(p))
+    return model, objective
