@@ -20,6 +20,7 @@ the same thread count. Run: `python benchmarks/bench_generate.py [--quick]`.
 from __future__ import annotations
 
 import argparse
+import inspect
 import json
 import os
 import statistics
@@ -102,8 +103,10 @@ def hf_continuous(model, prompts: list[list[int]], new_tokens: int) -> Callable[
         from transformers import ContinuousBatchingConfig
 
         page, tokens = 256, sum(len(p) + new_tokens for p in prompts)
-        sized["continuous_batching_config"] = ContinuousBatchingConfig(
-            page_size=page, num_blocks=-(-tokens // page) + len(prompts), max_batch_tokens=max(256, sum(map(len, prompts))))
+        fields = inspect.signature(ContinuousBatchingConfig).parameters  # the page's name varies by version
+        wanted = {"page_size" if "page_size" in fields else "block_size": page, "num_blocks": -(-tokens // page) + len(prompts),
+                  "max_batch_tokens": max(256, sum(map(len, prompts)))}
+        sized["continuous_batching_config"] = ContinuousBatchingConfig(**{k: v for k, v in wanted.items() if k in fields})
     except ImportError:  # an older transformers: the peer as it comes
         pass
 

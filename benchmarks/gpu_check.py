@@ -40,6 +40,8 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 sys.path.insert(0, str(ROOT / "benchmarks"))
+# child processes (servers, pytest, torchrun) import astrai from this tree, installed or not
+os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT / "src"), os.environ.get("PYTHONPATH")]))
 
 import torch  # noqa: E402
 
@@ -441,7 +443,7 @@ def row_pytest_cuda(args) -> dict:
                           cwd=ROOT, capture_output=True, text=True)
     tail = proc.stdout.strip().splitlines()[-1] if proc.stdout.strip() else proc.stderr[-300:]
     if proc.returncode not in (0, 5):  # 5: nothing collected
-        raise AssertionError(f"pytest -m cuda failed:\n{proc.stdout[-4000:]}")
+        raise AssertionError(f"pytest -m cuda failed:\n{proc.stdout[-4000:]}\n{proc.stderr[-2000:]}")
     return result(None, None, "", "", summary=tail)
 
 

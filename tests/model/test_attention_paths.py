@@ -29,6 +29,7 @@ from astrai.model.kernels import (
     packed_segments,
     paged_decode,
     paged_varlen_supported,
+    sdpa,
 )
 from astrai.model.paged_metadata import PagedAttentionMetadata
 
@@ -150,6 +151,12 @@ def test_gpu_only_paths_are_refused_on_cpu():
         PagedAttentionMetadata.build([1], [2], [[0]], 4, [], "cpu", paged_kernel="flash")
 
 
+def test_sdpa_on_cpu_is_plain_sdpa():
+    q, k, v = (torch.randn(2, 4, 5, 8) for _ in range(3))
+    torch.testing.assert_close(sdpa(q, k, v, is_causal=True),
+                               torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True), rtol=0, atol=0)
+
+
 # -- on a GPU: the kernels against their references ---------------------------------------------
 @pytest.mark.cuda
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
@@ -227,3 +234,15 @@ def test_decode_attention_equals_sdpa(dtype, tol):
     with torch.autocast("cpu", dtype=torch.bfloat16):
         assert torch.equal(decode_attention(q, k, v, bias), torch.nn.functional.scaled_dot_product_attention(
             q, k, v, attn_mask=bias))
+
+
+@pytest.mark.cuda
+def test_cuda_attention_never_takes_the_cudnn_backend():
+    """cuDNN builds a plan per new shape (12 ms of host time a call on an H200 GRPO step)."""
+    model = CausalLM(CFG).cuda()
+    ids = torch.randint(0, CFG.vocab_size, (2, 24), device="cuda")
+    with torch.autocast("cuda", dtype=torch.bfloat16), torch.profiler.profile() as prof:
+        for T in (24, 17, 9):
+            model(ids[:, :T]).logits.float().sum().backward()
+    names = {e.key for e in prof.key_averages()}
+    assert not [n for n in names if "cudnn_attention" in n], sorted(n for n in names if "attention" in n)

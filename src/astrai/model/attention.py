@@ -12,7 +12,6 @@ from __future__ import annotations
 import math
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
 from astrai.model.config import ModelConfig
@@ -23,6 +22,7 @@ from astrai.model.kernels import (
     packed_attention,
     packed_segments,
     paged_decode,
+    sdpa,
     shared_prefix_attention,
     shared_prefix_segments,
 )
@@ -181,7 +181,7 @@ class Attention(nn.Module):
                     mask = (torch.arange(T, device=x.device) <= query_idx[:, None])[None, None]  # (1, 1, K, T)
                 else:
                     mask = mask[:, :, query_idx]  # (B, 1, K, T)
-            out = F.scaled_dot_product_attention(
+            out = sdpa(
                 q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
                 attn_mask=mask, is_causal=mask is None, enable_gqa=self.num_kv_heads != self.num_heads,
             )  # (B, H, Tq, D)
@@ -228,7 +228,7 @@ class Attention(nn.Module):
             else:
                 ks = self._gather(k_cache, seg.blocks)[: seg.context_len].transpose(0, 1)[None].to(q.dtype)
                 vs = self._gather(v_cache, seg.blocks)[: seg.context_len].transpose(0, 1)[None].to(q.dtype)
-            o = F.scaled_dot_product_attention(
+            o = sdpa(
                 qs, ks, vs, attn_mask=seg.mask, is_causal=seg.mask is None, enable_gqa=gqa
             )
             out[seg.start : seg.end] = o[0].transpose(0, 1)
