@@ -36,22 +36,29 @@ def assert_grad_close(a, b):
     assert (a - b).abs().max().item() <= 1e-6 * scale, ((a - b).abs().max().item(), scale)
 
 
-def sft_batch(lengths=LENGTHS, prompts=PROMPTS, seed=0, prefix=""):
+def sft_batch(lengths=LENGTHS, prompts=PROMPTS, seed=0, prefix="", common=0):
     """Right-padded SFT rows as ``pad_rows`` makes them: labels shifted, -100 on the prompt and the
-    padding, positions counting on through the padding."""
+    padding, positions counting on through the padding. `common`: the rows open with that many
+    identical tokens (a system prompt every chat carries)."""
     gen = torch.Generator().manual_seed(seed)
     B, T = len(lengths), max(lengths)
     ids, att = torch.zeros(B, T, dtype=torch.long), torch.zeros(B, T, dtype=torch.long)
     labels = torch.full((B, T), -100)
+    opening = torch.randint(3, V, (common,), generator=torch.Generator().manual_seed(99))
     for b, (n, p) in enumerate(zip(lengths, prompts, strict=True)):
         ids[b, :n] = torch.randint(3, V, (n,), generator=gen)
+        ids[b, :min(common, n)] = opening[:n]
         att[b, :n] = 1
         labels[b, p - 1:n - 1] = ids[b, p:n]
     return {f"{prefix}input_ids": ids, f"{prefix}labels": labels, f"{prefix}attention_mask": att,
             f"{prefix}position_ids": torch.arange(T).expand(B, T).clone()}
 
 
-def pair_batch():
+def pair_batch(common=0):
+    """Three preference pairs; with `common`, longer rows that open alike."""
+    if common:
+        return {**sft_batch([13, 12, 14], [11, 10, 12], seed=1, prefix="chosen_", common=common),
+                **sft_batch([12, 14, 13], [11, 10, 12], seed=2, prefix="rejected_", common=common)}
     return {**sft_batch([9, 6, 11], [3, 2, 4], seed=1, prefix="chosen_"),
             **sft_batch([7, 4, 11], [3, 2, 4], seed=2, prefix="rejected_")}
 
@@ -64,11 +71,13 @@ def loss_and_grads(objective, model, batch, layout):
 
 
 def assert_layouts_agree(objective, model, batch):
+    """Every padding-free layout the config offers against `pad`."""
     loss_pad, grads_pad = loss_and_grads(objective, model, batch, "pad")
-    loss_pack, grads_pack = loss_and_grads(objective, model, batch, "pack")
-    torch.testing.assert_close(loss_pack, loss_pad, atol=1e-6, rtol=1e-6)
-    for a, b in zip(grads_pack, grads_pad, strict=True):
-        assert_grad_close(a, b)
+    for layout in set(CHOICES["row_layout"]) - {"pad"}:
+        loss, grads = loss_and_grads(objective, model, batch, layout)
+        torch.testing.assert_close(loss, loss_pad, atol=1e-6, rtol=1e-6, msg=layout)
+        for a, b in zip(grads, grads_pad, strict=True):
+            assert_grad_close(a, b)
 
 
 def test_the_configs_layouts_are_the_packers():
@@ -190,3 +199,35 @@ def test_pack_runs_the_rows_as_they_are_when_no_two_fit_together():
     loss_pack, grads_pack = loss_and_grads(objective, model, batch, "pack")
     assert torch.equal(loss_pack, loss_pad)
     assert all(torch.equal(a, b) for a, b in zip(grads_pack, grads_pad, strict=True))
+
+
+COMMON = 9  # tokens every row opens with (the SFT rows' third, 3 tokens long, shares none)
+
+
+def _offline(train_type, tmp_path):
+    if train_type == "dpo":
+        return dpo_with_a_moved_reference("sigmoid", MODEL)
+    if train_type == "reward":
+        model = SequenceClassifier(ModelConfig(**MODEL), seed=0)
+        return model, OBJECTIVES["reward"](load_config(None, ["--train_type", "reward"]), model)
+    flags = []
+    if train_type == "kd":
+        save_model(CausalLM(ModelConfig(**MODEL), seed=1), tmp_path / "teacher")
+        flags = ["--teacher_path", str(tmp_path / "teacher")]
+    model = CausalLM(ModelConfig(**MODEL), seed=0)
+    return model, OBJECTIVES[train_type](load_config(None, ["--train_type", train_type, *flags]), model)
+
+
+@pytest.mark.parametrize("train_type", ["sft", "dpo", "reward", "kd"])
+def test_share_computes_a_common_opening_once_and_agrees(train_type, tmp_path):
+    """Rows that open alike (one system prompt, one tool list): ``share`` places the opening once
+    per run of rows and the loss and gradients still equal the padded path's."""
+    model, objective = _offline(train_type, tmp_path)
+    pairs = train_type in ("dpo", "reward")
+    batch = pair_batch(COMMON) if pairs else sft_batch([12, 10, 3, 11, 10, 12], [10, 10, 1, 10, 10, 11], common=COMMON)
+    ids = batch["chosen_input_ids"] if pairs else batch["input_ids"]
+    att = batch["chosen_attention_mask"] if pairs else batch["attention_mask"]
+    rows = RowLayout.build(att, torch.ones_like(ids, dtype=torch.bool) & (att == 1), "share", ids)
+    assert int(rows.shared.max()) >= COMMON - 1  # the opening really is shared
+    assert "share" in CHOICES["row_layout"]
+    assert_layouts_agree(objective, model, batch)

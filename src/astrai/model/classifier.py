@@ -55,11 +55,13 @@ class SequenceClassifier(WithTrunk):
         return cls(lm.config, seed=seed, trunk=lm.model)
 
     def forward(self, input_ids: Tensor, attention_mask: Tensor | None = None,
-                position_ids: Tensor | None = None, document_ids: Tensor | None = None) -> Tensor:
+                position_ids: Tensor | None = None, document_ids: Tensor | None = None,
+                prefix_ids: Tensor | None = None) -> Tensor:
         """input_ids (B, T) -> scores (B, T) in float32, one per token: a sequence's score is the
-        one at its last token (transformers reads the last non-padding token); `document_ids`:
-        packed rows (``Transformer.forward``)."""
-        hidden, _, _, _ = self.model(input_ids, attention_mask, position_ids, document_ids)  # (B, T, C)
+        one at its last token (transformers reads the last non-padding token); `document_ids` and
+        `prefix_ids`: packed rows and shared prefixes (``Transformer.forward``)."""
+        hidden, _, _, _ = self.model(input_ids, attention_mask, position_ids, document_ids,
+                                     prefix_ids=prefix_ids)  # (B, T, C)
         return self.score(hidden).squeeze(-1).float()  # (B, T)
 
 

@@ -123,8 +123,9 @@ def main(argv: list[str] | None = None) -> int:
 
     signals.install_signal_handlers(ctx)  # before anything slow: a signal during setup is kept
 
+    wants_help = any(a in ("-h", "--help") for a in argv)  # the fields' table reads every dataclass's source
     parser = ArgumentParser(prog="astrai train", usage=USAGE, allow_abbrev=False, add_help=True,
-                            epilog=fields_help(), formatter_class=RawEpilogHelpFormatter)
+                            epilog=fields_help() if wants_help else None, formatter_class=RawEpilogHelpFormatter)
     parser.add_argument("--config", default=None, help="YAML file with model/data/train/optim/... sections")
     parser.add_argument("--dry_run", action="store_true", help="print the resolved config and exit")
     parser.add_argument("--num_threads", "--threads", type=int, default=None, metavar="N",

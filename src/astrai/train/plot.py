@@ -129,14 +129,18 @@ def _draw(ax, metric: str, train: Series | None, val: Series | None, smooth: flo
 def _page(plt, metrics: list[str], train: dict[str, Series], val: dict[str, Series], smooth: float, path: Path):
     cols = min(3, len(metrics))
     rows = math.ceil(len(metrics) / cols)
-    fig, axes = plt.subplots(rows, cols, figsize=(5 * cols, 3.5 * rows), squeeze=False)
+    width, height = 5 * cols, 3.5 * rows
+    fig, axes = plt.subplots(rows, cols, figsize=(width, height), squeeze=False)
+    # fixed margins in inches (room for tick labels, a title, the step label): `tight_layout`
+    # measures every text's extent, and took 40% of the time of a run's 60 plots
+    fig.subplots_adjust(left=0.6 / width, right=1 - 0.15 / width, bottom=0.5 / height, top=1 - 0.35 / height,
+                        wspace=0.3, hspace=0.45)
     for ax, metric in zip(axes.flat, metrics):
         # eval/ points are few and each is an exact measurement; schedules and counters are not noisy
         _draw(ax, metric, train.get(metric), val.get(metric), 0.0 if drawn_raw(metric) else smooth,
               group_of(metric) in LOG_SCALE_GROUPS)
     for ax in list(axes.flat)[len(metrics):]:
         ax.axis("off")
-    fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
 

@@ -19,7 +19,6 @@ import torch
 from torch import Tensor, nn
 
 from astrai.model.chunked_head import HeadLogps, head_logps
-from astrai.train.dist import unwrap_model
 from astrai.train.losses import IGNORE_INDEX, importance_weights
 from astrai.train.objectives.base import Batch, labelled_positions
 from astrai.train.objectives.packing import RowLayout, forward_rows
@@ -58,8 +57,6 @@ def token_logps(model: Any, batch: Batch, sampling: RolloutSampling, entropy: bo
     labels = batch["labels"]
     labelled = labels != IGNORE_INDEX
     layout = "trim" if layout == "sort" else layout
-    if layout == "share" and getattr(getattr(unwrap_model(model), "config", None), "num_experts", 0):
-        layout = "pack"  # MoE routing statistics count tokens: a shared prompt must count once per sample
     targets = labels[labelled]  # (M,) row by row, as forward_rows gathers them
 
     # a repetition penalty reads each labelled token's context: its row of input_ids up to its column

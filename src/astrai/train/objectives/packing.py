@@ -33,6 +33,7 @@ import torch
 from torch import Tensor, nn
 
 from astrai.model.attention import document_ids_from_positions
+from astrai.train.dist import unwrap_model
 from astrai.train.losses import IGNORE_INDEX
 
 ROW_LAYOUTS = ("pad", "trim", "pack", "share")
@@ -238,6 +239,15 @@ class RowLayout:
         return values.new_zeros(B, K).index_put((r, c), values)
 
 
+def several_documents(position_ids: Tensor | None, attention_mask: Tensor) -> bool:
+    """Whether some row holds more than one document (``pack: true`` data): its positions restart
+    inside its real tokens."""
+    if position_ids is None:
+        return False
+    restarts = (position_ids[:, 1:] != position_ids[:, :-1] + 1) & (attention_mask[:, 1:] == 1)
+    return bool(restarts.any())
+
+
 def forward_rows(model: Any, batch: dict[str, Any], layout: str, labelled: Tensor | None = None,
                  head: Callable[[Tensor, nn.Module], Any] | None = None) -> tuple[Any, RowLayout]:
     """Run a batch of right-padded rows (its ``input_ids``, ``attention_mask`` and, when there,
@@ -251,6 +261,11 @@ def forward_rows(model: Any, batch: dict[str, Any], layout: str, labelled: Tenso
     ids = batch["input_ids"]
     mask = batch.get("attention_mask")
     mask = torch.ones_like(ids) if mask is None else mask
+    if layout == "share" and (getattr(getattr(unwrap_model(model), "config", None), "num_experts", 0)
+                              or several_documents(batch.get("position_ids"), mask)):
+        # MoE routing statistics count tokens: a shared prompt must count once per sample; and a
+        # prefix tree has one document per row
+        layout = "pack"
     if labelled is None:
         labelled = batch["labels"] != IGNORE_INDEX
     rows = RowLayout.build(mask, labelled, layout, ids)
