@@ -44,12 +44,8 @@ RL = {"steps": 40, "prompts": 32, "group_size": 8, "rollout_interval": 2, "max_t
 EVAL = {"max_tokens": 40, "max_prompt_len": 160, "samples": 4}  # samples per prompt at temperature 1
 # `--quick`: the test suite's shortened configuration (tests/test_demo_tools.py), what differs from the
 # above: 1,500 SFT steps at a higher learning rate (copying the tool's result emerged between steps 700
-# and 950 in the measured runs; 1,200 left one run short of it), SFT rows in the `share` layout (the
-# tool schema, about 125 of each chat's 134-181 tokens, computed once per micro-batch: 1.6x faster
-# steps; the full demo keeps `pack`, in which its documented figures were measured) and 10 RL steps of
-# 16 prompts
-QUICK = {"sft": {"steps": 1500, "max_lr": 1e-2, "row_layout": "share"},
-         "rl": {"steps": 10, "prompts": 16, "max_lr": 1e-3}}
+# and 950 in the measured runs; 1,200 left one run short of it) and 10 RL steps of 16 prompts
+QUICK = {"sft": {"steps": 1500, "max_lr": 1e-2}, "rl": {"steps": 10, "prompts": 16, "max_lr": 1e-3}}
 
 
 def demo_settings(quick: bool) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -121,7 +117,6 @@ def sft_config(out: Path, tok_dir: Path, vocab_size: int, steps: int, seed: int,
         "train": {"max_steps": steps, "n_epoch": 1000, "batch_per_device": sft["batch"], "random_seed": seed},
         "optim": {"max_lr": sft["max_lr"], "schedule": "cosine", "warmup_ratio": 0.05, "min_lr_ratio": 0.1,
                   "weight_decay": 0.0},
-        "objective": {"row_layout": sft.get("row_layout", "pack")},
         # an unfinished stage (no stage.json) reruns from scratch over what it left in its ckpt_dir
         "ckpt": {"ckpt_dir": str(out / "sft" / "ckpt"), "ckpt_interval": 0, "keep_last": 1, "overwrite_ckpt_dir": True},
         "log": {"log_dir": str(out / "sft"), "summary_hints": False},
