@@ -250,7 +250,6 @@ def _run(args: argparse.Namespace) -> int:
     stages[rl_name] = run_stage(rl_name, out / rl_name,
                                 lambda: rl_stage(out / rl_name, rl_cfg, data_dir / "eval.jsonl"), log)
 
-    names = ["pretrain", "sft", rl_name]
     if args.async_steps:  # the same RL stage with its rollouts drawn ahead, for the wall-clock comparison
         async_name = f"{rl_name}-async{args.async_steps}"
         async_cfg = rl_config(out, args.algo, data_dir / "prompts.jsonl", tok_dir, rl_cfg["train"]["max_steps"],
@@ -261,16 +260,9 @@ def _run(args: argparse.Namespace) -> int:
             async_cfg[section][key] = async_cfg[section][key].replace(rl_name, async_name)
         stages[async_name] = run_stage(async_name, out / async_name,
                                        lambda: rl_stage(out / async_name, async_cfg, data_dir / "eval.jsonl"), log)
-        names.append(async_name)
         plot_against_time(out, {f"{rl_name} (synchronous)": out / rl_name / "metrics.jsonl",
                                 f"{async_name} (async_steps {args.async_steps})": out / async_name / "metrics.jsonl"})
 
-    from astrai.train.plot import main as plot_main
-    from astrai.train.report_page import write_report as write_run_page
-
-    for name in names:
-        plot_main([str(out / name), "--out", str(out / name / "plots")])
-        write_run_page(out / name)  # <stage>/report.html: curves, samples, config, checkpoints
     accuracies = {"pre-trained": stages["eval"]["pretrained"]["accuracy"], "SFT": stages["eval"]["sft"]["accuracy"],
                   f"RL ({args.algo})": stages[rl_name]["eval"]["accuracy"]}
     plot_accuracy(out, accuracies)

@@ -80,6 +80,12 @@ def train_stage(stage_dir: Path, config: dict[str, Any]) -> dict[str, Any]:
     if code != 0:
         raise RuntimeError(f"training stage {stage_dir.name} failed with exit code {code}")
     publish_final(stage_dir / "ckpt", stage_dir / "final")
+    from astrai.train.plot import main as plot_main
+    from astrai.train.report_page import write_report as write_run_page
+
+    # drawn once, with the stage: a rerun that reuses the stage keeps them
+    plot_main([str(stage_dir), "--out", str(stage_dir / "plots")])
+    write_run_page(stage_dir)  # <stage>/report.html: curves, samples, config, checkpoints
     return {"config": str(config_path), **throughput(stage_dir / "metrics.jsonl")}
 
 

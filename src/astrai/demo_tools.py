@@ -167,12 +167,6 @@ def run_tools_demo(args: argparse.Namespace) -> int:
         return info
 
     stages["rl-tools"] = run_stage("rl-tools", out / "rl-tools", rl_stage, log)
-    from astrai.train.plot import main as plot_main
-    from astrai.train.report_page import write_report as write_run_page
-
-    for name in ("sft", "rl-tools"):
-        plot_main([str(out / name), "--out", str(out / name / "plots")])
-        write_run_page(out / name)  # <stage>/report.html: curves, samples, config, checkpoints
     before, after = stages["eval"], stages["rl-tools"]["eval"]
     plot_accuracy(out, {"SFT": before["greedy"]["accuracy"], "RL (tools)": after["greedy"]["accuracy"]})
     report = write_report(out, stages, args.scale, args.quick)
