@@ -14,15 +14,18 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
 from pathlib import Path
 
+import httpx
 import pytest
 
 from astrai.data.tokenizer import load_tokenizer
 from tests.serve.conftest import API_KEY
+from tests.serve.verifiers_rollouts import FOLLOW_UP, MAX_TOKENS
 
 REPO = Path(__file__).resolve().parents[2]
 SCRIPT = Path(__file__).with_name("verifiers_rollouts.py")
@@ -112,13 +115,20 @@ def verifiers_python(version: str) -> Path:
     return venv / "bin" / "python"
 
 
+def count_requests(server, route: str) -> int:
+    """The server's count of 200 answers on `route` (its prometheus counter)."""
+    text = httpx.get(server.base_url + "/metrics", timeout=10).text
+    found = re.search(rf'astrai_http_requests_total{{route="{re.escape(route)}",status="200"}} (\S+)', text)
+    return int(float(found.group(1))) if found else 0
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize(("version", "client", "env", "turns"),
-                         [("0.3.1", "openai_chat_completions_token", "SingleTurnEnv", 1),
-                          ("0.4.0", "train (renderer)", "SingleAgentEnv", 2)])
-def test_verifiers_records_ids_and_logprobs_of_every_rollout(version, client, env, turns, model_dir, request):
+@pytest.mark.parametrize(("version", "client", "env"), [("0.3.1", "openai_chat_completions_token", "MultiTurnEnv"),
+                                                        ("0.4.0", "train (renderer)", "SingleAgentEnv")])
+def test_verifiers_records_ids_and_logprobs_of_every_rollout(version, client, env, model_dir, request):
     python = verifiers_python(version)
     server = request.getfixturevalue("server")  # started only once the venv is there
+    stitched_before = count_requests(server, "/v1/chat/completions/tokens")
     environ = {"PATH": os.environ["PATH"], "HOME": os.environ.get("HOME", "/tmp"), "HF_HUB_OFFLINE": "1"}
     r = subprocess.run([str(python), str(SCRIPT), server.base_url, API_KEY, "tiny-model", str(model_dir)],
                        capture_output=True, text=True, timeout=300, env=environ)
@@ -127,11 +137,21 @@ def test_verifiers_records_ids_and_logprobs_of_every_rollout(version, client, en
     out = json.loads(lines[-1][len(RESULT):])
     assert (out["version"], out["client"], out["env"]) == (version, client, env)
     tok = load_tokenizer(model_dir)
-    assert len(out["rollouts"]) == 4 * turns  # 2 prompts x 2 rollouts, one record per model call
-    for rollout in out["rollouts"]:
+    rollouts = out["rollouts"]
+    assert [r["turn"] for r in rollouts] == [0, 1] * 4  # 2 prompts x 2 rollouts x 2 turns, one record per call
+    for previous, rollout in zip([None, *rollouts], rollouts):
         assert rollout["error"] is None
-        assert len(rollout["messages"]) in (1, 3)  # the prompt; with 0.4's second turn, reply and follow-up
-        assert rollout["prompt_ids"] == tok.apply_chat_template(rollout["messages"], add_generation_prompt=True)
         ids, logprobs = rollout["completion_ids"], rollout["completion_logprobs"]
-        assert 0 < len(ids) == len(logprobs) <= 6 and all(lp <= 0 for lp in logprobs)
+        assert 0 < len(ids) == len(logprobs) <= MAX_TOKENS and all(lp <= 0 for lp in logprobs)
         assert rollout["reward"] in (0.0, 1.0)  # the environment scored the rollout
+        assert [m["content"] for m in rollout["messages"][2:]] == [FOLLOW_UP] * rollout["turn"]
+        if version == "0.3.1" and rollout["turn"] == 1:
+            # stitched by the client: the first turn's ids as sampled, then what the template adds for
+            # the follow-up (ids from /tokenize), posted to /v1/chat/completions/tokens
+            head = previous["prompt_ids"] + previous["completion_ids"]
+            assert rollout["prompt_ids"][:len(head)] == head
+            assert FOLLOW_UP in tok.decode(rollout["prompt_ids"][len(head):])
+        else:  # rendered from the messages: the chat template's ids
+            assert rollout["prompt_ids"] == tok.apply_chat_template(rollout["messages"], add_generation_prompt=True)
+    stitched = count_requests(server, "/v1/chat/completions/tokens") - stitched_before
+    assert stitched == (4 if version == "0.3.1" else 0)

@@ -26,27 +26,43 @@ import types
 
 PROMPTS = [("hello world", "hi"), ("the quick brown fox", "dog")]
 SAMPLES = 2  # rollouts per prompt
-MAX_TOKENS = 6
+MAX_TOKENS = 10
 FOLLOW_UP = "and then?"  # 0.4's harness: the user's second turn
 
 
-async def legacy_rollouts(base_url: str, model: str) -> list[dict]:
+def stop_token_bias(model_dir: str) -> dict[str, int]:
+    """logit_bias that ends every reply on a stop token (the model's `eos_token_id`s) once `min_tokens`
+    are out, so that a reply is never cut at max_tokens: 0.3's client stitches the next turn's prompt
+    ids only after a reply that ended on a stop token (a cut one goes back to chat completions). The
+    reply is long all the same: 0.3 refuses one whose text is empty, and a random model's token is a
+    lone byte of a multi-byte character (no text) about a third of the time."""
+    with open(os.path.join(model_dir, "generation_config.json")) as f:
+        eos = json.load(f)["eos_token_id"]
+    return {str(token): 100 for token in (eos if isinstance(eos, list) else [eos])}
+
+
+async def legacy_rollouts(base_url: str, model: str, model_dir: str) -> list[dict]:
     import verifiers as vf
     from datasets import Dataset
 
+    class FollowUpEnv(vf.MultiTurnEnv):
+        async def env_response(self, messages, state, **kwargs):
+            return [{"role": "user", "content": FOLLOW_UP}]
+
     rows = [{"question": q, "answer": a} for q, a in PROMPTS]
-    env = vf.SingleTurnEnv(dataset=Dataset.from_list(rows), eval_dataset=Dataset.from_list(rows),
-                           rubric=vf.Rubric(funcs=[lambda completion, answer, **kw: float(answer in str(completion))]))
+    env = FollowUpEnv(max_turns=2, dataset=Dataset.from_list(rows), eval_dataset=Dataset.from_list(rows),
+                      rubric=vf.Rubric(funcs=[lambda completion, answer, **kw: float(answer in str(completion))]))
     config = vf.ClientConfig(client_type="openai_chat_completions_token", api_base_url=base_url + "/v1",
                              api_key_var="ASTRAI_TEST_KEY", max_retries=0)
+    sampling = {"max_tokens": MAX_TOKENS, "temperature": 1.0, "logit_bias": stop_token_bias(model_dir),
+                "extra_body": {"min_tokens": MAX_TOKENS - 1}}
     out = await env.evaluate(client=config, model=model, num_examples=len(rows), rollouts_per_example=SAMPLES,
-                             sampling_args={"max_tokens": MAX_TOKENS, "temperature": 1.0},
-                             state_columns=["trajectory"], on_progress=lambda *a, **k: None)
+                             sampling_args=sampling, state_columns=["trajectory"], on_progress=lambda *a, **k: None)
     rollouts = []
     for rollout in out["outputs"]:
-        for step in rollout.get("trajectory") or [{}]:
+        for turn, step in enumerate(rollout.get("trajectory") or [{}]):
             tokens = step.get("tokens") or {}
-            rollouts.append({"messages": rollout.get("prompt"), "error": rollout.get("error"),
+            rollouts.append({"turn": turn, "messages": step.get("prompt"), "error": rollout.get("error"),
                              "prompt_ids": tokens.get("prompt_ids"), "completion_ids": tokens.get("completion_ids"),
                              "completion_logprobs": tokens.get("completion_logprobs"),
                              "reward": rollout.get("reward")})
@@ -106,7 +122,7 @@ def call_records(trace) -> list[dict]:
         reply = path[-1]
         prompt_ids = [t for n in path[:-1] for t in n.token_ids]
         prompt_ids += [t for t, sampled in zip(reply.token_ids, reply.mask) if not sampled]
-        records.append({"messages": [{"role": n.message.role, "content": n.message.content} for n in path[:-1]],
+        records.append({"turn": len(records), "messages": [{"role": n.message.role, "content": n.message.content} for n in path[:-1]],
                         "error": call.error.message if call.error else None, "prompt_ids": prompt_ids,
                         "completion_ids": [t for t, sampled in zip(reply.token_ids, reply.mask) if sampled],
                         "completion_logprobs": reply.logprobs, "reward": trace.reward})
@@ -144,8 +160,8 @@ def main(base_url: str, api_key: str, model: str, model_dir: str) -> None:
 
     os.environ["ASTRAI_TEST_KEY"] = api_key
     if importlib.util.find_spec("verifiers.legacy") is not None:
-        client, env, rollouts = ("openai_chat_completions_token", "SingleTurnEnv",
-                                 asyncio.run(legacy_rollouts(base_url, model)))
+        client, env, rollouts = ("openai_chat_completions_token", "MultiTurnEnv",
+                                 asyncio.run(legacy_rollouts(base_url, model, model_dir)))
     else:
         client, env, rollouts = "train (renderer)", "SingleAgentEnv", asyncio.run(env_rollouts(base_url, model,
                                                                                                 model_dir))
