@@ -1,8 +1,13 @@
-"""An external environment library trains through `astrai serve`: verifiers' training client,
-run in its own venv (verifiers brings no torch and never shares astrai's), records prompt ids,
-completion ids and log-probs for every rollout, the prompt ids being the chat template's.
-0.3.1 reads them from chat completions (`logprobs` + `extra_body={"return_token_ids": true}`);
-0.4.0 renders the prompt itself and calls `POST /inference/v1/generate` (tests/serve/verifiers_rollouts.py).
+"""An external environment library trains through `astrai serve`: an environment of verifiers, run
+with its training client in a venv of its own (verifiers brings no torch and never shares astrai's),
+records prompt ids, completion ids and log-probs for every model call of every rollout (two prompts,
+two rollouts each, two turns each; tests/serve/verifiers_rollouts.py runs them). 0.3.1 (a
+`MultiTurnEnv`): a first turn is a chat completion (`logprobs` + `extra_body={"return_token_ids":
+true}`), its prompt ids the chat template's; the second turn's ids are stitched by the client (the
+first turn's ids as sampled, then the template's for the follow-up) and posted to
+`/v1/chat/completions/tokens`, which the server counts. 0.4.0 (a `SingleAgentEnv` whose harness talks
+through verifiers' interception server): every turn is rendered by its `TrainClient` with the chat
+template and sent to `POST /inference/v1/generate`.
 
 The test installs each release itself, from PyPI, into .cache/verifiers-<version> (kept and reused):
 with `uv` (a dev dependency: a venv and the install in about 2 s once uv's own cache holds the
@@ -30,7 +35,7 @@ from tests.serve.verifiers_rollouts import FOLLOW_UP, MAX_TOKENS
 REPO = Path(__file__).resolve().parents[2]
 SCRIPT = Path(__file__).with_name("verifiers_rollouts.py")
 RESULT = "VERIFIERS_ROLLOUTS "
-INSTALL_TIMEOUT_S = 420  # a cold install downloads ~300 MB of wheels
+INSTALL_TIMEOUT_S = 420  # a cold install downloads a few hundred MB of wheels
 COMPLETE = ".installed"  # written last inside the venv, before the rename
 
 
@@ -138,7 +143,7 @@ def test_verifiers_records_ids_and_logprobs_of_every_rollout(version, client, en
     assert (out["version"], out["client"], out["env"]) == (version, client, env)
     tok = load_tokenizer(model_dir)
     rollouts = out["rollouts"]
-    assert [r["turn"] for r in rollouts] == [0, 1] * 4  # 2 prompts x 2 rollouts x 2 turns, one record per call
+    assert [rollout["turn"] for rollout in rollouts] == [0, 1] * 4  # 2 prompts x 2 rollouts x 2 turns, one record per call
     for previous, rollout in zip([None, *rollouts], rollouts):
         assert rollout["error"] is None
         ids, logprobs = rollout["completion_ids"], rollout["completion_logprobs"]

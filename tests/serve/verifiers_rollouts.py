@@ -4,10 +4,11 @@ one record per model call, with the call's prompt messages, prompt ids, completi
 
     python tests/serve/verifiers_rollouts.py BASE_URL API_KEY MODEL MODEL_DIR
 
-verifiers 0.3 (`verifiers.legacy` present): a `SingleTurnEnv` evaluated with the client type
-`openai_chat_completions_token`, its training client (chat completions with `logprobs` and
-`extra_body={"return_token_ids": true}`); the ids and log-probs are read from each rollout's
-trajectory. verifiers 0.4 (the v1 stack only): a `SingleAgentEnv` over a taskset of the same prompts,
+verifiers 0.3 (`verifiers.legacy` present): a `MultiTurnEnv` of two turns (the prompt, the reply,
+FOLLOW_UP, the reply) evaluated with the client type `openai_chat_completions_token`, its training
+client: a first turn is a chat completion with `logprobs` and `extra_body={"return_token_ids": true}`,
+the second goes as ids the client stitched to `/v1/chat/completions/tokens`; the ids and log-probs are
+read from each rollout's trajectory. verifiers 0.4 (the v1 stack only): a `SingleAgentEnv` over a taskset of the same prompts,
 whose harness holds a two-turn conversation; every model call goes through verifiers' own
 interception server (a local HTTP server that the env starts) to its `TrainClient`, which renders the
 prompt with the model's chat template (`MODEL_DIR`) and calls `POST /inference/v1/generate`; the ids
@@ -27,7 +28,7 @@ import types
 PROMPTS = [("hello world", "hi"), ("the quick brown fox", "dog")]
 SAMPLES = 2  # rollouts per prompt
 MAX_TOKENS = 10
-FOLLOW_UP = "and then?"  # 0.4's harness: the user's second turn
+FOLLOW_UP = "and then?"  # the user's second turn
 
 
 def stop_token_bias(model_dir: str) -> dict[str, int]:
