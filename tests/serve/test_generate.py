@@ -1,7 +1,9 @@
 """vLLM's token-in/token-out route `POST /inference/v1/generate` (serve/generate.py) on a live
 server: the same tokens and behaviour log-probs as `/v1/completions` for the same ids and seed,
 vLLM's shapes (`token_id:<id>` logprob entries, `prompt_logprobs`, usage), the stream, the way
-verifiers' renderer client calls it (the openai client's `post` on the root URL), and refusals."""
+verifiers' renderer client calls it (the openai client's `post` on the root URL), and refusals; and
+prime-rl's `/v1/chat/completions/tokens`, a chat completion whose prompt comes as ids, as verifiers
+0.3's training client posts a stitched later turn."""
 
 from __future__ import annotations
 
@@ -78,3 +80,24 @@ def test_generate_refusals_name_the_field(server):
         assert words in _generate(server, body, status)["error"]["message"], body
     r = httpx.post(server.base_url + ROUTE, json={"token_ids": [1]}, timeout=60)
     assert r.status_code == 401
+
+
+def test_chat_completions_tokens_is_a_chat_completion_of_the_given_ids(server, client, model_dir):
+    messages = [{"role": "user", "content": "hello world"}]
+    prompt = load_tokenizer(model_dir).apply_chat_template(messages, add_generation_prompt=True)
+    sampling = {"max_completion_tokens": 6, "temperature": 0.7, "seed": 3, "logprobs": True}
+    ref = client.chat.completions.create(model="tiny-model", messages=messages, **sampling,
+                                         extra_body={"return_token_ids": True})
+    # as verifiers 0.3 posts it: the openai client's `post` under /v1 with the chat body plus `tokens`
+    raw = client.post("/chat/completions/tokens", cast_to=httpx.Response,
+                      body={"model": "tiny-model", "messages": messages, "tokens": prompt, "return_token_ids": True,
+                            **sampling})
+    out = json.loads(raw.content)
+    assert out["object"] == "chat.completion" and out["prompt_token_ids"] == prompt
+    assert out["choices"][0]["token_ids"] == ref.choices[0].token_ids
+    assert out["choices"][0]["message"]["content"] == ref.choices[0].message.content
+    assert [e["logprob"] for e in out["choices"][0]["logprobs"]["content"]] == \
+        pytest.approx([e.logprob for e in ref.choices[0].logprobs.content], abs=1e-6)
+    bad = httpx.post(server.base_url + "/v1/chat/completions/tokens", headers=AUTH, timeout=60,
+                     json={"model": "tiny-model", "messages": messages, "tokens": [100000]})
+    assert bad.status_code == 400 and "tokens holds 100000" in bad.json()["error"]["message"]

@@ -44,8 +44,16 @@ from astrai.serve import admin
 from astrai.serve.admin import ADMIN_ROUTES
 from astrai.serve.anthropic import MessagesRenderer, MessagesRequest
 from astrai.serve.async_engine import AsyncEngine, Engine, EngineDeadError, OutputStream, QueueFullError
+from astrai.serve.generate import (
+    CHAT_TOKENS_ROUTE,
+    ChatTokensRequest,
+    GenerateRenderer,
+    GenerateRequest,
+    chat_tokens_prompts,
+    generate_params,
+    generate_prompts,
+)
 from astrai.serve.generate import ROUTE as GENERATE_ROUTE
-from astrai.serve.generate import GenerateRenderer, GenerateRequest, generate_params, generate_prompts
 from astrai.serve.metrics import ServerMetrics
 from astrai.serve.protocol import (
     ChatCompletionRequest,
@@ -69,7 +77,8 @@ from astrai.serve.state import ServeConfig, ServerState, load_engine
 
 logger = logging.getLogger("astrai.serve")
 ROUTES = ("/v1/chat/completions", "/v1/completions", "/v1/messages", "/v1/models", "/health", "/metrics",
-          "/tokenizer_info", "/tokenize", "/detokenize", GENERATE_ROUTE, "/openapi.json", *ADMIN_ROUTES)
+          "/tokenizer_info", "/tokenize", "/detokenize", GENERATE_ROUTE, CHAT_TOKENS_ROUTE, "/openapi.json",
+          *ADMIN_ROUTES)
 ANTHROPIC_ROUTES = ("/v1/messages",)  # errors there use Anthropic's body
 RETRY_AFTER_S = 1  # what a 429 tells the client to wait
 
@@ -220,7 +229,7 @@ async def _serve(endpoint: Endpoint, request: Request) -> Response:
     state = _state(request)
     state.check_auth(request)
     engine = state.check_ready()
-    chat = endpoint.request in (ChatCompletionRequest, MessagesRequest)  # each message renders to a token or more
+    chat = issubclass(endpoint.request, (ChatCompletionRequest, MessagesRequest))  # a message renders to a token or more
     req = await read_request(request, endpoint.request, state, state.max_model_len if chat else None)
     if req.model is not None:  # required on the OpenAI routes, optional on generate
         state.check_model(req.model)
@@ -290,6 +299,7 @@ COMPLETIONS = Endpoint(CompletionRequest, _completion_prompts, CompletionRendere
 MESSAGES = Endpoint(MessagesRequest, _chat_prompts, MessagesRenderer, lambda req: False, constrained=True)
 GENERATE = Endpoint(GenerateRequest, generate_prompts, GenerateRenderer,
                     lambda req: req.sampling_params.logprobs is not None, sampling=generate_params)
+CHAT_TOKENS = Endpoint(ChatTokensRequest, chat_tokens_prompts, ChatRenderer, lambda req: req.logprobs, constrained=True)
 
 
 @router.post("/v1/chat/completions")
@@ -310,6 +320,11 @@ async def messages(request: Request) -> Response:
 @router.post(GENERATE_ROUTE)
 async def generate(request: Request) -> Response:
     return await _serve(GENERATE, request)
+
+
+@router.post(CHAT_TOKENS_ROUTE)
+async def chat_completions_tokens(request: Request) -> Response:
+    return await _serve(CHAT_TOKENS, request)
 
 
 def _check_admissible(engine: AsyncEngine, prompts: list[list[int]], params: SamplingParams) -> None:

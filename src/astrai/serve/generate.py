@@ -1,4 +1,5 @@
-"""vLLM's token-in/token-out route, `POST /inference/v1/generate`: its request schema and renderer.
+"""The token-in routes: vLLM's `POST /inference/v1/generate` (its request schema and renderer) and
+prime-rl's `POST /v1/chat/completions/tokens` (a chat completion whose prompt comes as ids).
 
 The route an RL client calls when it renders prompts itself (verifiers' renderer client, prime-rl):
 `{"token_ids": [...], "sampling_params": {...vLLM's SamplingParams names...}, "model"?, "stream"?,
@@ -11,6 +12,14 @@ engine updates become its body or its SSE chunks. Like every astrai answer, the 
 after the first engine update carry `policy_version`; `logprobs_mode` (astrai's, top level) picks the
 sampler's behaviour log-probs (`processed_logprobs`) over the raw model's (the default, as vLLM's
 server default).
+
+`/v1/chat/completions/tokens` is the route verifiers 0.3's training client posts a later turn of a
+multi-turn rollout to: the chat completion body (`messages`, `tools`, sampling, `logprobs`,
+`return_token_ids`) plus `tokens`, the prompt's ids, which the client stitched from the previous turn's
+prompt and completion ids and the ids the template adds for the new messages (from `/tokenize`), so
+the sampled ids are never decoded and re-encoded. The ids are the prompt; `messages` and `tools` are
+read only as on `/v1/chat/completions` after rendering (tool calls in the reply, `tool_choice` and
+`response_format` constraints), and the answer is a chat completion in every way.
 """
 
 from __future__ import annotations
@@ -21,6 +30,7 @@ from pydantic import BaseModel, Field
 
 from astrai.infer.sampling import SamplingParams
 from astrai.serve.protocol import (
+    ChatCompletionRequest,
     SamplingKnobs,
     StreamOptions,
     StrictModel,
@@ -34,6 +44,7 @@ from astrai.serve.requests import APIError
 from astrai.serve.state import ServerState
 
 ROUTE = "/inference/v1/generate"
+CHAT_TOKENS_ROUTE = "/v1/chat/completions/tokens"
 
 
 class GenerateSampling(SamplingKnobs):
@@ -63,14 +74,28 @@ class GenerateRequest(StrictModel):
         return self.sampling_params.n
 
 
-async def generate_prompts(state: ServerState, req: GenerateRequest) -> list[list[int]]:
+def checked_ids(state: ServerState, ids: list[int], max_tokens: int | None, param: str) -> list[list[int]]:
     """The one prompt, its ids inside the vocabulary and, with max_tokens, inside max_model_len."""
-    bad = [t for t in req.token_ids if t >= state.vocab_size]
+    bad = [t for t in ids if t >= state.vocab_size]
     if bad:
-        raise APIError(400, f"token_ids holds {bad[0]}, outside the vocabulary (ids 0..{state.vocab_size - 1}); "
-                            "send ids of this model's tokenizer", param="token_ids")
-    state.check_length(len(req.token_ids), req.sampling_params.max_tokens, "token_ids")
-    return [list(req.token_ids)]
+        raise APIError(400, f"{param} holds {bad[0]}, outside the vocabulary (ids 0..{state.vocab_size - 1}); "
+                            "send ids of this model's tokenizer", param=param)
+    state.check_length(len(ids), max_tokens, param)
+    return [list(ids)]
+
+
+async def generate_prompts(state: ServerState, req: GenerateRequest) -> list[list[int]]:
+    return checked_ids(state, req.token_ids, req.sampling_params.max_tokens, "token_ids")
+
+
+class ChatTokensRequest(ChatCompletionRequest):
+    """prime-rl's `/v1/chat/completions/tokens` body: a chat completion request and its prompt's ids."""
+
+    tokens: list[Annotated[int, Field(ge=0)]] = Field(min_length=1)
+
+
+async def chat_tokens_prompts(state: ServerState, req: ChatTokensRequest) -> list[list[int]]:
+    return checked_ids(state, req.tokens, req.requested_max_tokens(), "tokens")
 
 
 def generate_params(state: ServerState, req: GenerateRequest) -> SamplingParams:
