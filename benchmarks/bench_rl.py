@@ -101,13 +101,17 @@ SYSTEMS = {
     "trl_onednn": ("TRL GRPOTrainer, checkpointing off, astrai's oneDNN products (set_cpu_matmul)", "trl", False),
     # rollouts drawn ahead on a thread beside training (rl.async_steps): the trainer and the rollout
     # thread each take half of --threads (at least one), so the system uses the cores the others do
-    "astrai_async1": ("astrai online_grpo, async_steps 1", "online_grpo", False),
-    "astrai_async2": ("astrai online_grpo, async_steps 2", "online_grpo", False),
+    "astrai_async1": ("astrai online_grpo, async_steps 1 (engine in a rollout process)", "online_grpo", False),
+    "astrai_async2": ("astrai online_grpo, async_steps 2 (engine in a rollout process)", "online_grpo", False),
+    "astrai_async1_thread": ("astrai online_grpo, async_steps 1 (engine on the rollout thread)", "online_grpo", False),
     # rollouts from one `astrai serve` process beside the trainer, weights by each transport
     "astrai_server_fs": ("astrai online_grpo, rollouts from a server (filesystem transport)", "online_grpo", False),
     "astrai_server_bc": ("astrai online_grpo, rollouts from a server (broadcast transport)", "online_grpo", False),
+    "astrai_server_async1": ("astrai online_grpo, async_steps 1, rollouts from a server (broadcast)", "online_grpo",
+                             False),
 }
-SERVER_TRANSPORT = {"astrai_server_fs": "filesystem", "astrai_server_bc": "broadcast"}
+SERVER_TRANSPORT = {"astrai_server_fs": "filesystem", "astrai_server_bc": "broadcast",
+                    "astrai_server_async1": "broadcast"}
 ADMIN_KEY = "bench-admin"
 CHILD_ENV = {  # glibc reads these when the process starts
     "trl_mmap": {"MALLOC_MMAP_THRESHOLD_": str(2**20)},
@@ -115,7 +119,8 @@ CHILD_ENV = {  # glibc reads these when the process starts
 }
 CHILD_FLAGS = {"astrai_mmap": {"host_mmap_threshold_mb": 1}, "astrai_trim": {"host_keep_heap": False},
                "astrai_blas": {"cpu_matmul": "blas"}, "astrai_async1": {"async_steps": 1},
-               "astrai_async2": {"async_steps": 2}}
+               "astrai_async2": {"async_steps": 2}, "astrai_server_async1": {"async_steps": 1},
+               "astrai_async1_thread": {"async_steps": 1, "async_rollout_source": "thread"}}
 TINY_DEFAULTS = {"steps": 8, "prompts": 8, "group_size": 8, "max_tokens": 16, "threads": 1, "lr": 1e-4}
 MODEL_DEFAULTS = {"steps": 3, "prompts": 8, "group_size": 4, "max_tokens": 64, "threads": 2, "lr": 1e-6}
 RESULT = "BENCH_RL_RESULT "  # the child's last stdout line: this prefix, then its JSON summary
@@ -159,6 +164,22 @@ def force_full_length() -> None:
         return run_batch(self, prompt_ids, [dataclasses.replace(p, min_tokens=p.max_tokens) for p in listed], **kw)
 
     LLMEngine.run_batch = full_length
+
+
+def serve_turns_full_length(*args: Any) -> None:
+    """The rollout process's main (``async_rollout_source process``) with full-length completions:
+    a spawned child imports this script afresh, so the patch is made there first."""
+    from astrai.train.rl import process_sampler
+
+    force_full_length()
+    process_sampler.serve_turns(*args)  # the child's own module, unpatched
+
+
+def force_full_length_process() -> None:
+    """The same full-length completions from the rollout process: its main is the one above."""
+    from astrai.train.rl import process_sampler
+
+    process_sampler.serve_turns = serve_turns_full_length
 
 
 def force_full_length_remote() -> None:
@@ -225,6 +246,7 @@ def run_astrai(prompts: Path, model_dir: Path, out: Path, args: argparse.Namespa
     sync_seconds: list[float] = []
     if not args.stop_at_eos:
         force_full_length()
+        force_full_length_process()
         force_full_length_remote()
 
     class Clock:
@@ -319,9 +341,9 @@ def child(args: argparse.Namespace) -> int:
     elif args.child in SERVER_TRANSPORT:  # one server process beside this trainer process
         weights = out / "weights"
         weights.mkdir(parents=True, exist_ok=True)
-        server, url = start_server(Path(args.model_dir), weights, args.threads)
+        server, url = start_server(Path(args.model_dir), weights, max(1, args.threads // 2) if flags else args.threads)
         try:
-            flags = {"rollout_servers": url, "rollout_admin_key": ADMIN_KEY, "rollout_weights_dir": weights,
+            flags = {**flags, "rollout_servers": url, "rollout_admin_key": ADMIN_KEY, "rollout_weights_dir": weights,
                      "rollout_weight_transport": SERVER_TRANSPORT[args.child]}
             result = run_astrai(Path(args.prompts_path), Path(args.model_dir), out, args, train_type, checkpointing,
                                 flags)
@@ -379,7 +401,7 @@ def print_table(results: dict[str, dict[str, float]], args: argparse.Namespace, 
               f"{ref['step_s'] / target:.3f} s (astrai: {a['step_s']:.3f} s, {ref['step_s'] / a['step_s']:.2f}x; "
               f"CPU {ref['cpu_s'] / a['cpu_s']:.2f}x); peak RSS at most 0.5x -> {ref['peak_rss_mb'] / 2:.0f} MB "
               f"(astrai: {a['peak_rss_mb']:.0f} MB, {a['peak_rss_mb'] / ref['peak_rss_mb']:.2f}x).")
-    for name in ("astrai_async1", "astrai_async2"):  # the overlap's gain against the synchronous loop
+    for name in ("astrai_async1", "astrai_async2", "astrai_async1_thread"):  # the overlap's gain against the synchronous loop
         if name in results and "astrai" in results:
             sync, fast = results["astrai"], results[name]
             line = (f"{SYSTEMS[name][0]}: {sync['step_s'] / fast['step_s']:.2f}x the synchronous loop's steps/s "

@@ -88,9 +88,38 @@ def sigterm_after_step(config: Path, step: int, tmp_path: Path) -> None:
     deadline = time.monotonic() + 300  # a guard against a hung run, not the property under test
     while not list(tmp_path.glob("paused.*")) and proc.poll() is None and time.monotonic() < deadline:
         time.sleep(0.05)
+    children = child_pids(proc.pid)  # async_steps on a CPU: the rollout process
     proc.send_signal(signal.SIGTERM)
     _, err = proc.communicate(timeout=300)
     assert proc.returncode == 0 and f"stopped at step {step}" in err, err[-2000:]
+    assert not left_behind(children), f"processes {children} of the stopped run are still running"
+
+
+def child_pids(pid: int) -> list[int]:
+    """The processes whose parent is `pid` (Linux /proc)."""
+    found = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:  # gone meanwhile
+            continue
+        if int(fields[1]) == pid:
+            found.append(int(stat.parent.name))
+    return found
+
+
+def left_behind(pids: list[int], guard_s: float = 60.0) -> list[int]:
+    """Those of `pids` still running once they all ended or `guard_s` passed (zombies count as ended)."""
+    def running(p: int) -> bool:
+        try:
+            return Path(f"/proc/{p}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+        except OSError:
+            return False
+
+    deadline = time.monotonic() + guard_s
+    while any(running(p) for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return [p for p in pids if running(p)]
 
 
 def checkpoint_weights(run_dir: Path) -> dict[str, torch.Tensor]:

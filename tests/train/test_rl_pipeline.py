@@ -20,7 +20,14 @@ from astrai.config import ConfigError, load_config
 from astrai.train.cli import main
 from astrai.train.publish import latest_checkpoint
 from tests.train.resume_data import read_metrics
-from tests.train.rl_runs import REPO, checkpoint_weights, sigterm_after_step, write_rl_run
+from tests.train.rl_runs import (
+    REPO,
+    checkpoint_weights,
+    child_pids,
+    left_behind,
+    sigterm_after_step,
+    write_rl_run,
+)
 
 GUARD_S = 300  # a guard against a hung run, not the property under test
 
@@ -83,7 +90,8 @@ def test_sigterm_and_resume_equals_the_uninterrupted_run(tmp_path, tok_dir):
 @pytest.mark.slow
 def test_sigkill_then_resume_equals_the_uninterrupted_run(tmp_path, tok_dir):
     """Killed after step 3 (the checkpoint of step 2 is the newest): the resume redoes step 3 on
-    the rollout saved in flight and ends where the uninterrupted run ends."""
+    the rollout saved in flight and ends where the uninterrupted run ends; the rollout process
+    (its pipe closed) leaves with the trainer."""
     straight = async_run(tmp_path / "straight", tok_dir, 1, max_steps=5)
     killed = async_run(tmp_path / "killed", tok_dir, 1, max_steps=5)
     assert main(["--config", str(straight)]) == 0
@@ -97,8 +105,11 @@ def test_sigkill_then_resume_equals_the_uninterrupted_run(tmp_path, tok_dir):
     while not (list(tmp_path.glob("paused.*")) and latest_checkpoint(ckpt)) and proc.poll() is None \
             and time.monotonic() < deadline:
         time.sleep(0.05)
+    children = child_pids(proc.pid)  # the rollout process (async_rollout_source auto: a process on a CPU)
+    assert children
     proc.send_signal(signal.SIGKILL)
     proc.wait(timeout=GUARD_S)
+    assert not left_behind(children), "the rollout process outlived its killed trainer"
     assert latest_checkpoint(ckpt).name == "step_00000002"
     assert main(["--config", str(killed), "--resume", "--ckpt_interval", "2"]) == 0
     assert same_weights(tmp_path / "killed", tmp_path / "straight")
