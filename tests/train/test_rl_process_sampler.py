@@ -9,15 +9,18 @@ import multiprocessing
 import os
 import signal
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
 
+from astrai.config import RLConfig
 from astrai.data.tokenizer import load_tokenizer
 from astrai.model.config import ModelConfig
 from astrai.model.transformer import CausalLM
 from astrai.train.cli import main
 from astrai.train.rl.engine_sampler import EngineSampler
+from astrai.train.rl.pipeline import rollout_source
 from astrai.train.rl.process_sampler import ProcessSampler
 from astrai.train.rl.sampler import RolloutSampling, TurnRequest
 from tests.train.rl_runs import checkpoint_weights, write_rl_run
@@ -80,3 +83,16 @@ def test_a_process_run_ends_with_the_thread_runs_weights_and_leaves_no_child(tmp
     assert multiprocessing.active_children() == []  # the run's end joined its rollout process
     a, b = checkpoint_weights(process), checkpoint_weights(thread)
     assert a.keys() == b.keys() and all(a[k].equal(b[k]) for k in a)
+
+
+def test_without_room_in_shared_memory_auto_takes_the_thread_and_process_says_why(tok_dir, monkeypatch, capsys):
+    tok = load_tokenizer(tok_dir)
+    model = tiny_policy(tok)
+    assert rollout_source(RLConfig(async_steps=1), model, torch.device("cpu")) == "process"
+    monkeypatch.setattr(os, "statvfs", lambda path: SimpleNamespace(f_bavail=0, f_frsize=4096))
+    assert rollout_source(RLConfig(async_steps=1), model, torch.device("cpu")) == "thread"
+    assert "which has 0 MiB free (a container's default is 64 MB), so the engine runs on the rollout thread" in \
+        capsys.readouterr().err
+    with pytest.raises(ValueError, match=r"shares the copy of the weights \(0 MiB\) through /dev/shm, which has 0 MiB "
+                                         r"free .*; give it more \(docker run --shm-size.* --async_rollout_source thread"):
+        ProcessSampler(model, tok, num_seqs=6, max_len=32, threads=1)

@@ -123,7 +123,7 @@ class OnlineLoop:
             weights_dir = cfg.rl.rollout_weights_dir or str(Path(cfg.log.log_dir) / "rollout_weights")
             make_runner = lambda model: http_runner(model, self.tokenizer, cfg.rl, rewards, weights_dir,  # noqa: E731
                                                     cfg.train.random_seed, base_model=cfg.train.param_path)
-        elif cfg.rl.async_steps and rollout_source(cfg.rl, self.device) == "process":  # rl/process_sampler.py
+        elif cfg.rl.async_steps and rollout_source(cfg.rl, self.model, self.device) == "process":  # rl/process_sampler.py
             make_runner = lambda model: process_runner(model, self.tokenizer, cfg.rl,  # noqa: E731
                                                        max(1, self.num_prompts * cfg.rl.group_size), rewards,
                                                        torch.get_num_threads(), cfg.train.random_seed, bf16=cfg.train.bf16)

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import copy
 import queue
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -38,6 +39,7 @@ from astrai.train import dist
 from astrai.train.rl.data import Rollout
 from astrai.train.rl.draws import RolloutDraws
 from astrai.train.rl.engine_sampler import unsharded_replica
+from astrai.train.rl.process_sampler import shared_memory_room
 from astrai.train.rl.runner import EpisodeRunner
 
 CLOSE_TIMEOUT_S = 120.0  # how long the run's end waits for the rollout thread's current draw
@@ -81,13 +83,21 @@ def full_weights(model: nn.Module) -> dict[str, Tensor]:
             for name, v in [*source.named_parameters(), *source.named_buffers()]}
 
 
-def rollout_source(rl: Any, device: torch.device) -> str:
+def rollout_source(rl: Any, model: nn.Module, device: torch.device) -> str:
     """Where ``async_steps``' engine runs: ``async_rollout_source``, auto resolved to a process of its
     own on a CPU (the trainer's and the engine's Python then never wait for each other's lock:
-    docs/training.md, "Asynchronous rollouts") and to the rollout thread on an accelerator."""
+    docs/training.md, "Asynchronous rollouts") when shared memory can hold a copy of `model`'s
+    weights (a note says why not), and to the rollout thread on an accelerator."""
     if rl.async_rollout_source != "auto":
         return rl.async_rollout_source
-    return "process" if torch.device(device).type == "cpu" else "thread"
+    if torch.device(device).type != "cpu":
+        return "thread"
+    source = dist.unwrap_model(model)
+    num_bytes = sum(t.numel() * t.element_size() for t in [*source.parameters(), *source.buffers()])
+    if (short := shared_memory_room(num_bytes)) is not None:
+        print(f"note: async_rollout_source auto: {short}, so the engine runs on the rollout thread", file=sys.stderr)
+        return "thread"
+    return "process"
 
 
 def weights_copy(model: nn.Module) -> nn.Module:

@@ -19,6 +19,7 @@ naming its exit code.
 from __future__ import annotations
 
 import contextlib
+import os
 import signal
 import traceback
 from collections.abc import Iterator
@@ -38,6 +39,22 @@ POLL_S = 1.0  # how often a waiting trainer checks that the child is still alive
 JOIN_TIMEOUT_S = 30.0  # close: how long the child gets to leave before it is terminated
 
 
+SHM_DIR = "/dev/shm"  # where torch's shared tensors live on Linux (its file_descriptor strategy)
+
+
+def shared_memory_room(num_bytes: int) -> str | None:
+    """None when `SHM_DIR` can hold `num_bytes` more (or does not exist: another OS), else why not."""
+    try:
+        stat = os.statvfs(SHM_DIR)
+    except OSError:
+        return None
+    free = stat.f_bavail * stat.f_frsize
+    if free >= num_bytes:
+        return None
+    return (f"the rollout process shares the copy of the weights ({num_bytes / 2**20:.0f} MiB) through {SHM_DIR}, "
+            f"which has {free / 2**20:.0f} MiB free (a container's default is 64 MB)")
+
+
 class ProcessSampler:
     """Draws turns on an engine in a child process over `model`, whose weights are shared with it
     (the caller writes each version into `model` before asking for that version's turns);
@@ -48,6 +65,10 @@ class ProcessSampler:
         if next(model.parameters()).device.type != "cpu":
             raise ValueError("async_rollout_source=process runs the rollout engine in a CPU process, but the policy is "
                              f"on {next(model.parameters()).device}; use --async_rollout_source thread")
+        num_bytes = sum(t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()])
+        if (short := shared_memory_room(num_bytes)) is not None:
+            raise ValueError(f"{short}; give it more (docker run --shm-size, compose shm_size) or use "
+                             "--async_rollout_source thread")
         model.share_memory()  # the child maps these storages; later writes are seen there
         ctx = torch.multiprocessing.get_context("spawn")
         self.conn, child_conn = ctx.Pipe()
