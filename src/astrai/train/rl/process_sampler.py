@@ -22,6 +22,7 @@ import contextlib
 import os
 import signal
 import traceback
+import weakref
 from collections.abc import Iterator
 from typing import Any
 
@@ -78,6 +79,8 @@ class ProcessSampler:
                                    name="astrai-rollout-engine", daemon=True)  # daemon: gone with the trainer
         self.process.start()
         child_conn.close()  # the child's end lives in the child only: its exit shows here as EOF
+        # a run that fails before its loop closes the pipeline still ends the child once this goes
+        self._finalizer = weakref.finalize(self, stop_child, self.process, self.conn)
         self._max_model_len = self._call("starting the engine", "ready")
 
     @property
@@ -104,14 +107,7 @@ class ProcessSampler:
 
     def close(self) -> None:
         """Ask the child to leave and wait for it (terminated past JOIN_TIMEOUT_S); idempotent."""
-        if self.process.is_alive():
-            with contextlib.suppress(OSError):
-                self.conn.send(("close",))
-            self.process.join(JOIN_TIMEOUT_S)
-        if self.process.is_alive():
-            self.process.terminate()
-            self.process.join(JOIN_TIMEOUT_S)
-        self.conn.close()
+        self._finalizer()
 
     def _call(self, what: str, op: str, *args: Any) -> Any:
         """Send one request and wait for its answer, checking that the child lives meanwhile."""
@@ -130,6 +126,18 @@ class ProcessSampler:
         if status == "error":
             raise RuntimeError(f"the rollout process failed while {what}:\n{value}")
         return value
+
+
+def stop_child(process: Any, conn: Any) -> None:
+    """`ProcessSampler.close`: ask the child to leave and wait for it (terminated past JOIN_TIMEOUT_S)."""
+    if process.is_alive():
+        with contextlib.suppress(OSError):
+            conn.send(("close",))
+        process.join(JOIN_TIMEOUT_S)
+    if process.is_alive():
+        process.terminate()
+        process.join(JOIN_TIMEOUT_S)
+    conn.close()
 
 
 def serve_turns(conn: Any, model: nn.Module, tokenizer: Any, engine: dict[str, Any]) -> None:
