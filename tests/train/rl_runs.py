@@ -88,7 +88,7 @@ def sigterm_after_step(config: Path, step: int, tmp_path: Path) -> None:
     deadline = time.monotonic() + 300  # a guard against a hung run, not the property under test
     while not list(tmp_path.glob("paused.*")) and proc.poll() is None and time.monotonic() < deadline:
         time.sleep(0.05)
-    children = child_pids(proc.pid)  # async_steps on a CPU: the rollout process
+    children = child_pids(proc.pid)  # async_steps on a CPU: the rollout process and its fork server
     proc.send_signal(signal.SIGTERM)
     _, err = proc.communicate(timeout=300)
     assert proc.returncode == 0 and f"stopped at step {step}" in err, err[-2000:]
@@ -96,15 +96,18 @@ def sigterm_after_step(config: Path, step: int, tmp_path: Path) -> None:
 
 
 def child_pids(pid: int) -> list[int]:
-    """The processes whose parent is `pid` (Linux /proc)."""
-    found = []
+    """Every process descended from `pid` (Linux /proc): children, theirs, and so on."""
+    parents: dict[int, int] = {}
     for stat in Path("/proc").glob("[0-9]*/stat"):
         try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
+            parents[int(stat.parent.name)] = int(stat.read_text().rsplit(")", 1)[1].split()[1])
         except OSError:  # gone meanwhile
             continue
-        if int(fields[1]) == pid:
-            found.append(int(stat.parent.name))
+    found, frontier = [], [pid]
+    while frontier:
+        children = [p for p, parent in parents.items() if parent in frontier]
+        found += children
+        frontier = children
     return found
 
 

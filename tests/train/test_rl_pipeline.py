@@ -105,7 +105,7 @@ def test_sigkill_then_resume_equals_the_uninterrupted_run(tmp_path, tok_dir):
     while not (list(tmp_path.glob("paused.*")) and latest_checkpoint(ckpt)) and proc.poll() is None \
             and time.monotonic() < deadline:
         time.sleep(0.05)
-    children = child_pids(proc.pid)  # the rollout process (async_rollout_source auto: a process on a CPU)
+    children = child_pids(proc.pid)  # the rollout process and its fork server (async_rollout_source auto, a CPU)
     assert children
     proc.send_signal(signal.SIGKILL)
     proc.wait(timeout=GUARD_S)
@@ -143,9 +143,10 @@ def train_in_subprocess(config: Path, *flags: str, pause_at: str | None = None, 
 def test_ddp_two_ranks_stopped_and_resumed_equal_the_uninterrupted_run(tmp_path, tok_dir):
     """Two ranks, each drawing its own prompts on its own rollout thread (their draws agree over a
     gloo group of their own, beside DDP's all-reduces): stopped after step 3 and resumed, the run
-    ends with the uninterrupted run's weights."""
-    straight = ddp(async_run(tmp_path / "straight", tok_dir, 1, max_steps=5))
-    stopped = ddp(async_run(tmp_path / "stopped", tok_dir, 1, max_steps=5))
+    ends with the uninterrupted run's weights. The engine on the thread (``async_rollout_source
+    thread``): this pins that source's resume, the SIGTERM and SIGKILL tests the process's."""
+    straight = ddp(async_run(tmp_path / "straight", tok_dir, 1, max_steps=5, async_rollout_source="thread"))
+    stopped = ddp(async_run(tmp_path / "stopped", tok_dir, 1, max_steps=5, async_rollout_source="thread"))
     train_in_subprocess(straight)
     out = train_in_subprocess(stopped, pause_at="step:3", pause_dir=tmp_path)
     assert "stopped at step 3" in out, out[-2000:]

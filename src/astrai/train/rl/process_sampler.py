@@ -4,7 +4,7 @@ sampler interface (``rl/sampler.py``), for ``async_steps`` (``async_rollout_sour
 The asynchronous pipeline (``rl/pipeline.py``) draws rollouts on a thread beside training; on a CPU
 with a small model both threads are mostly Python and contend for Python's lock. This sampler keeps
 the pipeline's thread (prompt draws, rewards, tools, packing: unchanged) but runs the engine in a
-child process (``torch.multiprocessing``, spawn) over the pipeline's copy of the weights, whose
+child process (``torch.multiprocessing``, from a fork server) over the pipeline's copy of the weights, whose
 tensors live in shared memory: the pipeline writes each policy version into them at a version
 boundary, before it asks for that version's turns, and the child reads them only inside those
 requests, so the weights never travel and no request sees a half-written version. Each call is one
@@ -71,7 +71,7 @@ class ProcessSampler:
             raise ValueError(f"{short}; give it more (docker run --shm-size, compose shm_size) or use "
                              "--async_rollout_source thread")
         model.share_memory()  # the child maps these storages; later writes are seen there
-        ctx = torch.multiprocessing.get_context("spawn")
+        ctx = start_context()
         self.conn, child_conn = ctx.Pipe()
         engine = {"num_seqs": num_seqs, "max_len": max_len, "bf16": bf16, "keep_kv_pool": keep_kv_pool,
                   "record_routing": record_routing, "threads": threads, "cpu_matmul": current_cpu_matmul()}
@@ -126,6 +126,18 @@ class ProcessSampler:
         if status == "error":
             raise RuntimeError(f"the rollout process failed while {what}:\n{value}")
         return value
+
+
+def start_context() -> Any:
+    """How children start: from a fork server that has imported this module once (a run's first child
+    pays the imports, about 2 s; each later one, another run in the same process, about 0.2 s), or
+    by spawn where there is no fork server (Windows). Never a plain fork of the trainer, whose
+    threads and locks a forked child would inherit."""
+    if "forkserver" not in torch.multiprocessing.get_all_start_methods():
+        return torch.multiprocessing.get_context("spawn")
+    ctx = torch.multiprocessing.get_context("forkserver")
+    ctx.set_forkserver_preload([__name__])
+    return ctx
 
 
 def stop_child(process: Any, conn: Any) -> None:
