@@ -439,6 +439,13 @@ def print_table(results: dict[str, dict[str, float]], args: argparse.Namespace, 
             if ref:
                 line += f", {ref['step_s'] / fast['step_s']:.2f}x TRL's per step (target on the tiny model: 3x)"
             print(line)
+    if "astrai_t1" in results and sync_rows:  # what overlap can do at all on this machine's two cores
+        one, best = results["astrai_t1"], min(sync_rows, key=lambda r: r["step_s"])["step_s"]
+        phases = [one.get("rollout_s", float("nan")), one.get("train_s", float("nan"))]
+        print(f"2-core bound: a step is {one['step_s']:.3f} s of work at one thread per phase (astrai_t1), so no "
+              f"overlap on two cores beats {one['step_s'] / 2:.3f} s ({2 * best / one['step_s']:.2f}x the "
+              f"synchronous loop at its faster thread count); one core per phase (async_steps): at least the "
+              f"longer phase, {max(phases):.3f} s ({best / max(phases):.2f}x)")
     served = [name for name in SERVER_TRANSPORT if name in results]
     if served:  # rollouts from a server next to the colocated run
         print("\nRollouts from one `astrai serve` process beside the trainer process vs the colocated run (same "
