@@ -1,11 +1,11 @@
-"""The rollout process: the in-process engine moved into a spawned process of its own, behind the
+"""The rollout process: the in-process engine moved into a child process of its own, behind the
 sampler interface (``rl/sampler.py``), for ``async_steps`` (``async_rollout_source: process``).
 
 The asynchronous pipeline (``rl/pipeline.py``) draws rollouts on a thread beside training; on a CPU
 with a small model both threads are mostly Python and contend for Python's lock. This sampler keeps
 the pipeline's thread (prompt draws, rewards, tools, packing: unchanged) but runs the engine in a
-child process (``torch.multiprocessing``, from a fork server) over the pipeline's copy of the weights, whose
-tensors live in shared memory: the pipeline writes each policy version into them at a version
+child process (``torch.multiprocessing``, started from a fork server) over the pipeline's copy of
+the weights, whose tensors live in shared memory: the pipeline writes each policy version into them at a version
 boundary, before it asks for that version's turns, and the child reads them only inside those
 requests, so the weights never travel and no request sees a half-written version. Each call is one
 message on a pipe (the turn requests out, the sampled turns back), answered before the next, so
@@ -38,8 +38,6 @@ from astrai.train.rl.sampler import TurnRequest, TurnResult
 
 POLL_S = 1.0  # how often a waiting trainer checks that the child is still alive
 JOIN_TIMEOUT_S = 30.0  # close: how long the child gets to leave before it is terminated
-
-
 SHM_DIR = "/dev/shm"  # where torch's shared tensors live on Linux (its file_descriptor strategy)
 
 
