@@ -35,11 +35,17 @@ fixed threshold from the environment (`MALLOC_MMAP_THRESHOLD_`); astrai with gli
 throughout (`host_keep_heap false`; by default astrai keeps freed heap memory mapped while it
 decodes), and TRL with the heap never trimmed, from the environment (`MALLOC_TRIM_THRESHOLD_`,
 `MALLOC_MMAP_THRESHOLD_`).
-Two rows draw the rollouts ahead of training on a thread (`async_steps` 1 and 2, `rl/pipeline.py`):
-the trainer and the rollout thread take half of `--threads` each (at least one), so give
-`--threads 2` to compare every system on the same two cores. The `overlap` column is (rollout
-seconds + training seconds) / seconds per step: 1 for a synchronous loop, up to 2 when the
-rollout hides entirely behind training (async rows: training = the step less the trainer's wait).
+Rows draw the rollouts ahead of training (`async_steps` 1 and 2, `rl/pipeline.py`) with the engine
+in a rollout process of its own (`astrai_async1`, `astrai_async2`: `async_rollout_source` auto on a
+CPU, `rl/process_sampler.py`), on the rollout thread itself (`astrai_async1_thread`), or on one
+`astrai serve` process (`astrai_server_async1`): the trainer and the engine take half of `--threads`
+each (at least one), so give `--threads 2` to compare every system on the same two cores;
+`astrai_t1` and `trl_t1` are the synchronous loop and TRL at one thread, and the ratios take each
+at its faster thread count. The `overlap` column is (rollout seconds + training seconds) / seconds
+per step: 1 for a synchronous loop, up to 2 when the rollout hides entirely behind training (async
+rows: training = the step less the trainer's wait). `rollout process peak MB` is the engine
+process's own peak RSS (the trainer's is the `peak RSS MB` column); its CPU seconds per step follow
+the trainer's after a `+`.
 `reward (last step)` is the rollout reward at the last step (0 for every system while completions
 are forced to full length; `--stop_at_eos` makes it comparable).
 
@@ -82,8 +88,10 @@ MODEL = {  # the demo's model shape (~1M parameters); vocab_size comes from the 
 # name -> (label, train_type or "trl", gradient checkpointing); the table's row order
 SYSTEMS = {
     "astrai": ("astrai online_grpo", "online_grpo", False),
+    "astrai_t1": ("astrai online_grpo, one thread (the CPU default)", "online_grpo", False),
     "astrai_ckpt": ("astrai online_grpo, gradient_checkpointing", "online_grpo", True),
     "trl": ("TRL GRPOTrainer, checkpointing off", "trl", False),
+    "trl_t1": ("TRL GRPOTrainer, checkpointing off, one thread", "trl", False),
     "trl_ckpt": ("TRL GRPOTrainer, checkpointing on (default)", "trl", True),
     "astrai_dpo": ("astrai online_dpo", "online_dpo", False),
     "astrai_ppo": ("astrai online_ppo", "online_ppo", False),
@@ -101,13 +109,17 @@ SYSTEMS = {
     "trl_onednn": ("TRL GRPOTrainer, checkpointing off, astrai's oneDNN products (set_cpu_matmul)", "trl", False),
     # rollouts drawn ahead on a thread beside training (rl.async_steps): the trainer and the rollout
     # thread each take half of --threads (at least one), so the system uses the cores the others do
-    "astrai_async1": ("astrai online_grpo, async_steps 1", "online_grpo", False),
-    "astrai_async2": ("astrai online_grpo, async_steps 2", "online_grpo", False),
+    "astrai_async1": ("astrai online_grpo, async_steps 1 (engine in a rollout process)", "online_grpo", False),
+    "astrai_async2": ("astrai online_grpo, async_steps 2 (engine in a rollout process)", "online_grpo", False),
+    "astrai_async1_thread": ("astrai online_grpo, async_steps 1 (engine on the rollout thread)", "online_grpo", False),
     # rollouts from one `astrai serve` process beside the trainer, weights by each transport
     "astrai_server_fs": ("astrai online_grpo, rollouts from a server (filesystem transport)", "online_grpo", False),
     "astrai_server_bc": ("astrai online_grpo, rollouts from a server (broadcast transport)", "online_grpo", False),
+    "astrai_server_async1": ("astrai online_grpo, async_steps 1, rollouts from a server (broadcast)", "online_grpo",
+                             False),
 }
-SERVER_TRANSPORT = {"astrai_server_fs": "filesystem", "astrai_server_bc": "broadcast"}
+SERVER_TRANSPORT = {"astrai_server_fs": "filesystem", "astrai_server_bc": "broadcast",
+                    "astrai_server_async1": "broadcast"}
 ADMIN_KEY = "bench-admin"
 CHILD_ENV = {  # glibc reads these when the process starts
     "trl_mmap": {"MALLOC_MMAP_THRESHOLD_": str(2**20)},
@@ -115,7 +127,9 @@ CHILD_ENV = {  # glibc reads these when the process starts
 }
 CHILD_FLAGS = {"astrai_mmap": {"host_mmap_threshold_mb": 1}, "astrai_trim": {"host_keep_heap": False},
                "astrai_blas": {"cpu_matmul": "blas"}, "astrai_async1": {"async_steps": 1},
-               "astrai_async2": {"async_steps": 2}}
+               "astrai_async2": {"async_steps": 2}, "astrai_server_async1": {"async_steps": 1},
+               "astrai_async1_thread": {"async_steps": 1, "async_rollout_source": "thread"}}
+CHILD_THREADS = {"astrai_t1": 1, "trl_t1": 1}  # these rows take one thread whatever --threads says
 TINY_DEFAULTS = {"steps": 8, "prompts": 8, "group_size": 8, "max_tokens": 16, "threads": 1, "lr": 1e-4}
 MODEL_DEFAULTS = {"steps": 3, "prompts": 8, "group_size": 4, "max_tokens": 64, "threads": 2, "lr": 1e-6}
 RESULT = "BENCH_RL_RESULT "  # the child's last stdout line: this prefix, then its JSON summary
@@ -161,6 +175,22 @@ def force_full_length() -> None:
     LLMEngine.run_batch = full_length
 
 
+def serve_turns_full_length(*args: Any) -> None:
+    """The rollout process's main (``async_rollout_source process``) with full-length completions:
+    a spawned child imports this script afresh, so the patch is made there first."""
+    from astrai.train.rl import process_sampler
+
+    force_full_length()
+    process_sampler.serve_turns(*args)  # the child's own module, unpatched
+
+
+def force_full_length_process() -> None:
+    """The same full-length completions from the rollout process: its main is the one above."""
+    from astrai.train.rl import process_sampler
+
+    process_sampler.serve_turns = serve_turns_full_length
+
+
 def force_full_length_remote() -> None:
     """The same full-length completions from a rollout server: min_tokens = max_tokens in every
     sampling request the HTTP sampler sends (patched on its one HTTP call)."""
@@ -204,6 +234,12 @@ def start_server(model_dir: Path, weights: Path, threads: int) -> tuple[subproce
     raise RuntimeError("bench_rl: the rollout server was not healthy within 600 s")
 
 
+def cpu_seconds(pid: int) -> float:
+    """A live process's CPU seconds so far (user + system)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def peak_rss_mb(pid: int) -> float:
     """A process's peak resident memory (VmHWM) while it is alive."""
     for line in Path(f"/proc/{pid}/status").read_text().splitlines():
@@ -223,8 +259,11 @@ def run_astrai(prompts: Path, model_dir: Path, out: Path, args: argparse.Namespa
     waits: list[float] = []  # async_steps: seconds the trainer waited for its rollout
     rewards: list[float] = []
     sync_seconds: list[float] = []
+    child_peak: list[float] = []
+    child_cpu: list[float] = []  # the rollout process's CPU seconds at each step's end
     if not args.stop_at_eos:
         force_full_length()
+        force_full_length_process()
         force_full_length_remote()
 
     class Clock:
@@ -242,6 +281,9 @@ def run_astrai(prompts: Path, model_dir: Path, out: Path, args: argparse.Namespa
             waits.append(loop.step_metrics.get("async_wait_seconds", float("nan")))
             rewards.append(loop.step_metrics["reward_mean"])
             sync_seconds.append(float(loop.step_metrics.get("weight_sync_seconds", 0.0)))
+            if loop.pipeline is not None and hasattr(loop.pipeline.runner.sampler, "process"):  # the rollout process
+                child_peak.append(peak_rss_mb(loop.pipeline.runner.sampler.process.pid))
+                child_cpu.append(cpu_seconds(loop.pipeline.runner.sampler.process.pid))
 
     reward_names = "exact_match,length" if train_type == "online_dpo" and not args.stop_at_eos else "exact_match"
     flags = {"train_type": train_type, "data_path": prompts, "param_path": model_dir, "device": "cpu",
@@ -263,6 +305,11 @@ def run_astrai(prompts: Path, model_dir: Path, out: Path, args: argparse.Namespa
     synced = sync_seconds[k + 1:n - k] or sync_seconds  # as the step times: the first step's aside
     out = {**clock.summary(), **memory.summary(), "reward_last": rewards[-1],
            "sync_s": sum(synced) / max(len(synced), 1)}
+    if child_peak:
+        out["engine_peak_rss_mb"] = max(child_peak)
+        window = child_cpu[k:len(child_cpu) - k]  # the step ends the step times come from
+        steps = [b - a for a, b in zip(window, window[1:])]
+        out["engine_cpu_s"] = statistics.median(steps) if steps else float("nan")
     if cfg.rl.async_steps and len(waits) > 1:  # the trainer is busy for the step less its wait
         out["train_s"] = out["step_s"] - statistics.median(waits[1:])
     out["overlap"] = (out.get("rollout_s", 0.0) + out.get("train_s", 0.0)) / out["step_s"]
@@ -319,9 +366,9 @@ def child(args: argparse.Namespace) -> int:
     elif args.child in SERVER_TRANSPORT:  # one server process beside this trainer process
         weights = out / "weights"
         weights.mkdir(parents=True, exist_ok=True)
-        server, url = start_server(Path(args.model_dir), weights, args.threads)
+        server, url = start_server(Path(args.model_dir), weights, max(1, args.threads // 2) if flags else args.threads)
         try:
-            flags = {"rollout_servers": url, "rollout_admin_key": ADMIN_KEY, "rollout_weights_dir": weights,
+            flags = {**flags, "rollout_servers": url, "rollout_admin_key": ADMIN_KEY, "rollout_weights_dir": weights,
                      "rollout_weight_transport": SERVER_TRANSPORT[args.child]}
             result = run_astrai(Path(args.prompts_path), Path(args.model_dir), out, args, train_type, checkpointing,
                                 flags)
@@ -341,7 +388,7 @@ def run_child(name: str, prompts: Path, model_dir: Path, out: Path, args: argpar
     cmd = [sys.executable, __file__, "--child", name, "--prompts_path", str(prompts), "--model_dir", str(model_dir),
            "--out", str(out), "--steps", str(args.steps), "--prompts", str(args.prompts),
            "--group_size", str(args.group_size), "--max_tokens", str(args.max_tokens), "--lr", str(args.lr),
-           "--threads", str(args.threads), "--seed", str(args.seed)] + (["--stop_at_eos"] if args.stop_at_eos else [])
+           "--threads", str(CHILD_THREADS.get(name, args.threads)), "--seed", str(args.seed)] + (["--stop_at_eos"] if args.stop_at_eos else [])
     proc = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, **CHILD_ENV.get(name, {})})
     lines = [line for line in proc.stdout.splitlines() if line.startswith(RESULT)]
     if proc.returncode != 0 or not lines:
@@ -363,30 +410,42 @@ def print_table(results: dict[str, dict[str, float]], args: argparse.Namespace, 
           f"{args.threads} thread(s) per system (async: half for training, half for the rollout thread), CPU fp32, "
           "each system in its own process.\n")
     print("| system | s/step | rollout s | train s | overlap | CPU s/step | tokens/step | peak RSS MB | step adds MB "
-          "| reward (last step) | s/step vs TRL | CPU vs TRL | peak vs TRL |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
-    ref = results.get("trl", {})
+          "| rollout process peak MB | reward (last step) | s/step vs TRL | CPU vs TRL | peak vs TRL |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    trl = [results[n] for n in ("trl", "trl_t1") if n in results]
+    ref = min(trl, key=lambda r: r["step_s"]) if trl else {}  # TRL at its best thread count
     for name, r in results.items():
         cells = [f"{r['step_s']:.3f}", f"{r.get('rollout_s', float('nan')):.3f}", f"{r.get('train_s', float('nan')):.3f}",
-                 f"{r.get('overlap', float('nan')):.2f}", f"{r['cpu_s']:.3f}",
+                 f"{r.get('overlap', float('nan')):.2f}",
+                 f"{r['cpu_s']:.3f}" + (f" + {r['engine_cpu_s']:.3f}" if "engine_cpu_s" in r else ""),
                  f"{r.get('tokens_per_step', float('nan')):.0f}", f"{r['peak_rss_mb']:.0f}", f"{r['step_rss_mb']:.0f}",
+                 f"{r['engine_peak_rss_mb']:.0f}" if "engine_peak_rss_mb" in r else "-",
                  f"{r.get('reward_last', float('nan')):.3f}", ratio(r["step_s"], ref.get("step_s", 0)),
                  ratio(r["cpu_s"], ref.get("cpu_s", 0)), ratio(r["peak_rss_mb"], ref.get("peak_rss_mb", 0))]
         print(f"| {SYSTEMS[name][0]} | " + " | ".join(cells) + " |")
     if "astrai" in results and ref:
         a, target = results["astrai"], 2 if args.model else 3
-        print(f"\nTargets against TRL (checkpointing off): {target}x faster per step -> at most "
+        print(f"\nTargets against TRL (checkpointing off, its faster thread count): {target}x faster per step -> at most "
               f"{ref['step_s'] / target:.3f} s (astrai: {a['step_s']:.3f} s, {ref['step_s'] / a['step_s']:.2f}x; "
               f"CPU {ref['cpu_s'] / a['cpu_s']:.2f}x); peak RSS at most 0.5x -> {ref['peak_rss_mb'] / 2:.0f} MB "
               f"(astrai: {a['peak_rss_mb']:.0f} MB, {a['peak_rss_mb'] / ref['peak_rss_mb']:.2f}x).")
-    for name in ("astrai_async1", "astrai_async2"):  # the overlap's gain against the synchronous loop
-        if name in results and "astrai" in results:
-            sync, fast = results["astrai"], results[name]
+    sync_rows = [results[n] for n in ("astrai", "astrai_t1") if n in results]
+    for name in ("astrai_async1", "astrai_async2", "astrai_async1_thread", "astrai_server_async1"):  # vs synchronous
+        if name in results and sync_rows:
+            sync = min(sync_rows, key=lambda r: r["step_s"])  # the synchronous loop at its best thread count
+            fast = results[name]
             line = (f"{SYSTEMS[name][0]}: {sync['step_s'] / fast['step_s']:.2f}x the synchronous loop's steps/s "
-                    f"(target for async_steps 1 on a real model: 1.6x)")
+                    f"at its faster thread count (target for async_steps 1 on a real model: 1.6x)")
             if ref:
                 line += f", {ref['step_s'] / fast['step_s']:.2f}x TRL's per step (target on the tiny model: 3x)"
             print(line)
+    if "astrai_t1" in results and sync_rows:  # what overlap can do at all on this machine's two cores
+        one, best = results["astrai_t1"], min(sync_rows, key=lambda r: r["step_s"])["step_s"]
+        phases = [one.get("rollout_s", float("nan")), one.get("train_s", float("nan"))]
+        print(f"2-core bound: a step is {one['step_s']:.3f} s of work at one thread per phase (astrai_t1), so no "
+              f"overlap on two cores beats {one['step_s'] / 2:.3f} s ({2 * best / one['step_s']:.2f}x the "
+              f"synchronous loop at its faster thread count); one core per phase (async_steps): at least the "
+              f"longer phase, {max(phases):.3f} s ({best / max(phases):.2f}x)")
     served = [name for name in SERVER_TRANSPORT if name in results]
     if served:  # rollouts from a server next to the colocated run
         print("\nRollouts from one `astrai serve` process beside the trainer process vs the colocated run (same "

@@ -126,6 +126,7 @@ class RLConfig:
     max_prompt_len: int | None = knob(None, ge=1)  # None = 256 or what fits the model's positions; longer prompts are skipped
     max_policy_lag: int = knob(8, ge=0)  # a rollout more policy versions old than this is an error
     async_steps: int = knob(0, ge=0)  # 0 = synchronous; k: the rollout of step t is drawn by the policy after step t - k, on a thread beside training
+    async_rollout_source: str = "auto"  # auto | thread | process: where async_steps' engine runs (the rollout thread, or a spawned process beside it); auto: process on CPU, thread otherwise
     keep_kv_pool: bool = False  # the engine's KV pool stays allocated through training; false: made per rollout, freed after
     host_mmap_threshold_mb: int = knob(0, ge=0, le=32, note="(MiB; glibc accepts at most 32); use 1, or 0 to keep the C allocator's default")  # glibc: host tensors this large (MiB) get their own mapping (no heap fragmentation); 0 = glibc's default
     host_keep_heap: bool = True  # glibc: while the engine decodes, freed heap memory stays mapped (no trim, no page faults back)

@@ -82,6 +82,7 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "scale_rewards": ("group", "none"),
     "rl_loss_agg": ("token_mean", "seq_mean", "seq_mean_token_sum_norm"),
     "rollout_weight_transport": ("filesystem", "broadcast"),
+    "async_rollout_source": ("auto", "thread", "process"),  # train/rl/pipeline.py
     "rollout_is_level": ("none", "token", "sequence"),
     "rollout_is_mode": ("truncate", "mask"),
     "policy_loss": ("clip", "cispo"),

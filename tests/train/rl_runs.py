@@ -88,9 +88,41 @@ def sigterm_after_step(config: Path, step: int, tmp_path: Path) -> None:
     deadline = time.monotonic() + 300  # a guard against a hung run, not the property under test
     while not list(tmp_path.glob("paused.*")) and proc.poll() is None and time.monotonic() < deadline:
         time.sleep(0.05)
+    children = child_pids(proc.pid)  # async_steps on a CPU: the rollout process and its fork server
     proc.send_signal(signal.SIGTERM)
     _, err = proc.communicate(timeout=300)
     assert proc.returncode == 0 and f"stopped at step {step}" in err, err[-2000:]
+    assert not left_behind(children), f"processes {children} of the stopped run are still running"
+
+
+def child_pids(pid: int) -> list[int]:
+    """Every process descended from `pid` (Linux /proc): children, theirs, and so on."""
+    parents: dict[int, int] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            parents[int(stat.parent.name)] = int(stat.read_text().rsplit(")", 1)[1].split()[1])
+        except OSError:  # gone meanwhile
+            continue
+    found, frontier = [], [pid]
+    while frontier:
+        children = [p for p, parent in parents.items() if parent in frontier]
+        found += children
+        frontier = children
+    return found
+
+
+def left_behind(pids: list[int], guard_s: float = 60.0) -> list[int]:
+    """Those of `pids` still running once they all ended or `guard_s` passed (zombies count as ended)."""
+    def running(p: int) -> bool:
+        try:
+            return Path(f"/proc/{p}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+        except OSError:
+            return False
+
+    deadline = time.monotonic() + guard_s
+    while any(running(p) for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return [p for p in pids if running(p)]
 
 
 def checkpoint_weights(run_dir: Path) -> dict[str, torch.Tensor]:

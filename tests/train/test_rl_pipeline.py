@@ -20,7 +20,14 @@ from astrai.config import ConfigError, load_config
 from astrai.train.cli import main
 from astrai.train.publish import latest_checkpoint
 from tests.train.resume_data import read_metrics
-from tests.train.rl_runs import REPO, checkpoint_weights, sigterm_after_step, write_rl_run
+from tests.train.rl_runs import (
+    REPO,
+    checkpoint_weights,
+    child_pids,
+    left_behind,
+    sigterm_after_step,
+    write_rl_run,
+)
 
 GUARD_S = 300  # a guard against a hung run, not the property under test
 
@@ -83,7 +90,8 @@ def test_sigterm_and_resume_equals_the_uninterrupted_run(tmp_path, tok_dir):
 @pytest.mark.slow
 def test_sigkill_then_resume_equals_the_uninterrupted_run(tmp_path, tok_dir):
     """Killed after step 3 (the checkpoint of step 2 is the newest): the resume redoes step 3 on
-    the rollout saved in flight and ends where the uninterrupted run ends."""
+    the rollout saved in flight and ends where the uninterrupted run ends; the rollout process
+    (its pipe closed) leaves with the trainer."""
     straight = async_run(tmp_path / "straight", tok_dir, 1, max_steps=5)
     killed = async_run(tmp_path / "killed", tok_dir, 1, max_steps=5)
     assert main(["--config", str(straight)]) == 0
@@ -97,8 +105,11 @@ def test_sigkill_then_resume_equals_the_uninterrupted_run(tmp_path, tok_dir):
     while not (list(tmp_path.glob("paused.*")) and latest_checkpoint(ckpt)) and proc.poll() is None \
             and time.monotonic() < deadline:
         time.sleep(0.05)
+    children = child_pids(proc.pid)  # the rollout process and its fork server (async_rollout_source auto, a CPU)
+    assert children
     proc.send_signal(signal.SIGKILL)
     proc.wait(timeout=GUARD_S)
+    assert not left_behind(children), "the rollout process outlived its killed trainer"
     assert latest_checkpoint(ckpt).name == "step_00000002"
     assert main(["--config", str(killed), "--resume", "--ckpt_interval", "2"]) == 0
     assert same_weights(tmp_path / "killed", tmp_path / "straight")
@@ -132,9 +143,10 @@ def train_in_subprocess(config: Path, *flags: str, pause_at: str | None = None, 
 def test_ddp_two_ranks_stopped_and_resumed_equal_the_uninterrupted_run(tmp_path, tok_dir):
     """Two ranks, each drawing its own prompts on its own rollout thread (their draws agree over a
     gloo group of their own, beside DDP's all-reduces): stopped after step 3 and resumed, the run
-    ends with the uninterrupted run's weights."""
-    straight = ddp(async_run(tmp_path / "straight", tok_dir, 1, max_steps=5))
-    stopped = ddp(async_run(tmp_path / "stopped", tok_dir, 1, max_steps=5))
+    ends with the uninterrupted run's weights. The engine on the thread (``async_rollout_source
+    thread``): this pins that source's resume, the SIGTERM and SIGKILL tests the process's."""
+    straight = ddp(async_run(tmp_path / "straight", tok_dir, 1, max_steps=5, async_rollout_source="thread"))
+    stopped = ddp(async_run(tmp_path / "stopped", tok_dir, 1, max_steps=5, async_rollout_source="thread"))
     train_in_subprocess(straight)
     out = train_in_subprocess(stopped, pause_at="step:3", pause_dir=tmp_path)
     assert "stopped at step 3" in out, out[-2000:]

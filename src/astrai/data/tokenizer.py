@@ -116,6 +116,11 @@ class Tokenizer:
         self.chat_template = chat_template
         self._extra_stop_token_ids = list(extra_stop_token_ids)
 
+    def __getstate__(self) -> dict[str, Any]:
+        # picklable (a spawned rollout process gets one): the compiled template holds lambdas and
+        # is compiled again on first use
+        return {k: v for k, v in self.__dict__.items() if k != "_compiled_template"}
+
     # ---- ids of special tokens -------------------------------------------------------------
     def _id(self, token: str | None) -> int | None:
         return None if token is None else self.backend.token_to_id(token)

@@ -215,6 +215,7 @@ APPLIED_ON_RESUME = frozenset({
     # where the rollout servers are and how to reach them (a restarted fleet has new ports)
     "rollout_servers", "rollout_admin_key", "rollout_weights_dir", "rollout_timeout", "rollout_retries",
     "rollout_replicas",
+    "async_rollout_source",  # where the same rollouts are drawn (thread or process): the same tokens
 })
 
 

@@ -86,14 +86,21 @@ def engine_runner(model: nn.Module, tokenizer: Any, rl: RLConfig, num_seqs: int,
     """An episode runner drawing from an in-process engine over `model`, with room for `num_seqs`
     episodes at the longest row the run's episodes can reach (online RL's rollouts, an offline
     loop's evaluation, the tools demo's held-out episodes)."""
+    max_prompt_len, max_len = engine_limits(model, rl)
+    sampler = EngineSampler(model, tokenizer, num_seqs, max_len, bf16=bf16, keep_kv_pool=rl.keep_kv_pool,
+                            record_routing=rl.routing_replay)
+    return EpisodeRunner(sampler, tokenizer, rl, rewards, max_prompt_len, random_seed)
+
+
+def engine_limits(model: nn.Module, rl: RLConfig) -> tuple[int, int]:
+    """A rollout engine's (max_prompt_len, longest row) over `model` for the run's episodes (here and
+    in the rollout process, ``rl/process_sampler.py``)."""
     positions = model.config.max_position_embeddings
     max_prompt_len = resolve_max_prompt_len(rl, positions)
     if rl.routing_replay and not getattr(model.config, "num_experts", 0):
         raise ValueError("routing_replay=true replays the experts a mixture-of-experts policy routed each token to, "
                          "but this policy has no MoE layer (num_experts is 0); set --routing_replay false")
-    sampler = EngineSampler(model, tokenizer, num_seqs, episode_max_len(rl, max_prompt_len, positions), bf16=bf16,
-                            keep_kv_pool=rl.keep_kv_pool, record_routing=rl.routing_replay)
-    return EpisodeRunner(sampler, tokenizer, rl, rewards, max_prompt_len, random_seed)
+    return max_prompt_len, episode_max_len(rl, max_prompt_len, positions)
 
 
 def sampling_params(request: TurnRequest) -> SamplingParams:

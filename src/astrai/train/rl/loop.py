@@ -50,7 +50,8 @@ from astrai.train.rl.draws import RolloutDraws
 from astrai.train.rl.engine_sampler import engine_runner
 from astrai.train.rl.environments import check_hooks
 from astrai.train.rl.http_sampler import http_runner
-from astrai.train.rl.pipeline import RolloutPipeline
+from astrai.train.rl.pipeline import RolloutPipeline, rollout_source
+from astrai.train.rl.process_sampler import ProcessSampler, process_runner
 from astrai.train.rl.rewards import RewardSet
 from astrai.train.signals import pause_point
 from astrai.train.step import TrainStep
@@ -122,6 +123,10 @@ class OnlineLoop:
             weights_dir = cfg.rl.rollout_weights_dir or str(Path(cfg.log.log_dir) / "rollout_weights")
             make_runner = lambda model: http_runner(model, self.tokenizer, cfg.rl, rewards, weights_dir,  # noqa: E731
                                                     cfg.train.random_seed, base_model=cfg.train.param_path)
+        elif cfg.rl.async_steps and rollout_source(cfg.rl, self.model, self.device) == "process":  # rl/process_sampler.py
+            make_runner = lambda model: process_runner(model, self.tokenizer, cfg.rl,  # noqa: E731
+                                                       max(1, self.num_prompts * cfg.rl.group_size), rewards,
+                                                       torch.get_num_threads(), cfg.train.random_seed, bf16=cfg.train.bf16)
         else:  # the in-process engine over the policy (rl/engine_sampler.py); bf16: the training precision
             make_runner = lambda model: engine_runner(model, self.tokenizer, cfg.rl,  # noqa: E731
                                                       max(1, self.num_prompts * cfg.rl.group_size), rewards,
@@ -138,7 +143,9 @@ class OnlineLoop:
         if self.pipeline is not None and self.is_main:
             size = sum(t.numel() * t.element_size() for t in [*self.pipeline.copy.parameters(),
                                                                *self.pipeline.copy.buffers()])
-            print(f"note: async_steps {cfg.rl.async_steps}: rollouts are drawn on a thread ({torch.get_num_threads()} "
+            where = "a thread, the engine in a process of its own" if isinstance(self.runner.sampler, ProcessSampler) \
+                else "a thread"
+            print(f"note: async_steps {cfg.rl.async_steps}: rollouts are drawn on {where} ({torch.get_num_threads()} "
                   f"torch thread(s)) over a copy of the weights ({size / 2**20:.1f} MiB), {cfg.rl.async_steps} "
                   "rollout(s) ahead of training", file=sys.stderr)
         if getattr(self.rollout_sampler, "replica", None) is not None and self.is_main:  # FSDP: the memory the replica costs, said once

@@ -12,7 +12,10 @@ the same sampler order, seeds and dynamic sampling), through an engine over its 
 weights (``rl/engine_sampler.py``), with its own torch intra-op thread count (torch keeps it per
 thread, so the trainer's and the rollout's threads each run on their own cores) and, across
 ranks, its own gloo group for the draws' agreements, so none of its collectives meets the
-trainer's. A checkpoint waits for the rollouts in flight and saves them (``state_dict``): they
+trainer's. ``async_rollout_source`` (``rollout_source``) moves that engine into a spawned process
+over the copy's weights in shared memory (``rl/process_sampler.py``; auto: on a CPU), so the
+engine's Python never waits for the trainer's lock; the thread then only draws prompts, scores and
+packs. A checkpoint waits for the rollouts in flight and saves them (``state_dict``): they
 are far smaller than the k policy snapshots that would regenerate them (docs/training.md,
 "Asynchronous rollouts").
 """
@@ -21,6 +24,7 @@ from __future__ import annotations
 
 import copy
 import queue
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -35,6 +39,7 @@ from astrai.train import dist
 from astrai.train.rl.data import Rollout
 from astrai.train.rl.draws import RolloutDraws
 from astrai.train.rl.engine_sampler import unsharded_replica
+from astrai.train.rl.process_sampler import shared_memory_room
 from astrai.train.rl.runner import EpisodeRunner
 
 CLOSE_TIMEOUT_S = 120.0  # how long the run's end waits for the rollout thread's current draw
@@ -78,6 +83,23 @@ def full_weights(model: nn.Module) -> dict[str, Tensor]:
             for name, v in [*source.named_parameters(), *source.named_buffers()]}
 
 
+def rollout_source(rl: Any, model: nn.Module, device: torch.device) -> str:
+    """Where ``async_steps``' engine runs: ``async_rollout_source``, auto resolved to a process of its
+    own on a CPU (the trainer's and the engine's Python then never wait for each other's lock:
+    docs/training.md, "Asynchronous rollouts") when shared memory can hold a copy of `model`'s
+    weights (a note says why not), and to the rollout thread on an accelerator."""
+    if rl.async_rollout_source != "auto":
+        return rl.async_rollout_source
+    if torch.device(device).type != "cpu":
+        return "thread"
+    source = dist.unwrap_model(model)
+    num_bytes = sum(t.numel() * t.element_size() for t in [*source.parameters(), *source.buffers()])
+    if (short := shared_memory_room(num_bytes)) is not None:
+        print(f"note: async_rollout_source auto: {short}, so the engine runs on the rollout thread", file=sys.stderr)
+        return "thread"
+    return "process"
+
+
 def weights_copy(model: nn.Module) -> nn.Module:
     """A plain module for the rollout engine, of `model`'s architecture, without gradients; its
     weights come from each job (``full_weights``)."""
@@ -90,7 +112,7 @@ def weights_copy(model: nn.Module) -> nn.Module:
 
 
 class RolloutPipeline:
-    """Rollouts k ahead on a thread (module docstring). `total` is the run's number of rollouts
+    """Rollouts k ahead on a thread (module docstring); `make_runner` builds its runner over the copy. `total` is the run's number of rollouts
     (none is drawn past it); `threads` the rollout thread's torch intra-op threads."""
 
     def __init__(self, model: nn.Module, cfg: Any, prompts: Any, num_prompts: int,
@@ -182,6 +204,8 @@ class RolloutPipeline:
             # bounded: a thread left in a draw's agreement with a rank that died never returns (a daemon)
             self.thread.join(timeout=CLOSE_TIMEOUT_S)
             self.thread = None
+        if hasattr(self.runner.sampler, "process"):  # the rollout process (rl/process_sampler.py) leaves too
+            self.runner.sampler.close()
 
     # ---------------------------------------------------------------------------- the rollout thread
 
