@@ -65,10 +65,21 @@ def loss_and_grads(objective, model, batch, layout):
 
 def assert_layouts_agree(objective, model, batch):
     loss_pad, grads_pad = loss_and_grads(objective, model, batch, "pad")
-    loss_pack, grads_pack = loss_and_grads(objective, model, batch, "pack")
-    torch.testing.assert_close(loss_pack, loss_pad, atol=1e-6, rtol=1e-6)
-    for a, b in zip(grads_pack, grads_pad, strict=True):
-        assert_grad_close(a, b)
+    for layout in ("pack", "flat"):
+        loss_pack, grads_pack = loss_and_grads(objective, model, batch, layout)
+        torch.testing.assert_close(loss_pack, loss_pad, atol=1e-6, rtol=1e-6)
+        for a, b in zip(grads_pack, grads_pad, strict=True):
+            assert_grad_close(a, b)
+
+
+def test_flat_layout_is_one_row_of_every_real_token():
+    batch = sft_batch()
+    lengths = batch["attention_mask"].sum(1)
+    rows = RowLayout.build(batch["attention_mask"], batch["labels"] != -100, "flat")
+    assert (rows.num_rows, rows.width) == (1, int(lengths.sum()))
+    inputs = rows.inputs(batch["input_ids"], batch["attention_mask"])
+    assert bool(inputs["attention_mask"].all())  # no padding
+    assert sorted(torch.unique(inputs["document_ids"]).tolist()) == list(range(1, len(lengths) + 1))
 
 
 def test_the_configs_layouts_are_the_packers():
