@@ -109,7 +109,8 @@ def build_attention_mask(
 
 def dense_document_mask(attention_mask: Tensor | None, document_ids: Tensor | None, T: int,
                         device: torch.device | str) -> Tensor:
-    """The CPU form: causal and block-diagonal over documents, minus padding keys (B, 1, T, T)."""
+    """The dense form, for rows whose padding shares a real token's document id: causal and
+    block-diagonal over documents, minus padding keys (B, 1, T, T)."""
     allowed = torch.ones(T, T, dtype=torch.bool, device=device).tril()[None]  # (1, T, T)
     if document_ids is not None:
         allowed = allowed & (document_ids[:, :, None] == document_ids[:, None, :])  # (B, T, T)
