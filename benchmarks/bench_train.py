@@ -10,8 +10,8 @@ Scenarios:
 1. `fixed` (tiny model only): rows of one length, loss on the second half: no padding anywhere,
    so this compares the loop and the model's arithmetic alone (against the Trainer and a loop).
 2. `sft`: one epoch of chats whose prompt and reply lengths are spread log-normally as in chat
-   data (medians 48 and 96 tokens), loss on the reply: astrai's default `row_layout`, its padded
-   path (random order and `group_by_length`), the transformers Trainer (padded, random and
+   data (medians 48 and 96 tokens), loss on the reply: astrai's default `row_layout` and its other
+   layouts (`flat`, `pack`, `pad`; `pad` also with `group_by_length`), the transformers Trainer (padded, random and
    `group_by_length`), TRL's SFTTrainer padded and `padding_free` (a flat row, positions
    restarting per chat; the same token ids, pre-tokenized).
 3. `dpo`: one epoch of preference pairs (a prompt, two replies of independent lengths) as text,
@@ -24,9 +24,12 @@ second of process CPU time (the robust figure on a shared machine: time spent wa
 is not counted). MFU: model FLOPs per token (6 x the parameters that multiply, 8 x for DPO's extra
 reference forward) x tokens per wall second, over this machine's float32 matrix-product rate
 measured at the same thread count. One intra-op thread by default. Systems run interleaved; the
-tables show medians and the ratio of astrai's default to each row.
+tables show medians and the ratio of astrai's default to each row; under each, the issue's table:
+the default against each peer at its best setting, with the target ratio.
 
     .venv/bin/python benchmarks/bench_train.py [--quick] [--model tiny .cache/smollm2] [--threads 2]
+    .venv/bin/python benchmarks/bench_train.py --model tiny --scenario sft dpo --threads 2
+    .venv/bin/python benchmarks/bench_train.py --model .cache/smollm2 --scenario sft dpo --threads 2
 """
 
 from __future__ import annotations
@@ -448,6 +451,17 @@ def print_table(title: str, ours: str, wall: dict[str, float], cpu: dict[str, fl
               f"{wall[ours] / wall[name]:.2f}x |{tail}")
 
 
+def print_targets(ours: str, wall: dict[str, float], targets: dict[str, float]) -> None:
+    """The issue's table: astrai's default against each peer at its best setting (the fastest of
+    the peer's rows, by wall-clock tokens per second), with the target ratio and whether it holds."""
+    print(f"\n| peer, at its best setting | tokens/s (wall) | {ours} / peer | target | met |")
+    print("|---|---:|---:|---:|---|")
+    for peer, target in targets.items():
+        best = max((name for name in wall if name.startswith(peer)), key=wall.get)
+        ratio = wall[ours] / wall[best]
+        print(f"| {best} | {wall[best]:,.0f} | {ratio:.2f}x | {target:.1f}x | {'yes' if ratio >= target else 'no'} |")
+
+
 def flops_params(args) -> int:
     """Parameters that cost a multiply-add per token: all but the input embedding (the lm head
     counts, tied or not)."""
@@ -473,8 +487,9 @@ def chat_scenarios(args, shape: str, ours_layout: str) -> None:
         if "sft" in args.scenario:
             chats = make_chats(args, vocab)
             systems = {default: lambda: run_astrai_chat(args, chats, ours_layout)}
-            if ours_layout != "pad":
-                systems["astrai Trainer, row_layout pad"] = lambda: run_astrai_chat(args, chats, "pad")
+            for layout in ("flat", "pack", "pad"):
+                if layout != ours_layout:
+                    systems[f"astrai Trainer, row_layout {layout}"] = lambda layout=layout: run_astrai_chat(args, chats, layout)
             systems.update({
                 "astrai Trainer, row_layout pad, group_by_length": lambda: run_astrai_chat(args, chats, "pad", True),
                 "transformers Trainer, padded": lambda: run_hf_trainer_chat(args, chats, False),
@@ -487,13 +502,16 @@ def chat_scenarios(args, shape: str, ours_layout: str) -> None:
                         f"the reply; non-padding tokens, median of {args.repeats}; MFU: 6 x {n_params:,} FLOPs per token "
                         f"against {peak / 1e9:,.0f} GFLOP/s float32 matmul", default, wall, cpu,
                         lambda rate: 6 * n_params * rate / peak)
+            print_targets(default, wall, {"transformers Trainer": 1.5, "TRL SFTTrainer": 2.0})
         if "dpo" in args.scenario:
             pairs = make_pairs(args, tokenizer)
             records = pair_records(pairs, tokenizer)
             default = f"astrai dpo, row_layout {ours_layout} (default)"
             systems = {default: lambda: run_astrai_chat(args, records, ours_layout, train_type="dpo")}
-            if ours_layout != "pad":
-                systems["astrai dpo, row_layout pad"] = lambda: run_astrai_chat(args, records, "pad", train_type="dpo")
+            for layout in ("flat", "pack", "pad"):
+                if layout != ours_layout:
+                    systems[f"astrai dpo, row_layout {layout}"] = (
+                        lambda layout=layout: run_astrai_chat(args, records, layout, train_type="dpo"))
             systems["TRL DPOTrainer"] = lambda: run_trl_dpo(args, pairs, tokenizer)
             wall, cpu = measure(systems, args.repeats)
             print_table(f"DPO on {spread}, chosen and rejected replies of independent lengths: {shape}; one epoch of "
@@ -501,6 +519,7 @@ def chat_scenarios(args, shape: str, ours_layout: str) -> None:
                         f"of both replies, median of {args.repeats}; MFU: 8 x {n_params:,} FLOPs per token (policy "
                         f"forward and backward, reference forward)", default, wall, cpu,
                         lambda rate: 8 * n_params * rate / peak)
+            print_targets(default, wall, {"TRL DPOTrainer": 1.5})
 
 
 def main(argv: list[str] | None = None) -> int:

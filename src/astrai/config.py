@@ -96,7 +96,7 @@ class OptimConfig:
 @dataclass
 class ObjectiveConfig:
     label_smoothing: float = knob(0.0, ge=0, le=1)  # cross-entropy label smoothing (seq, sft)
-    row_layout: str = "pack"  # seq, sft, dpo, reward, kd: pack (padding-free rows) | share (pack, and a prefix common to consecutive rows computed once) | pad (rows padded to the longest)
+    row_layout: str = "flat"  # seq, sft, dpo, reward, kd: flat (one padding-free row) | pack (padding-free bins) | share (pack, and a prefix common to consecutive rows computed once) | pad (rows padded to the longest)
     beta: float = knob(0.1, ge=0)  # DPO temperature
     dpo_label_noise: float = knob(0.0, ge=0, lt=0.5)  # DPO sigmoid loss: assumed share of flipped preference labels (cDPO), < 0.5
     loss_type: str = "sigmoid"  # sigmoid | ipo | hinge

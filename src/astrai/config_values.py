@@ -75,7 +75,7 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "optimizer": ("adamw", "muon"),
     "schedule": ("constant", "cosine", "wsd"),
     "loss_type": ("sigmoid", "ipo", "hinge"),  # DPO
-    "row_layout": ("pad", "pack", "share"),  # seq, sft, dpo, reward, kd (train/objectives/packing.py)
+    "row_layout": ("pad", "pack", "flat", "share"),  # seq, sft, dpo, reward, kd (train/objectives/packing.py)
     "distill_loss": ("reverse_kl_pg", "jsd"),  # online_distill
     "early_stopping_mode": ("min", "max"),
     "parallel_mode": ("none", "ddp", "fsdp"),

@@ -1,10 +1,10 @@
-"""Attention paths chosen by device type: the CUDA kernels' CPU references against today's paths.
+"""Attention paths chosen by device type: the CUDA kernels' CPU forms against the dense paths.
 
-Packed training rows on CUDA go through the flash varlen kernel with segment offsets instead of
-a dense block-diagonal mask; paged decode with `paged_kernel="varlen"` reads KV blocks in place.
-On CPU the same functions run an SDPA reference with the same arguments: these tests hold the
-references (and so the offsets and block tables handed to the kernels) to the dense paths, check
-the selection is by device type only, and (`cuda`-marked) hold the kernels to the references.
+Packed training rows attend within each document (the flash varlen kernel on CUDA, one SDPA call
+per document elsewhere) instead of over a dense block-diagonal mask; paged decode with
+`paged_kernel="varlen"` reads KV blocks in place. On CPU the same functions run SDPA with the same
+arguments: these tests hold them (and so the offsets and block tables handed to the kernels) to the
+dense paths, and (`cuda`-marked) hold the kernels to the CPU forms.
 """
 
 from __future__ import annotations
@@ -18,11 +18,13 @@ from astrai.model import CausalLM, ModelConfig
 from astrai.model.attention import (
     Attention,
     build_attention_mask,
+    dense_document_mask,
     document_ids_from_positions,
     rope_cos_sin,
     rope_inv_freq,
 )
 from astrai.model.kernels import (
+    OWN_CALL_MIN_LEN,
     PackedSegments,
     PagedDecodeTables,
     packed_attention,
@@ -51,23 +53,58 @@ def test_segment_offsets_by_hand():
     assert segs.cu_seqlens.tolist() == [0, 2, 5, 6, 10] and segs.max_seqlen == 4
 
 
-def test_selection_is_by_device_type():
+def test_packed_rows_take_segments_on_every_device():
     doc = torch.tensor([[1, 1, 2, 2]])
-    assert isinstance(build_attention_mask(None, doc, 4, torch.device("cuda")), PackedSegments)
-    dense = build_attention_mask(None, doc, 4, torch.device("cpu"))
+    for device in ("cuda", "cpu"):
+        assert isinstance(build_attention_mask(None, doc, 4, torch.device(device)), PackedSegments)
+    # padding as document 0 (packing.py's rows) is a segment of its own; padding that shares a real
+    # token's document id keeps the dense mask
+    assert isinstance(build_attention_mask(torch.tensor([[1, 1, 0, 0]]), torch.tensor([[1, 1, 0, 0]]), 4,
+                                           torch.device("cpu")), PackedSegments)
+    pad = torch.tensor([[1, 1, 1, 0]])
+    dense = build_attention_mask(pad, doc, 4, torch.device("cpu"))
     assert isinstance(dense, torch.Tensor) and dense.shape == (1, 1, 4, 4)
-    pad = torch.tensor([[1, 1, 1, 0]])  # padding keeps the dense mask (its cuda form is made on the device)
-    assert isinstance(build_attention_mask(pad, doc, 4, torch.device("cpu")), torch.Tensor)
     # no padding and no documents: plain causal (SDPA is_causal, no mask) on every device
     assert build_attention_mask(torch.ones(1, 4), None, 4, torch.device("cuda")) is None
     assert build_attention_mask(None, None, 4, torch.device("cpu")) is None
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_document_attention_equals_dense_mask_for_mixed_lengths(dtype):
+    """Documents of 1 to 70 tokens (short ones share one padded call, long ones a call each, the
+    bound `OWN_CALL_MIN_LEN` on both sides of it), a padding run as document 0: values and the
+    gradients of q, k and v equal the dense block-diagonal mask's at every real token."""
+    lens = [[3, OWN_CALL_MIN_LEN, 1, 17, OWN_CALL_MIN_LEN - 1, 6], [70, 2, OWN_CALL_MIN_LEN + 5]]
+    T = max(sum(r) for r in lens) + 4
+    doc = torch.zeros(2, T, dtype=torch.long)
+    for row, lengths in enumerate(lens):
+        at = 0
+        for i, n in enumerate(lengths):
+            doc[row, at:at + n] = 10 * row + i + 1
+            at += n
+    real = doc != 0
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, T, h, 8, generator=g, dtype=dtype, requires_grad=True) for h in (4, 2, 2))
+    weight = torch.randn(2, T, 4, 8, generator=g, dtype=dtype) * real[..., None, None]
+    segs = packed_segments(doc)
+    assert segs.cu_seqlens.tolist()[:3] == [0, 3, 3 + OWN_CALL_MIN_LEN]
+    out = packed_attention(q, k, v, segs, gqa=True)
+    grads = torch.autograd.grad((out * weight).sum(), (q, k, v))
+    mask = (doc[:, :, None] == doc[:, None, :]) & torch.ones(T, T, dtype=torch.bool).tril()
+    ref = sdpa(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask[:, None],
+               enable_gqa=True).transpose(1, 2)
+    ref_grads = torch.autograd.grad((ref * weight).sum(), (q, k, v))
+    tol = 1e-6 if dtype == torch.float32 else 1e-12
+    torch.testing.assert_close(out[real], ref[real], atol=tol, rtol=tol)
+    for a, b in zip(grads, ref_grads, strict=True):
+        torch.testing.assert_close(a, b, atol=tol, rtol=tol)
 
 
 def test_packed_reference_equals_dense_block_diagonal_mask_forward_and_backward():
     pos = torch.tensor([[0, 1, 2, 0, 1, 2, 3, 0], [0, 1, 2, 3, 4, 0, 1, 2]])
     doc = document_ids_from_positions(pos)
     attn, x, cos, sin = _layer_inputs(2, 8, pos)
-    dense = attn(x, cos, sin, build_attention_mask(None, doc, 8, torch.device("cpu")))
+    dense = attn(x, cos, sin, dense_document_mask(None, doc, 8, "cpu"))
     (g_dense,) = torch.autograd.grad(dense.square().sum(), x)
     packed = attn(x, cos, sin, packed_segments(doc))
     (g_packed,) = torch.autograd.grad(packed.square().sum(), x)
@@ -77,13 +114,18 @@ def test_packed_reference_equals_dense_block_diagonal_mask_forward_and_backward(
     assert not torch.allclose(attn(x, cos, sin, None), dense, atol=1e-4)
 
 
-def test_packed_segments_with_query_positions_fall_back_to_dense_rows():
-    pos = torch.tensor([[0, 1, 2, 0, 1, 2]])
+def test_packed_segments_with_query_positions_equal_dense_rows():
+    pos = torch.tensor([[0, 1, 2, 0, 1, 2, 3, 4]])
     doc = document_ids_from_positions(pos)
-    attn, x, cos, sin = _layer_inputs(1, 6, pos)
-    keep = torch.tensor([2, 5])
-    dense = attn(x, cos, sin, build_attention_mask(None, doc, 6, torch.device("cpu")), query_idx=keep)
-    torch.testing.assert_close(attn(x, cos, sin, packed_segments(doc), query_idx=keep), dense)
+    attn, x, cos, sin = _layer_inputs(1, 8, pos)
+    keep = torch.tensor([2, 5, 7])
+    mask = dense_document_mask(None, doc, 8, "cpu")
+    dense = attn(x, cos, sin, mask, query_idx=keep)
+    (g_dense,) = torch.autograd.grad(dense.square().sum(), x)
+    packed = attn(x, cos, sin, packed_segments(doc), query_idx=keep)
+    (g_packed,) = torch.autograd.grad(packed.square().sum(), x)
+    torch.testing.assert_close(packed, dense, atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(g_packed, g_dense, atol=1e-6, rtol=1e-6)
 
 
 def _decode_meta(kernel: str, kv_caches, context_lens, block_tables, query_lens=None):

@@ -73,11 +73,21 @@ def loss_and_grads(objective, model, batch, layout):
 def assert_layouts_agree(objective, model, batch):
     """Every padding-free layout the config offers against `pad`."""
     loss_pad, grads_pad = loss_and_grads(objective, model, batch, "pad")
-    for layout in set(CHOICES["row_layout"]) - {"pad"}:
+    for layout in sorted(set(CHOICES["row_layout"]) - {"pad"}):
         loss, grads = loss_and_grads(objective, model, batch, layout)
         torch.testing.assert_close(loss, loss_pad, atol=1e-6, rtol=1e-6, msg=layout)
         for a, b in zip(grads, grads_pad, strict=True):
             assert_grad_close(a, b)
+
+
+def test_flat_layout_is_one_row_of_every_real_token():
+    batch = sft_batch()
+    lengths = batch["attention_mask"].sum(1)
+    rows = RowLayout.build(batch["attention_mask"], batch["labels"] != -100, "flat")
+    assert (rows.num_rows, rows.width) == (1, int(lengths.sum()))
+    inputs = rows.inputs(batch["input_ids"], batch["attention_mask"])
+    assert bool(inputs["attention_mask"].all())  # no padding
+    assert sorted(torch.unique(inputs["document_ids"]).tolist()) == list(range(1, len(lengths) + 1))
 
 
 def test_the_configs_layouts_are_the_packers():
@@ -133,14 +143,14 @@ def test_kd_layouts_agree(tmp_path):
     assert_layouts_agree(OBJECTIVES["kd"](cfg, model), model, sft_batch())
 
 
-def test_padding_free_rows_take_the_varlen_kernel_on_cuda(monkeypatch):
-    """On CUDA, padding-free rows (their padding document 0) go to the varlen kernel, not a dense
-    mask: forced here by building the masks as for a CUDA device, which runs the kernel's CPU
-    reference with the same segment offsets; the SFT loss is still the padded path's."""
+def test_padding_free_rows_take_per_document_attention(monkeypatch):
+    """Padding-free rows (their padding document 0) go to per-document attention (the varlen
+    kernel on CUDA, one SDPA call per document on the CPU), not a dense mask; the SFT loss is
+    still the padded path's."""
     build, seen = attention_mod.build_attention_mask, []
 
-    def as_on_cuda(attention_mask, document_ids, T, device, prefix_ids=None):
-        mask = build(attention_mask, document_ids, T, torch.device("cuda"), prefix_ids)
+    def recorded(attention_mask, document_ids, T, device, prefix_ids=None):
+        mask = build(attention_mask, document_ids, T, device, prefix_ids)
         seen.append(type(mask))
         return mask
 
@@ -150,7 +160,7 @@ def test_padding_free_rows_take_the_varlen_kernel_on_cuda(monkeypatch):
     loss_pad, grads_pad = loss_and_grads(objective, model, batch, "pad")
     from astrai.model import transformer
 
-    monkeypatch.setattr(transformer, "build_attention_mask", as_on_cuda)
+    monkeypatch.setattr(transformer, "build_attention_mask", recorded)
     loss_pack, grads_pack = loss_and_grads(objective, model, batch, "pack")
     assert seen == [PackedSegments]
     torch.testing.assert_close(loss_pack, loss_pad, atol=1e-6, rtol=1e-6)
@@ -166,8 +176,8 @@ def test_padding_free_rows_take_the_varlen_kernel_on_cuda(monkeypatch):
 @pytest.mark.cuda
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_padding_free_sft_on_cuda_matches_padded(dtype, monkeypatch):
-    """On a GPU: bf16 padding-free rows run the varlen kernel, float32 ones the dense mask (the
-    kernel takes half precision only); both give the padded path's loss and gradient."""
+    """On a GPU: padding-free rows run `packed_attention` (bf16: the varlen kernel; float32, which
+    it does not take: one SDPA call per document); both give the padded path's loss and gradient."""
     from astrai.model import kernels
 
     calls = []
@@ -179,7 +189,7 @@ def test_padding_free_sft_on_cuda_matches_padded(dtype, monkeypatch):
     batch = {k: v.cuda() for k, v in sft_batch().items()}
     loss_pad, grads_pad = loss_and_grads(objective, model, batch, "pad")
     loss_pack, grads_pack = loss_and_grads(objective, model, batch, "pack")
-    assert bool(calls) == (dtype == torch.bfloat16)
+    assert calls
     tol = 2e-2 if dtype == torch.bfloat16 else 1e-5
     torch.testing.assert_close(loss_pack.float(), loss_pad.float(), atol=tol * loss_pad.abs().item(), rtol=0)
     for a, b in zip(grads_pack, grads_pad, strict=True):

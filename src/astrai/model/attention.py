@@ -1,7 +1,8 @@
 """Grouped-query attention with rotary embeddings, for training and for paged inference.
 
 One module serves both worlds. In training (and plain evaluation) it attends over a padded
-(B, T) batch, masking padding and, for packed rows, keys of other documents. In inference the
+(B, T) batch, masking padding; packed rows (several documents each) attend within each document,
+with no (T, T) mask (`kernels.packed_attention`). In inference the
 engine hands it a flat row of the tokens scheduled this step (several sequences back to back)
 and a `PagedAttentionMetadata` (paged_metadata.py): new keys and values are written into the
 paged KV cache and each sequence attends over its cached context.
@@ -87,10 +88,10 @@ def build_attention_mask(
     prefix_ids: Tensor | None = None,
 ) -> Tensor | PackedSegments | SharedPrefixSegments | None:
     """Boolean mask (B, 1, T, T), True = may attend; None when plain causal attention suffices;
-    on CUDA, packed rows as `PackedSegments` (the varlen kernel, no mask) when they have no
-    padding or their padding is document 0 and no real token's (``train/objectives/packing.py``'s
-    padding-free rows); rows whose samples share prompts (`prefix_ids`) as `SharedPrefixSegments`
-    on every device."""
+    packed rows as `PackedSegments` (per-document attention, no mask: the varlen kernel on CUDA)
+    when they have no padding or their padding is document 0 and no real token's
+    (``train/objectives/packing.py``'s padding-free rows); rows whose samples share prompts
+    (`prefix_ids`) as `SharedPrefixSegments`."""
     if prefix_ids is not None:
         if document_ids is None:
             raise ValueError("prefix_ids name prefix documents: pass the document_ids of the packed rows too")
@@ -99,16 +100,17 @@ def build_attention_mask(
         attention_mask = None  # no padding: plain causal attention takes the faster kernel
     if attention_mask is None and document_ids is None:
         return None
-    if document_ids is not None and torch.device(device).type == "cuda":
-        # padding as a document of its own only attends to padding: the varlen kernel still applies
+    if document_ids is not None:
+        # padding as a document of its own only attends to padding: per-document attention applies
         if attention_mask is None or bool(((document_ids != 0) == attention_mask.bool()).all()):
-            return packed_segments(document_ids)  # flash varlen kernel: no (B, T, T) mask at all
+            return packed_segments(document_ids)  # each document's own square: no (B, T, T) mask at all
     return dense_document_mask(attention_mask, document_ids, T, device)
 
 
 def dense_document_mask(attention_mask: Tensor | None, document_ids: Tensor | None, T: int,
                         device: torch.device | str) -> Tensor:
-    """The CPU form: causal and block-diagonal over documents, minus padding keys (B, 1, T, T)."""
+    """The dense form, for rows whose padding shares a real token's document id: causal and
+    block-diagonal over documents, minus padding keys (B, 1, T, T)."""
     allowed = torch.ones(T, T, dtype=torch.bool, device=device).tril()[None]  # (1, T, T)
     if document_ids is not None:
         allowed = allowed & (document_ids[:, :, None] == document_ids[:, None, :])  # (B, T, T)
@@ -165,11 +167,12 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, cos_q, sin_q), apply_rope(k, cos, sin)
         if isinstance(mask, PackedSegments):
-            if query_idx is None and (not q.is_cuda or q.dtype in (torch.float16, torch.bfloat16)):
-                out = packed_attention(q, k, v, mask, self.num_kv_heads != self.num_heads)
-                return self.o_proj(out.reshape(B, T, self.num_heads * self.head_dim))
-            # a few query rows: dense is fine; float32 on CUDA: the flash varlen kernel takes half precision only
-            mask = dense_document_mask(None, mask.document_ids, T, x.device)
+            if query_idx is not None:  # zero queries elsewhere: their rows are computed and dropped
+                q = q.new_zeros(B, T, *q.shape[2:]).index_copy(1, query_idx, q)
+            out = packed_attention(q, k, v, mask, self.num_kv_heads != self.num_heads)  # (B, T, H, D)
+            if query_idx is not None:
+                out = out.index_select(1, query_idx)
+            return self.o_proj(out.reshape(B, out.size(1), self.num_heads * self.head_dim))
         elif isinstance(mask, SharedPrefixSegments):
             if query_idx is None:
                 out = shared_prefix_attention(q, k, v, mask, self.num_kv_heads != self.num_heads)

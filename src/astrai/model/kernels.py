@@ -1,12 +1,12 @@
-"""Attention kernels chosen by device type, each with the CPU reference the suite checks it against.
+"""Attention kernels chosen by device type, each with the CPU form the suite checks it against.
 
-attention.py calls these where a CUDA device has a faster kernel than the dense SDPA forms that
-serve the CPU: packed training rows (several documents in one row, no padding) go through the
-flash varlen kernel with segment offsets instead of a (B, T, T) block-diagonal mask, and paged
-decode (`paged_kernel="varlen"`, opt-in, on a torch whose kernel takes a block table) reads each
-sequence's KV blocks where they lie in the cache through the kernel's block-table form instead of
-gathering a dense copy. On CPU the same functions run a plain-SDPA reference with the same
-arguments, so the tables and offsets they are given are tested without a GPU.
+attention.py calls these for what dense SDPA over a (T, T) mask does badly: packed training rows
+(several documents in one row) attend within each document, through the flash varlen kernel with
+segment offsets on CUDA and one SDPA call per document (short ones batched) elsewhere, never over
+a (B, T, T) block-diagonal mask; paged decode (`paged_kernel="varlen"`, opt-in, on a torch whose
+kernel takes a block table) reads each sequence's KV blocks where they lie in the cache through the
+kernel's block-table form instead of gathering a dense copy. On CPU the same functions run plain
+SDPA with the same arguments, so the tables and offsets they are given are tested without a GPU.
 """
 
 from __future__ import annotations
@@ -93,22 +93,52 @@ def packed_segments(document_ids: Tensor) -> PackedSegments:
     return PackedSegments(document_ids, cu, int((cu[1:] - cu[:-1]).max()))  # one sync per forward
 
 
+# Off the varlen kernel a document of at least this many tokens takes an SDPA call of its own, on a
+# view of the packed row; shorter ones share one call, each padded to the longest of them. The
+# bound is where one call per document stops paying (forward and backward, one thread, 4 heads of
+# 32, about 1,200 tokens: 100 documents of 8-16 tokens 8.3 ms one call each against 3.6 ms in one
+# padded call; 33 of 24-48 tokens 3.4 ms against 7.7 ms; docs/performance.md)
+OWN_CALL_MIN_LEN = 32
+
+
 def packed_attention(q: Tensor, k: Tensor, v: Tensor, segs: PackedSegments, gqa: bool) -> Tensor:
     """q (B, T, H, D), k/v (B, T, Hkv, D) -> (B, T, H, D), causal within each segment: the flash
-    varlen kernel on CUDA, one causal SDPA call per segment elsewhere (the CPU reference)."""
+    varlen kernel on CUDA in half precision, `document_attention` elsewhere."""
     B, T, H, D = q.shape
     fq, fk, fv = q.reshape(B * T, H, D), k.reshape(B * T, -1, D), v.reshape(B * T, -1, D)
-    if q.is_cuda:
+    if q.is_cuda and q.dtype in (torch.float16, torch.bfloat16):
         out = _varlen(fq, fk, fv, segs.cu_seqlens, segs.cu_seqlens, segs.max_seqlen, segs.max_seqlen,
                       window_size=(-1, 0), gqa=gqa)
         return out.view(B, T, H, D)
-    out = torch.empty_like(fq)
-    bounds = segs.cu_seqlens.tolist()
-    for a, b in zip(bounds[:-1], bounds[1:]):
-        out[a:b] = sdpa(
-            fq[a:b].transpose(0, 1)[None], fk[a:b].transpose(0, 1)[None], fv[a:b].transpose(0, 1)[None],
-            is_causal=True, enable_gqa=gqa)[0].transpose(0, 1)
-    return out.view(B, T, H, D)
+    return document_attention(fq, fk, fv, segs.cu_seqlens.tolist(), gqa).view(B, T, H, D)
+
+
+def document_attention(q: Tensor, k: Tensor, v: Tensor, bounds: list[int], gqa: bool) -> Tensor:
+    """q (N, H, D), k/v (N, Hkv, D) of back-to-back documents (token offsets `bounds`, first 0,
+    last N) -> (N, H, D), causal within each document and never across: each document's own
+    square, no (N, N) mask. A document of `OWN_CALL_MIN_LEN` tokens or more is one SDPA call on
+    its view; the shorter ones are gathered into one right-padded batch and one causal call (a
+    padding key lies after every real query of its row, so causality hides it: the padding
+    repeats the document's last token)."""
+    spans = list(zip(bounds[:-1], bounds[1:]))
+    short = [(a, b) for a, b in spans if b - a < OWN_CALL_MIN_LEN]
+    batched: dict[int, Tensor] = {}
+    if short:
+        starts = torch.tensor([a for a, _ in short], device=q.device)
+        lens = torch.tensor([b - a for a, b in short], device=q.device)
+        L = max(b - a for a, b in short)
+        idx = (starts[:, None] + torch.minimum(torch.arange(L, device=q.device)[None], lens[:, None] - 1)).flatten()
+        rows = lambda t: t.index_select(0, idx).view(len(short), L, -1, t.size(-1)).transpose(1, 2)  # noqa: E731
+        o = sdpa(rows(q), rows(k), rows(v), is_causal=True, enable_gqa=gqa).transpose(1, 2)  # (S, L, H, D)
+        batched = {a: o[i, :b - a] for i, (a, b) in enumerate(short)}
+    pieces = []
+    for a, b in spans:
+        if a in batched:
+            pieces.append(batched[a])
+            continue
+        pieces.append(sdpa(q[a:b].transpose(0, 1)[None], k[a:b].transpose(0, 1)[None], v[a:b].transpose(0, 1)[None],
+                           is_causal=True, enable_gqa=gqa)[0].transpose(0, 1))
+    return torch.cat(pieces) if len(pieces) > 1 else pieces[0].contiguous()
 
 
 @dataclass

@@ -6,7 +6,8 @@ the rows to what the model runs on, and back: ``pad`` (as they come), ``trim`` (
 micro-batch's longest row), ``pack`` (the rows' real tokens placed into as few rows of that width
 as first-fit decreasing allows, position ids restarting at each sample and document ids keeping
 attention inside it, as packed SFT does; when no two rows fit together, ``trim``'s rows, which
-are the same work without a per-document mask). The objective keeps working on its padded (B, K) tensors:
+are the same work without a per-document mask), ``flat`` (as ``pack``, but every real token in one
+row: no padding at all, since per-document attention costs the same whatever the row's width). The objective keeps working on its padded (B, K) tensors:
 ``RowLayout`` says where each labelled token sits in the model's input (``dst``), which of those
 columns the last layer needs (``keep``), and scatters per-token results back (``scatter``).
 ``forward_rows`` is the one call every objective makes: rows in, the model run in a layout, the
@@ -36,7 +37,7 @@ from astrai.model.attention import document_ids_from_positions
 from astrai.train.dist import unwrap_model
 from astrai.train.losses import IGNORE_INDEX
 
-ROW_LAYOUTS = ("pad", "trim", "pack", "share")
+ROW_LAYOUTS = ("pad", "trim", "pack", "flat", "share")
 MIN_SHARED_PREFIX = 8  # shorter common prefixes are not worth a segment of their own
 
 
@@ -114,10 +115,13 @@ class RowLayout:
         width = T if layout == "pad" else max(int(lengths.max()), 1)
         rows = torch.arange(B, device=attention_mask.device)
         offset = torch.zeros_like(rows)
-        if layout == "pack":
+        if layout in ("pack", "flat"):
             bins, offsets = first_fit_decreasing(lengths.tolist(), width)
             if max(bins, default=0) + 1 == B:  # no two rows fit together: the trimmed rows are the same work
                 return cls.build(attention_mask, labelled, "trim")
+            if layout == "flat":  # one bin as wide as every real token: no padding at all
+                width = int(lengths.sum())
+                bins, offsets = first_fit_decreasing(lengths.tolist(), width)
             rows, offset = torch.tensor(bins, device=rows.device), torch.tensor(offsets, device=rows.device)
         r, c = labelled.nonzero(as_tuple=True)
         num_rows = int(rows.max()) + 1 if B else 0
@@ -155,7 +159,7 @@ class RowLayout:
         layout "share", the prefix document each sample's tokens also see). Rows that already
         hold several documents (``pack: true`` data: `position_ids` restart at each) keep them
         apart as documents of their own."""
-        if self.layout not in ("pack", "share"):
+        if self.layout not in ("pack", "flat", "share"):
             out = {"input_ids": input_ids[:, :self.width], "attention_mask": attention_mask[:, :self.width]}
             if position_ids is not None:
                 out["position_ids"] = position_ids[:, :self.width]
@@ -192,7 +196,7 @@ class RowLayout:
         """A per-token field (B, T, ...) of the padded rows (routing replay's experts) in the model's
         input layout (R, W, ...), `fill` where no token sits; layout "share" takes a shared
         prefix's values from the row that writes it, as ``inputs`` does its tokens."""
-        if self.layout not in ("pack", "share"):
+        if self.layout not in ("pack", "flat", "share"):
             return values[:, :self.width]
         r, c = attention_mask.nonzero(as_tuple=True)  # (N,) every real token
         cols = self.offset[r] + c
