@@ -60,6 +60,22 @@ def test_the_process_samples_what_the_engine_samples_and_follows_written_weights
     assert not sampler.process.is_alive()
 
 
+def test_a_model_of_more_tensors_than_a_fork_server_passes_is_shared_whole(tok_dir):
+    """A fork server hands a child at most 256 file descriptors; SmolLM2 has 272 tensors. The
+    weights travel as one shared buffer per dtype (tied embeddings stay one tensor)."""
+    tok = load_tokenizer(tok_dir)
+    cfg = ModelConfig(vocab_size=len(tok), hidden_size=16, intermediate_size=32, num_hidden_layers=32,
+                      num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=64, tie_word_embeddings=True)
+    shared, reference = (CausalLM(cfg, seed=0).eval().requires_grad_(False) for _ in range(2))
+    assert len(list(shared.parameters())) + len(list(shared.buffers())) > 256
+    sampler = ProcessSampler(shared, tok, num_seqs=6, max_len=32, threads=torch.get_num_threads())
+    try:
+        assert shared.lm_head.weight is shared.model.embed_tokens.weight
+        assert turns(sampler, requests(tok)) == turns(EngineSampler(reference, tok, 6, 32), requests(tok))
+    finally:
+        sampler.close()
+
+
 def test_a_child_that_dies_is_one_error_naming_its_exit_code(tok_dir):
     tok = load_tokenizer(tok_dir)
     sampler = ProcessSampler(tiny_policy(tok), tok, num_seqs=6, max_len=32, threads=1)

@@ -19,6 +19,7 @@ naming its exit code.
 from __future__ import annotations
 
 import contextlib
+import copy
 import os
 import signal
 import traceback
@@ -27,7 +28,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import torch
-from torch import nn
+from torch import Tensor, nn
 
 from astrai.config import RLConfig
 from astrai.model.matmul import current_cpu_matmul, set_cpu_matmul
@@ -68,12 +69,12 @@ class ProcessSampler:
         if (short := shared_memory_room(num_bytes)) is not None:
             raise ValueError(f"{short}; give it more (docker run --shm-size, compose shm_size) or use "
                              "--async_rollout_source thread")
-        model.share_memory()  # the child maps these storages; later writes are seen there
+        flats = share_flat(model)  # the child maps these storages; later writes are seen there
         ctx = start_context()
         self.conn, child_conn = ctx.Pipe()
         engine = {"num_seqs": num_seqs, "max_len": max_len, "bf16": bf16, "keep_kv_pool": keep_kv_pool,
                   "record_routing": record_routing, "threads": threads, "cpu_matmul": current_cpu_matmul()}
-        self.process = ctx.Process(target=serve_turns, args=(child_conn, model, tokenizer, engine),
+        self.process = ctx.Process(target=serve_turns, args=(child_conn, meta_skeleton(model), flats, tokenizer, engine),
                                    name="astrai-rollout-engine", daemon=True)  # daemon: gone with the trainer
         self.process.start()
         child_conn.close()  # the child's end lives in the child only: its exit shows here as EOF
@@ -126,6 +127,57 @@ class ProcessSampler:
         return value
 
 
+def model_tensors(model: nn.Module) -> list[Tensor]:
+    """`model`'s parameters and buffers, each once (tied weights are one tensor), in a fixed order."""
+    seen: dict[int, Tensor] = {}
+    for t in [*model.parameters(), *model.buffers()]:
+        seen.setdefault(id(t), t)
+    return list(seen.values())
+
+
+def share_flat(model: nn.Module) -> dict[torch.dtype, Tensor]:
+    """Move `model`'s tensors into one shared-memory buffer per dtype, each tensor becoming a view of
+    its buffer (in place: writes into the tensors land in the buffers). A child is handed the few
+    buffers, not one file descriptor per tensor: a fork server passes at most 256 (SmolLM2 has 272)."""
+    tensors = model_tensors(model)
+    flats = {}
+    for dtype in dict.fromkeys(t.dtype for t in tensors):
+        flats[dtype] = torch.empty(sum(t.numel() for t in tensors if t.dtype == dtype), dtype=dtype).share_memory_()
+    offsets = dict.fromkeys(flats, 0)
+    with torch.no_grad():
+        for t in tensors:
+            view = flats[t.dtype][offsets[t.dtype]:offsets[t.dtype] + t.numel()].view_as(t)
+            view.copy_(t)
+            t.data = view
+            offsets[t.dtype] += t.numel()
+    return flats
+
+
+def meta_skeleton(model: nn.Module) -> nn.Module:
+    """A copy of `model` whose tensors are on the meta device (no storage to send); ties are kept."""
+    memo: dict[int, Any] = {}
+    for t in model_tensors(model):
+        meta = torch.empty_like(t, device="meta")
+        memo[id(t)] = nn.Parameter(meta, requires_grad=t.requires_grad) if isinstance(t, nn.Parameter) else meta
+    return copy.deepcopy(model, memo)
+
+
+def fill_from_flat(skeleton: nn.Module, flats: dict[torch.dtype, Tensor]) -> nn.Module:
+    """`meta_skeleton`'s copy given `share_flat`'s buffers: each tensor the same view of them."""
+    offsets = dict.fromkeys(flats, 0)
+    new: dict[int, Tensor] = {}
+    for t in model_tensors(skeleton):
+        view = flats[t.dtype][offsets[t.dtype]:offsets[t.dtype] + t.numel()].view(t.shape)
+        new[id(t)] = nn.Parameter(view, requires_grad=False) if isinstance(t, nn.Parameter) else view
+        offsets[t.dtype] += t.numel()
+    for module in skeleton.modules():
+        for table in (module._parameters, module._buffers):
+            for name, t in table.items():
+                if t is not None:
+                    table[name] = new[id(t)]
+    return skeleton
+
+
 def start_context() -> Any:
     """How children start: from a fork server that has imported this module once (a run's first child
     pays the imports, about 2 s; each later one, another run in the same process, about 0.2 s), or
@@ -150,10 +202,13 @@ def stop_child(process: Any, conn: Any) -> None:
     conn.close()
 
 
-def serve_turns(conn: Any, model: nn.Module, tokenizer: Any, engine: dict[str, Any]) -> None:
-    """The child: an engine over the shared `model`, answering the trainer's requests one by one."""
+def serve_turns(conn: Any, skeleton: nn.Module, flats: dict[torch.dtype, Tensor], tokenizer: Any,
+                engine: dict[str, Any]) -> None:
+    """The child: an engine over the shared weights (`skeleton` filled from `flats`), answering the
+    trainer's requests one by one."""
     for sig in (signal.SIGINT, signal.SIGTERM):  # the trainer stops the run and then this process
         signal.signal(sig, signal.SIG_IGN)
+    model = fill_from_flat(skeleton, flats)
     torch.set_num_threads(engine["threads"])
     set_cpu_matmul(engine["cpu_matmul"])  # the trainer's choice of CPU product kernels, so samples match
     sampler = EngineSampler(model, tokenizer, engine["num_seqs"], engine["max_len"], bf16=engine["bf16"],
