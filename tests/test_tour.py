@@ -9,6 +9,8 @@ has its own tests) are skipped. A line's comment states what to expect, and the 
   `accuracy A-B%`  `astrai eval` printed an accuracy from A% to B%
   `accuracy A%`    `astrai eval` printed an accuracy within 10 points of A%
   `-> TEXT`        the command printed TEXT
+  `-> a number`    the command printed a whole number (a trained model's answer: which one
+                   depends on the machine's rounding, as the accuracies do)
 and every accuracy after the first (the pre-trained model's) must clearly beat it.
 
 The tour trains as `astrai demo` does at its defaults (seed 0, one thread), and a seeded run takes
@@ -79,7 +81,9 @@ def expectations(comment: str) -> dict[str, object]:
         out["accuracy_range"] = (int(m.group(1)) / 100, int(m.group(2)) / 100)
     elif m := re.search(r"accuracy (?:about )?(\d+)%", comment):
         out["accuracy"] = int(m.group(1)) / 100
-    if m := re.search(r"-> ([^\s;,]+)", comment):
+    if re.search(r"-> a number\b", comment):
+        out["prints_number"] = True
+    elif m := re.search(r"-> ([^\s;,]+)", comment):
         out["prints"] = m.group(1)
     return out
 
@@ -91,6 +95,7 @@ def test_tour_parsing_reads_commands_and_figures() -> None:
     assert split_comment(lines[1]) == ("astrai eval --m 'a # b'", "accuracy about 7%")
     assert expectations("300 steps, then -> 19; accuracy 85%") == {"steps": 300, "accuracy": 0.85, "prints": "19"}
     assert expectations("accuracy 5-50% on 40 sums") == {"accuracy_range": (0.05, 0.50)}
+    assert expectations("-> a number: its answer (7 here)") == {"prints_number": True}
 
 
 @pytest.mark.slow
@@ -124,6 +129,8 @@ def test_readme_tour_runs_and_its_figures_hold(tmp_path: Path) -> None:
             assert lo - 1e-9 <= got <= hi + 1e-9, f"{cmd!r}: README says {lo:.0%}-{hi:.0%}, got {got:.1%}"
         if "prints" in want:
             assert printed[i].strip() == want["prints"], f"{cmd!r}: printed {printed[i]!r}"
+        if "prints_number" in want:
+            assert re.fullmatch(r"-?\d+", printed[i].strip()), f"{cmd!r}: printed {printed[i]!r}, not a number"
     assert len(accuracies) >= 2 and all(a >= accuracies[0] + TRAINED_GAIN for a in accuracies[1:]), \
         f"no clear gain over the pre-trained model: {accuracies}"
     named = re.findall(r"(out/[\w/.-]*step_\d+)", (ROOT / "README.md").read_text())

@@ -119,26 +119,101 @@ def document_attention(q: Tensor, k: Tensor, v: Tensor, bounds: list[int], gqa: 
     square, no (N, N) mask. A document of `OWN_CALL_MIN_LEN` tokens or more is one SDPA call on
     its view; the shorter ones are gathered into one right-padded batch and one causal call (a
     padding key lies after every real query of its row, so causality hides it: the padding
-    repeats the document's last token)."""
-    spans = list(zip(bounds[:-1], bounds[1:]))
-    short = [(a, b) for a, b in spans if b - a < OWN_CALL_MIN_LEN]
+    repeats the document's last token). On a CPU outside autocast the flash kernel's forward and
+    backward are called directly (`_DocumentAttention`)."""
+    spans = _Spans(bounds, q.device)
+    if q.device.type == "cpu" and not torch.is_autocast_enabled("cpu"):
+        return _DocumentAttention.apply(q, k, v, spans)
     batched: dict[int, Tensor] = {}
-    if short:
-        starts = torch.tensor([a for a, _ in short], device=q.device)
-        lens = torch.tensor([b - a for a, b in short], device=q.device)
-        L = max(b - a for a, b in short)
-        idx = (starts[:, None] + torch.minimum(torch.arange(L, device=q.device)[None], lens[:, None] - 1)).flatten()
-        rows = lambda t: t.index_select(0, idx).view(len(short), L, -1, t.size(-1)).transpose(1, 2)  # noqa: E731
+    if spans.short:
+        rows = lambda t: spans.gather(t).transpose(1, 2)  # noqa: E731
         o = sdpa(rows(q), rows(k), rows(v), is_causal=True, enable_gqa=gqa).transpose(1, 2)  # (S, L, H, D)
-        batched = {a: o[i, :b - a] for i, (a, b) in enumerate(short)}
-    pieces = []
-    for a, b in spans:
-        if a in batched:
-            pieces.append(batched[a])
-            continue
-        pieces.append(sdpa(q[a:b].transpose(0, 1)[None], k[a:b].transpose(0, 1)[None], v[a:b].transpose(0, 1)[None],
-                           is_causal=True, enable_gqa=gqa)[0].transpose(0, 1))
+        batched = {a: o[i, :b - a] for i, (a, b) in enumerate(spans.short)}
+    pieces = [batched[a] if a in batched else sdpa(*(_heads_first(t, a, b) for t in (q, k, v)), is_causal=True,
+                                                   enable_gqa=gqa)[0].transpose(0, 1) for a, b in spans.all]
     return torch.cat(pieces) if len(pieces) > 1 else pieces[0].contiguous()
+
+
+def _heads_first(t: Tensor, a: int, b: int) -> Tensor:
+    """Tokens a..b of flat (N, H, D) as a (1, H, b - a, D) view."""
+    return t[a:b].transpose(0, 1)[None]
+
+
+class _Spans:
+    """The documents of a flat row: `long` ones (`OWN_CALL_MIN_LEN` tokens or more) each take a
+    call; the `short` ones share a padded batch (S, L), gathered through `idx`; `take` picks each
+    real token of that batch's flattened (S * L) rows and `dest` is where it lies in the row."""
+
+    def __init__(self, bounds: list[int], device: torch.device):
+        self.all = list(zip(bounds[:-1], bounds[1:]))
+        self.long = [(a, b) for a, b in self.all if b - a >= OWN_CALL_MIN_LEN]
+        self.short = [(a, b) for a, b in self.all if b - a < OWN_CALL_MIN_LEN]
+        if self.short:
+            self.L = max(b - a for a, b in self.short)
+            starts = torch.tensor([a for a, _ in self.short], device=device)
+            lens = torch.tensor([b - a for a, b in self.short], device=device)
+            col = torch.arange(self.L, device=device)[None]
+            self.idx = (starts[:, None] + torch.minimum(col, lens[:, None] - 1)).flatten()
+            real = (col < lens[:, None]).flatten()
+            self.take, self.dest = real.nonzero()[:, 0], self.idx[real]
+
+    def gather(self, t: Tensor) -> Tensor:
+        """flat (N, H, D) -> the short documents' padded (S, L, H, D)."""
+        return t.index_select(0, self.idx).view(len(self.short), self.L, *t.shape[1:])
+
+    def scatter(self, into: Tensor, padded: Tensor) -> None:
+        """Write the real tokens of padded (S, H, L, D) into flat (N, H, D)."""
+        into.index_copy_(0, self.dest, padded.transpose(1, 2).reshape(-1, *into.shape[1:]).index_select(0, self.take))
+
+
+_FLASH_CPU = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+_FLASH_CPU_BACKWARD = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
+
+
+class _DocumentAttention(torch.autograd.Function):
+    """`document_attention` on a CPU: the flash kernel's forward and backward per call on views of
+    the flat rows, results written into flat (N, ...) tensors. Autograd through per-document
+    slices would allocate, zero and sum a full-size gradient for every document (at eight
+    documents of a micro-batch, a tenth of a tiny model's SFT step)."""
+
+    @staticmethod
+    def forward(ctx, q: Tensor, k: Tensor, v: Tensor, spans: _Spans) -> Tensor:
+        out, lses = torch.empty_like(q), []
+        for a, b in spans.long:
+            o, lse = _FLASH_CPU(*(_heads_first(t, a, b) for t in (q, k, v)), 0.0, True)
+            out[a:b] = o[0].transpose(0, 1)
+            lses.append(lse)
+        if spans.short:
+            o, lse = _FLASH_CPU(*(spans.gather(t).transpose(1, 2) for t in (q, k, v)), 0.0, True)
+            spans.scatter(out, o)
+            lses.append(lse)
+        ctx.spans = spans
+        ctx.save_for_backward(q, k, v, out, *lses)
+        return out
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, d_out: Tensor) -> tuple[Tensor, Tensor, Tensor, None]:
+        q, k, v, out, *lses = ctx.saved_tensors
+        spans = ctx.spans
+        grads = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+        for (a, b), lse in zip(spans.long, lses, strict=False):
+            views = (_heads_first(t, a, b) for t in (d_out, q, k, v, out))
+            for into, g in zip(grads, _FLASH_CPU_BACKWARD(*views, lse, 0.0, True), strict=True):
+                into[a:b] = g[0].transpose(0, 1)
+        if spans.short:
+            d_o = spans.gather(d_out)  # padding rows repeat a real token: their gradient must be zero
+            d_o.view(-1, *d_o.shape[2:]).index_fill_(0, _padding(spans), 0)
+            views = (t.transpose(1, 2) for t in (d_o, *(spans.gather(t) for t in (q, k, v, out))))
+            for into, g in zip(grads, _FLASH_CPU_BACKWARD(*views, lses[-1], 0.0, True), strict=True):
+                spans.scatter(into, g)
+        return *grads, None
+
+
+def _padding(spans: _Spans) -> Tensor:
+    """The padding rows of the short documents' flattened (S * L) batch."""
+    real = torch.zeros(len(spans.short) * spans.L, dtype=torch.bool, device=spans.take.device)
+    return (~real.index_fill_(0, spans.take, True)).nonzero()[:, 0]
 
 
 @dataclass
