@@ -93,10 +93,10 @@ def test_the_grammar_compiler_is_built_only_for_constrained_requests():
 
 
 def test_every_route_is_on_the_router():
-    from astrai.serve import admin
+    from astrai.serve import admin, tokenizer_routes
     from astrai.serve.app import ROUTES, router
 
-    assert {r.path for r in [*router.routes, *admin.router.routes]} == set(ROUTES)
+    assert {r.path for r in [*router.routes, *admin.router.routes, *tokenizer_routes.router.routes]} == set(ROUTES)
     methods = {(r.path, m) for r in router.routes for m in r.methods}
     assert {("/v1/chat/completions", "POST"), ("/v1/completions", "POST"), ("/v1/messages", "POST"),
             ("/health", "HEAD")} <= methods

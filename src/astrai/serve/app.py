@@ -5,8 +5,8 @@ prompt token ids (chat template or plain text) and `SamplingParams` (those steps
 `requests.py`) -> `AsyncEngine.submit` (engine thread) -> `RequestUpdate`s -> OpenAI JSON or SSE
 chunks (`render.py`). The three POST routes share one skeleton (`_serve`): each names only its
 request model, how its prompts become checked token ids, and its renderer (`Endpoint`). At the
-root, lm-eval's remote tokenizer routes (vLLM's `/tokenizer_info`, `/tokenize`, `/detokenize`)
-expose the served tokenizer, and vLLM's token-in/token-out `/inference/v1/generate` (`generate.py`)
+root, lm-eval's remote tokenizer routes (vLLM's `/tokenizer_info`, `/tokenize`, `/detokenize`:
+`tokenizer_routes.py`) expose the served tokenizer, and vLLM's token-in/token-out `/inference/v1/generate` (`generate.py`)
 takes the same skeleton, behind the same key and error bodies.
 Everything a client can get wrong is answered with OpenAI's error body before the request reaches
 the engine, so a bad request never touches the requests already running. What the routes share
@@ -27,7 +27,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
-import json
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -40,7 +39,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from astrai.infer.guided import Guide
 from astrai.infer.sampling import SamplingParams
-from astrai.serve import admin
+from astrai.serve import admin, tokenizer_routes
 from astrai.serve.admin import ADMIN_ROUTES
 from astrai.serve.anthropic import MessagesRenderer, MessagesRequest
 from astrai.serve.async_engine import AsyncEngine, Engine, EngineDeadError, OutputStream, QueueFullError
@@ -55,13 +54,7 @@ from astrai.serve.generate import (
 )
 from astrai.serve.generate import ROUTE as GENERATE_ROUTE
 from astrai.serve.metrics import ServerMetrics
-from astrai.serve.protocol import (
-    ChatCompletionRequest,
-    CompletionRequest,
-    DetokenizeRequest,
-    TokenizeRequest,
-    ignored_fields,
-)
+from astrai.serve.protocol import ChatCompletionRequest, CompletionRequest
 from astrai.serve.render import ChatRenderer, CompletionRenderer, Renderer
 from astrai.serve.requests import (
     APIError,
@@ -69,15 +62,13 @@ from astrai.serve.requests import (
     encode_prompts,
     grammar_guide,
     param_named_in,
-    parse_request,
-    read_body,
     render_chat,
 )
 from astrai.serve.state import ServeConfig, ServerState, load_engine
 
 logger = logging.getLogger("astrai.serve")
 ROUTES = ("/v1/chat/completions", "/v1/completions", "/v1/messages", "/v1/models", "/health", "/metrics",
-          "/tokenizer_info", "/tokenize", "/detokenize", GENERATE_ROUTE, CHAT_TOKENS_ROUTE, "/openapi.json",
+          *tokenizer_routes.ROUTES, GENERATE_ROUTE, CHAT_TOKENS_ROUTE, "/openapi.json",
           *ADMIN_ROUTES)
 ANTHROPIC_ROUTES = ("/v1/messages",)  # errors there use Anthropic's body
 RETRY_AFTER_S = 1  # what a 429 tells the client to wait
@@ -122,94 +113,6 @@ async def openapi(request: Request) -> Response:
     return JSONResponse(request.app.openapi())
 
 
-# ---- lm-eval's remote tokenizer (vLLM's routes and shapes) -------------------------------------
-@router.get("/tokenizer_info")
-async def tokenizer_info(request: Request) -> Response:
-    state = _state(request)
-    state.check_auth(request)
-    state.check_ready()
-    return JSONResponse(_tokenizer_info(state))
-
-
-def _tokenizer_info(state: ServerState) -> dict[str, Any]:
-    """vLLM's: the tokenizer config (JSON values only), its special tokens and their ids, the chat
-    template, the class transformers loads it as; model_max_length is the served max_model_len."""
-    tok = state.tokenizer
-    config = getattr(tok, "config", None) or {}
-    info = {k: v for k, v in config.items() if isinstance(v, str | int | float | bool | list | dict | None)
-            and k not in ("vocab_file", "merges_file", "tokenizer_file")}
-    for key in ("bos_token", "eos_token", "pad_token", "unk_token"):
-        info[key] = getattr(tok, key, None)
-        info[f"{key}_id"] = getattr(tok, f"{key}_id", None) if info[key] is not None else None
-    if getattr(tok, "chat_template", None):
-        info["chat_template"] = tok.chat_template
-    info["model_max_length"] = state.max_model_len
-    info["tokenizer_class"] = config.get("tokenizer_class") or type(tok).__name__
-    return info
-
-
-async def _tokenizer_request(request: Request, model: type) -> tuple[ServerState, Any]:
-    """The tokenizer routes' checks: auth, a loaded model, the body, the model name when given."""
-    state = _state(request)
-    state.check_auth(request)
-    state.check_ready()
-    req = await read_request(request, model, state)
-    if req.model is not None:
-        state.check_model(req.model)
-    return state, req
-
-
-@router.post("/tokenize")
-async def tokenize(request: Request) -> Response:
-    state, req = await _tokenizer_request(request, TokenizeRequest)
-    # a megabyte of text is a million ids: encoding them, their strings and the JSON body all run on
-    # the prep pool, each in a way that lets the loop in (see _tokenize and json_list)
-    return Response(await state.off_loop(_tokenize_body, state, req), media_type="application/json")
-
-
-def _tokenize_body(state: ServerState, req: TokenizeRequest) -> bytes:
-    """The /tokenize response as JSON bytes (vLLM's fields, in its order)."""
-    ids, strs = _tokenize(state, req)
-    return (f'{{"count":{len(ids)},"max_model_len":{json.dumps(state.max_model_len)},"tokens":{json_list(ids)},'
-            f'"token_strs":{"null" if strs is None else json_list(strs)}}}').encode()
-
-
-def json_list(items: list[Any], chunk: int = 16384) -> str:
-    """A JSON array of `items` as JSONResponse writes it, encoded a chunk at a time: the C encoder
-    holds the GIL for a whole call (0.1 s for a million token strings), and between chunks the
-    event loop's thread gets its turn."""
-    parts = (json.dumps(items[i : i + chunk], ensure_ascii=False, separators=(",", ":"))[1:-1]
-             for i in range(0, len(items), chunk))
-    return "[" + ",".join(parts) + "]"
-
-
-def _tokenize(state: ServerState, req: TokenizeRequest) -> tuple[list[int], list[str] | None]:
-    """vLLM's defaults: special tokens added to a prompt, not to a rendered chat (it has them).
-    Encoded through `encode_batch`, which releases the GIL while the tokenizer works (a single
-    `encode` holds it: a second for a megabyte, with the event loop's thread waiting)."""
-    tok, text = state.tokenizer, req.prompt
-    if req.messages is not None:
-        try:
-            text = tok.apply_chat_template([m.to_template() for m in req.messages], tokenize=False,
-                                           add_generation_prompt=req.add_generation_prompt, tools=req.template_tools())
-        except Exception as exc:  # noqa: BLE001 - template errors (e.g. role order) are the client's
-            raise APIError(400, f"the chat template cannot render these messages: {exc}", param="messages") from None
-    add_special = req.add_special_tokens if req.add_special_tokens is not None else req.messages is None
-    ids = tok.encode_batch([text], add_special_tokens=add_special)[0]
-    return ids, [state.token_text(i) for i in ids] if req.return_token_strs else None
-
-
-@router.post("/detokenize")
-async def detokenize(request: Request) -> Response:
-    state, req = await _tokenizer_request(request, DetokenizeRequest)
-    vocab = len(state.tokenizer)
-    for i, token in enumerate(req.tokens):
-        if not 0 <= token < vocab:
-            raise APIError(400, f"tokens[{i}] is {token}, outside the vocabulary (ids 0..{vocab - 1}); send "
-                                "ids this model's tokenizer knows", param="tokens")
-    return JSONResponse({"prompt": await state.off_loop(state.decode, req.tokens)})
-
-
 # ------------------------------------------------------------------------------- the POST routes
 @dataclass(frozen=True)
 class Endpoint:
@@ -230,7 +133,7 @@ async def _serve(endpoint: Endpoint, request: Request) -> Response:
     state.check_auth(request)
     engine = state.check_ready()
     chat = issubclass(endpoint.request, (ChatCompletionRequest, MessagesRequest))  # a message renders to a token or more
-    req = await read_request(request, endpoint.request, state, state.max_model_len if chat else None)
+    req = await state.read_request(request, endpoint.request, state.max_model_len if chat else None)
     if req.model is not None:  # required on the OpenAI routes, optional on generate
         state.check_model(req.model)
     prompts = await endpoint.prompts(state, req)
@@ -245,21 +148,6 @@ async def _serve(endpoint: Endpoint, request: Request) -> Response:
     processed = getattr(req, "logprobs_mode", "raw_logprobs") == "processed_logprobs"
     stream = await _submit(engine, renderer, per_prompt, endpoint.want_logprobs(req), processed)
     return await _respond(state, request, renderer, stream, req.stream)
-
-
-async def read_request(request: Request, model: type, state: ServerState,
-                       max_messages: int | None = None) -> Any:
-    """Body (on the loop, bounded in time and size) -> JSON -> pydantic -> the names of its ignored
-    fields (on the prep pool: each grows with the body)."""
-    body = await read_body(request, state.config.max_request_bytes, state.config.body_timeout)
-    req, ignored = await state.off_loop(_parse, body, model, max_messages)
-    state.note_ignored(request.url.path, ignored)
-    return req
-
-
-def _parse(body: bytes, model: type, max_messages: int | None) -> tuple[Any, list[str]]:
-    req = parse_request(body, model, max_messages)
-    return req, ignored_fields(req)
 
 
 def _render(state: ServerState, req: ChatCompletionRequest | MessagesRequest) -> list[int]:
@@ -431,6 +319,7 @@ def create_app(config: ServeConfig, loader: Callable[[ServeConfig], tuple[Any, A
     app.add_exception_handler(StarletteHTTPException, _http_error)
     app.add_exception_handler(Exception, _internal_error)
     app.include_router(router)
+    app.include_router(tokenizer_routes.router)
     app.include_router(admin.router)
     return app
 

@@ -29,7 +29,8 @@ from astrai.infer.guided import GuideCompiler, GuideError, check_guide_budget
 from astrai.infer.sampling import SamplingParams
 from astrai.serve.async_engine import AsyncEngine, Engine
 from astrai.serve.metrics import ServerMetrics
-from astrai.serve.requests import APIError, SamplingRequest, to_sampling_params
+from astrai.serve.protocol import ignored_fields
+from astrai.serve.requests import APIError, SamplingRequest, parse_request, read_body, to_sampling_params
 
 logger = logging.getLogger("astrai.serve")
 MAX_IGNORED_LOGGED = 256  # distinct ignored field names logged; a client inventing names cannot flood the log
@@ -109,6 +110,14 @@ class ServerState:
     async def off_loop(self, fn: Callable[..., Any], *args: Any) -> Any:
         """Run CPU work of one request on the prep pool, so the loop keeps answering the others."""
         return await asyncio.get_running_loop().run_in_executor(self.prep, fn, *args)
+
+    async def read_request(self, request: Request, model: type, max_messages: int | None = None) -> Any:
+        """Body (on the loop, bounded in time and size) -> JSON -> pydantic `model` -> the names of its
+        ignored fields (on the prep pool: each grows with the body), noted for the route."""
+        body = await read_body(request, self.config.max_request_bytes, self.config.body_timeout)
+        req, ignored = await self.off_loop(_parse, body, model, max_messages)
+        self.note_ignored(request.url.path, ignored)
+        return req
 
     def note_ignored(self, route: str, names: list[str]) -> None:
         """Count a request that carried fields astrai ignores; log each field name the first time."""
@@ -196,3 +205,8 @@ def _max_token_chars(tokenizer: Any) -> int:
         return max(16, max(len(t) for t in backend.get_vocab(with_added_tokens=True)))
     except Exception:  # noqa: BLE001 - a tokenizer without get_vocab: a generous fixed bound
         return 256
+
+
+def _parse(body: bytes, model: type, max_messages: int | None) -> tuple[Any, list[str]]:
+    req = parse_request(body, model, max_messages)
+    return req, ignored_fields(req)
