@@ -33,6 +33,8 @@ process-wide, while transformers and TRL run on PyTorch's default (MKL's sgemm o
 row switches the process back to that default before it runs (`set_cpu_matmul("blas")`); a row
 marked "astrai's oneDNN products" gives the peer astrai's routing instead, to separate what the
 library does from what the framework does. The targets are met or not against the peer's own rows.
+TRL 1.x turns gradient checkpointing on by default (`SFTConfig`, `DPOConfig`); its rows turn it off,
+its faster setting (the memory is there), as every other system runs without it.
 
     .venv/bin/python benchmarks/bench_train.py [--quick] [--model tiny .cache/smollm2] [--threads 2]
     .venv/bin/python benchmarks/bench_train.py --model tiny --scenario sft dpo --threads 2
@@ -361,6 +363,7 @@ def run_trl_sft(args, chats, tokenizer, padding_free: bool) -> tuple[float, floa
                            lr_scheduler_type="constant", max_grad_norm=1.0, optim="adamw_torch_fused",
                            save_strategy="no", report_to=[], logging_strategy="no", disable_tqdm=True, use_cpu=True,
                            dataloader_num_workers=0, completion_only_loss=True, padding_free=padding_free,
+                           gradient_checkpointing=False,  # TRL 1.x's default is on: slower, less memory
                            max_length=None if padding_free else args.max_len + 1, bf16=False)  # chats are shorter
         trainer = SFTTrainer(model=hf_pretrained(args), args=config, train_dataset=data, processing_class=tokenizer,
                              callbacks=[HFClock(stamps)])
@@ -382,7 +385,7 @@ def run_trl_dpo(args, pairs, tokenizer) -> tuple[float, float]:
                            lr_scheduler_type="constant", max_grad_norm=1.0, optim="adamw_torch_fused",
                            save_strategy="no", report_to=[], logging_strategy="no", disable_tqdm=True, use_cpu=True,
                            dataloader_num_workers=0, beta=0.1, loss_type="sigmoid", max_length=2 * args.max_len,
-                           bf16=False)
+                           bf16=False, gradient_checkpointing=False)  # TRL 1.x's default is on: slower
         model = hf_pretrained(args)
         reference = copy.deepcopy(model).eval().requires_grad_(False)  # TRL reloads an instance's by its hub id
         trainer = DPOTrainer(model=model, ref_model=reference, args=config, train_dataset=data,
@@ -450,9 +453,12 @@ def peer(run: Callable[[], tuple[float, float]], onednn: bool = False) -> Callab
 # -- driver ---------------------------------------------------------------------------------------
 
 
-def measure(systems: dict, repeats: int) -> tuple[dict[str, float], dict[str, float]]:
+def measure(systems: dict, repeats: int, rows: list[str] | None = None) -> tuple[dict[str, float], dict[str, float]]:
     """Median (wall, CPU) rates per system; systems run interleaved, so drift in machine load hits
-    every system alike."""
+    every system alike. With `rows`, only the first system (astrai's default) and those whose name
+    contains one of them."""
+    if rows:
+        systems = {name: fn for i, (name, fn) in enumerate(systems.items()) if i == 0 or any(r in name for r in rows)}
     results: dict[str, list[tuple[float, float]]] = {name: [] for name in systems}
     for _ in range(repeats):
         for name, fn in systems.items():
@@ -481,7 +487,10 @@ def print_targets(ours: str, wall: dict[str, float], targets: dict[str, float]) 
     print(f"\n| peer, at its best setting | tokens/s (wall) | {ours} / peer | target | met |")
     print("|---|---:|---:|---:|---|")
     for name, target in targets.items():
-        best = max((row for row in wall if row.startswith(name) and ONEDNN not in row), key=wall.get)
+        own = [row for row in wall if row.startswith(name) and ONEDNN not in row]
+        if not own:  # left out by --rows
+            continue
+        best = max(own, key=wall.get)
         ratio = wall[ours] / wall[best]
         print(f"| {best} | {wall[best]:,.0f} | {ratio:.2f}x | {target:.1f}x | {'yes' if ratio >= target else 'no'} |")
         for row in (row for row in wall if row.startswith(name) and ONEDNN in row):
@@ -526,7 +535,7 @@ def chat_scenarios(args, shape: str, ours_layout: str) -> None:
                 "TRL SFTTrainer, padding_free": peer(lambda: run_trl_sft(args, chats, tokenizer, True)),
                 f"TRL SFTTrainer, padded, {ONEDNN}": peer(lambda: run_trl_sft(args, chats, tokenizer, False), onednn=True),
             })
-            wall, cpu = measure(systems, args.repeats)
+            wall, cpu = measure(systems, args.repeats, args.rows)
             print_table(f"SFT on {spread}: {shape}; one epoch of {args.examples} chats, {args.batch} per batch, loss on "
                         f"the reply; non-padding tokens, median of {args.repeats}; MFU: 6 x {n_params:,} FLOPs per token "
                         f"against {peak / 1e9:,.0f} GFLOP/s float32 matmul", default, wall, cpu,
@@ -543,7 +552,7 @@ def chat_scenarios(args, shape: str, ours_layout: str) -> None:
                         lambda layout=layout: run_astrai_chat(args, records, layout, train_type="dpo"))
             systems["TRL DPOTrainer"] = peer(lambda: run_trl_dpo(args, pairs, tokenizer))
             systems[f"TRL DPOTrainer, {ONEDNN}"] = peer(lambda: run_trl_dpo(args, pairs, tokenizer), onednn=True)
-            wall, cpu = measure(systems, args.repeats)
+            wall, cpu = measure(systems, args.repeats, args.rows)
             print_table(f"DPO on {spread}, chosen and rejected replies of independent lengths: {shape}; one epoch of "
                         f"{args.pairs} pairs, {args.batch} per batch, beta 0.1, a frozen reference; non-padding tokens "
                         f"of both replies, median of {args.repeats}; MFU: 8 x {n_params:,} FLOPs per token (policy "
@@ -570,6 +579,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
     p.add_argument("--compile", action="store_true", help="fixed scenario: torch.compile the model in all three systems")
     p.add_argument("--scenario", nargs="+", choices=["fixed", "sft", "dpo"], default=["fixed", "sft", "dpo"])
+    p.add_argument("--rows", nargs="+", default=None,
+                   help="only the systems whose name contains one of these strings (and astrai's default)")
     args = p.parse_args(argv)
     if args.quick:
         args.repeats, args.steps, args.examples, args.pairs = 2, 8, 32, 24

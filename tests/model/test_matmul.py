@@ -83,6 +83,46 @@ def test_mm_into_writes_a_onednn_product_into_the_callers_block(onednn) -> None:
     close(out, a.double() @ b.double())
 
 
+def onednn_shapes(fn) -> list[list[int]]:
+    """The (rows, reduction) of each product oneDNN ran inside `fn`."""
+    with profile(record_shapes=True) as prof:
+        fn()
+    return [e.input_shapes[0] for e in prof.events() if e.name == "mkldnn::_linear_pointwise"]
+
+
+@pytest.mark.parametrize("rows", [37, 100, 1000, 1337])
+def test_token_counts_reach_onednn_rounded_to_buckets(onednn, rows) -> None:
+    """Rows of every count (a micro-batch's tokens) run as a bucket's rows, so oneDNN builds a kernel
+    per bucket, not per count; the result is the first rows, equal to the float64 product. A weight
+    gradient (dy^T x: column-major left, the tokens its reduction) runs its reduction cut at a bucket
+    and adds the rest through BLAS."""
+    g = torch.Generator().manual_seed(rows)
+    x, w = torch.randn(rows, 128, generator=g), torch.randn(256, 128, generator=g)
+    step = matmul.bucket_step(rows)
+    assert 8 <= step and step * 8 <= max(rows, 64)
+    shapes = onednn_shapes(lambda: x @ w.t())
+    assert shapes == [[rows + (-rows) % step, 128]]
+    y = x @ w.t()
+    assert y.shape == (rows, 256) and y.is_contiguous()
+    close(y, x.double() @ w.double().t())
+    dy = torch.randn(rows, 256, generator=g)
+    cut = rows - rows % step
+    shapes = onednn_shapes(lambda: dy.t() @ x)
+    assert shapes == [[256, cut]]
+    close(dy.t() @ x, dy.double().t() @ x.double())
+    bias = torch.randn(256, generator=g)
+    close(torch.addmm(bias, x, w.t()), x.double() @ w.double().t() + bias.double())
+
+
+def test_a_run_of_changing_token_counts_meets_few_onednn_shapes(onednn) -> None:
+    """200 different counts between 900 and 1,800 rows: at most 8 bucketed shapes per doubling."""
+    w = torch.randn(64, 32)
+    seen = set()
+    for rows in range(900, 1800, 9):
+        seen.update(tuple(s) for s in onednn_shapes(lambda rows=rows: torch.randn(rows, 32) @ w.t()))
+    assert len(seen) <= 9, sorted(seen)
+
+
 def test_products_off_the_cpu_never_reach_the_onednn_kernel(onednn) -> None:
     """oneDNN's linear runs on CPU tensors only: the chunked head calls `mm_into` on the GPU too
     (a device run failed there with 'Could not run mkldnn::_linear_pointwise ... CUDA'). Meta
