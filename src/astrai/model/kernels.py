@@ -142,7 +142,8 @@ def _heads_first(t: Tensor, a: int, b: int) -> Tensor:
 class _Spans:
     """The documents of a flat row: `long` ones (`OWN_CALL_MIN_LEN` tokens or more) each take a
     call; the `short` ones share a padded batch (S, L), gathered through `idx`; `take` picks each
-    real token of that batch's flattened (S * L) rows and `dest` is where it lies in the row."""
+    real token of that batch's flattened (S * L) rows, `dest` is where it lies in the row, and
+    `padding` lists the other rows."""
 
     def __init__(self, bounds: list[int], device: torch.device):
         self.all = list(zip(bounds[:-1], bounds[1:]))
@@ -156,6 +157,7 @@ class _Spans:
             self.idx = (starts[:, None] + torch.minimum(col, lens[:, None] - 1)).flatten()
             real = (col < lens[:, None]).flatten()
             self.take, self.dest = real.nonzero()[:, 0], self.idx[real]
+            self.padding = (~real).nonzero()[:, 0]
 
     def gather(self, t: Tensor) -> Tensor:
         """flat (N, H, D) -> the short documents' padded (S, L, H, D)."""
@@ -203,17 +205,11 @@ class _DocumentAttention(torch.autograd.Function):
                 into[a:b] = g[0].transpose(0, 1)
         if spans.short:
             d_o = spans.gather(d_out)  # padding rows repeat a real token: their gradient must be zero
-            d_o.view(-1, *d_o.shape[2:]).index_fill_(0, _padding(spans), 0)
+            d_o.view(-1, *d_o.shape[2:]).index_fill_(0, spans.padding, 0)
             views = (t.transpose(1, 2) for t in (d_o, *(spans.gather(t) for t in (q, k, v, out))))
             for into, g in zip(grads, _FLASH_CPU_BACKWARD(*views, lses[-1], 0.0, True), strict=True):
                 spans.scatter(into, g)
         return *grads, None
-
-
-def _padding(spans: _Spans) -> Tensor:
-    """The padding rows of the short documents' flattened (S * L) batch."""
-    real = torch.zeros(len(spans.short) * spans.L, dtype=torch.bool, device=spans.take.device)
-    return (~real.index_fill_(0, spans.take, True)).nonzero()[:, 0]
 
 
 @dataclass
