@@ -211,6 +211,25 @@ def test_pack_runs_the_rows_as_they_are_when_no_two_fit_together():
     assert all(torch.equal(a, b) for a, b in zip(grads_pack, grads_pad, strict=True))
 
 
+
+def test_flat_is_one_row_even_when_no_two_rows_fit_together():
+    """``flat`` does not fall back to trimmed rows (`pack`'s choice there): rows of 12, 9, 7 and 10
+    tokens trimmed to 12 would compute 10 padding tokens; flat computes the 38 real ones, one row,
+    and the loss and gradients are the padded path's."""
+    batch = sft_batch([12, 9, 7, 10], [4, 2, 3, 5])
+    rows = RowLayout.build(batch["attention_mask"], batch["labels"] != -100, "flat")
+    assert (rows.layout, rows.num_rows, rows.width) == ("flat", 1, 38)
+    inputs = rows.inputs(batch["input_ids"], batch["attention_mask"])
+    assert inputs["input_ids"].shape == (1, 38) and bool(inputs["attention_mask"].all())
+    cfg = load_config(None, ["--train_type", "sft"])
+    model = CausalLM(ModelConfig(**MODEL), seed=0)
+    objective = OBJECTIVES["sft"](cfg, model)
+    loss_pad, grads_pad = loss_and_grads(objective, model, batch, "pad")
+    loss_flat, grads_flat = loss_and_grads(objective, model, batch, "flat")
+    torch.testing.assert_close(loss_flat, loss_pad, atol=1e-6, rtol=1e-6)
+    for a, b in zip(grads_flat, grads_pad, strict=True):
+        torch.testing.assert_close(a, b, atol=1e-6 * max(1.0, b.abs().max().item()), rtol=0)
+
 COMMON = 9  # tokens every row opens with (the SFT rows' third, 3 tokens long, shares none)
 
 
