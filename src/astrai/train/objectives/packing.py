@@ -9,8 +9,8 @@ attention inside it, as packed SFT does; when no two rows fit together, ``trim``
 are the same work without a per-document mask), ``flat`` (as ``pack``, but every real token in one
 row: no padding at all, since per-document attention costs the same whatever the row's width; so
 also when no two rows would share a ``pack`` row: trimming rows of 256, 200 and 150 tokens to 256
-computes 162 padding tokens, and on the tiny SFT benchmark, where 7 of 32 batches are such, flat
-rows there make the epoch 6% faster). The objective keeps working on its padded (B, K) tensors:
+computes 162 padding tokens; on the tiny SFT benchmark 3 of 32 batches are such, and flat rows
+there save 3% of the epoch's tokens and time). The objective keeps working on its padded (B, K) tensors:
 ``RowLayout`` says where each labelled token sits in the model's input (``dst``), which of those
 columns the last layer needs (``keep``), and scatters per-token results back (``scatter``).
 ``forward_rows`` is the one call every objective makes: rows in, the model run in a layout, the
