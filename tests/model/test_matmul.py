@@ -83,6 +83,22 @@ def test_mm_into_writes_a_onednn_product_into_the_callers_block(onednn) -> None:
     close(out, a.double() @ b.double())
 
 
+
+def test_mm_into_compiles(onednn) -> None:
+    """torch.compile traces through `mm_into` (the chunked head's forward is traced with the
+    model): inductor lowers oneDNN's linear only for constant weights and failed on the head's
+    (`--compile true` SFT on a CPU); while tracing it sees `torch.mm`, and the compiled product
+    equals the eager one."""
+    g = torch.Generator().manual_seed(5)
+    a, b = torch.randn(96, 256, generator=g), torch.randn(256, 80, generator=g)
+
+    def product(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        return matmul.mm_into(a, b, a.new_empty(a.size(0), b.size(1))) * 2
+
+    torch._dynamo.reset()
+    got = torch.compile(product, fullgraph=True)(a, b)
+    close(got, 2 * a.double() @ b.double())
+
 def onednn_shapes(fn) -> list[list[int]]:
     """The (rows, reduction) of each product oneDNN ran inside `fn`."""
     with profile(record_shapes=True) as prof:

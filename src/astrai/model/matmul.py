@@ -140,7 +140,10 @@ def mm_into(a: Tensor, b: Tensor, out: Tensor) -> Tensor:
     gradient): through oneDNN while it is on and `a` is row-major, its product copied in, else
     `torch.mm(out=)`. A SmolLM2 chunk (341 x 576 x 49,152, two threads): 74 against 126 ms
     forward, 61 against 107 ms for the input gradient. A column-major `a` (the head's weight
-    gradient, dz^T h) stays with BLAS: oneDNN would first copy it whole (147 against 110 ms)."""
-    if _library is not None and out.dtype is _FLOAT32 and a.is_contiguous() and _takes(a, b):
+    gradient, dz^T h) stays with BLAS: oneDNN would first copy it whole (147 against 110 ms).
+    While torch.compile traces, `torch.mm` is what it sees: inductor lowers oneDNN's linear only
+    for frozen (constant) weights, and its own `mm` reaches the kernels above when it runs."""
+    if _library is not None and not torch.compiler.is_compiling() and out.dtype is _FLOAT32 and a.is_contiguous() \
+            and _takes(a, b):
         return out.copy_(_product(a, b))
     return torch.mm(a, b, out=out)
