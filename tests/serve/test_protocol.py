@@ -5,14 +5,9 @@ from __future__ import annotations
 import pytest
 from pydantic import ValidationError
 
-from astrai.serve.protocol import (
-    ChatCompletionRequest,
-    CompletionRequest,
-    chat_logprobs,
-    completion_logprobs,
-    logprob_value,
-)
+from astrai.serve.protocol import ChatCompletionRequest, CompletionRequest
 from astrai.serve.requests import _loc_to_param
+from astrai.serve.responses import chat_logprobs, completion_logprobs, logprob_value
 
 CHAT = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
 

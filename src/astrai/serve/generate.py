@@ -34,13 +34,11 @@ from astrai.serve.protocol import (
     SamplingKnobs,
     StreamOptions,
     StrictModel,
-    logprob_value,
-    prompt_logprobs_entries,
     sampling_field,
-    top_alternatives,
 )
 from astrai.serve.render import Choice, RenderContext, Renderer
 from astrai.serve.requests import APIError
+from astrai.serve.responses import logprob_value, prompt_logprobs_entries, top_alternatives
 from astrai.serve.state import ServerState
 
 ROUTE = "/inference/v1/generate"

@@ -23,13 +23,12 @@ from typing import Any, Protocol
 
 from astrai.data.tool_calls import ToolCall, ToolCallStream, parse_tool_calls
 from astrai.serve.async_engine import OutputStream, RequestUpdate
-from astrai.serve.protocol import (
+from astrai.serve.protocol import ChatCompletionRequest, CompletionRequest
+from astrai.serve.responses import (
     ChatChoice,
-    ChatCompletionRequest,
     ChatCompletionResponse,
     ChatResponseMessage,
     CompletionChoice,
-    CompletionRequest,
     CompletionResponse,
     Usage,
     chat_chunk,

@@ -30,7 +30,8 @@ from starlette.requests import ClientDisconnect
 from astrai.infer.guided import Guide, GuideCompiler, GuideError
 from astrai.infer.sampling import SamplingParams
 from astrai.serve.anthropic import MessagesRequest, anthropic_error_body
-from astrai.serve.protocol import ChatCompletionRequest, CompletionRequest, error_body, shown_name
+from astrai.serve.protocol import ChatCompletionRequest, CompletionRequest, shown_name
+from astrai.serve.responses import error_body
 
 MAX_JSON_DEPTH = 64  # deeper bodies are refused (422) before pydantic or a template recurses into them
 
