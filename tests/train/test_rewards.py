@@ -20,13 +20,14 @@ from safetensors.torch import load_file, save_file
 
 from astrai.config import RLConfig
 from astrai.data.tasks import generate_items, prompt_record
-from astrai.data.tokenizer import load_tokenizer
+from astrai.data.tokenizer import load_tokenizer, same_tokenizer
 from astrai.data.tokenizer_training import train_tokenizer
 from astrai.model.config import ModelConfig
 from astrai.model.hf import save_model
 from astrai.model.transformer import CausalLM
 from astrai.train.launch import launch
-from astrai.train.rl.rewards import RewardModel, RewardSet, same_tokenizer
+from astrai.train.rl.reward_model import RewardModel
+from astrai.train.rl.rewards import RewardSet
 from tests.train.resume_data import MODEL, read_metrics, write_tokenizer
 from tests.train.rl_runs import write_rl_run
 

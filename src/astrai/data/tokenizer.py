@@ -312,3 +312,16 @@ def _read_json_object(file: Path) -> dict[str, Any]:
     if not isinstance(value, dict):
         raise ValueError(f"{file} is damaged: expected a JSON object, got {type(value).__name__}")
     return value
+
+
+def same_tokenizer(a: Any, b: Any) -> bool:
+    """Whether two tokenizers give the same ids for every text and chat: the same tokenizer.json
+    content (vocabulary, merges, added tokens, normalizer, pre-tokenizer) and the same chat template.
+    Compared as parsed JSON, so two saves of one tokenizer are equal whatever their formatting."""
+    if a is b:
+        return True
+    try:
+        return (json.loads(a.backend.to_str()) == json.loads(b.backend.to_str())
+                and a.chat_template == b.chat_template)
+    except AttributeError:  # not an astrai Tokenizer: nothing to compare, so not the same
+        return False

@@ -48,8 +48,7 @@ def policy_tokenizer(cfg: Config) -> Any:
 def check_same_tokenizer(teacher_dir: str, vocab_size: int, cfg: Config) -> None:
     """A teacher scores the student's token ids, so both must read them alike: the same
     tokenizer (when the teacher's directory has one) and an embedding row for every id."""
-    from astrai.data.tokenizer import load_tokenizer
-    from astrai.train.rl.rewards import same_tokenizer
+    from astrai.data.tokenizer import load_tokenizer, same_tokenizer
 
     policy = policy_tokenizer(cfg)
     own = load_tokenizer(teacher_dir) if (Path(teacher_dir) / "tokenizer.json").is_file() else None
