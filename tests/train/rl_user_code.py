@@ -89,6 +89,18 @@ class BarrierEnv:
         return EnvStep(reward=float(len(cls.arrived)), done=True)
 
 
+
+class SlowEnv(BarrierEnv):
+    """Async: each step waits for every episode, as BarrierEnv, then `seconds` more: the episodes'
+    steps overlap by construction, each one's own span at least `seconds` long."""
+
+    seconds = 0.05
+
+    async def step(self, messages):
+        result = await super().step(messages)
+        await asyncio.sleep(type(self).seconds)
+        return result
+
 def varied_reward(prompt, completion, record):
     """Rewards that differ within a group, so the first step moves the adapters."""
     return float(len(completion) % 3)

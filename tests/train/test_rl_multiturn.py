@@ -9,6 +9,7 @@ import os
 import random
 import subprocess
 import sys
+import time
 from typing import Literal
 
 import pytest
@@ -29,7 +30,7 @@ from astrai.train.rl.runner import EpisodeRunner
 from astrai.train.rl.tools import ToolBox
 from tests.train.resume_data import MODEL, read_metrics
 from tests.train.rl_runs import REPO, checkpoint_weights, prompt_batch, sigterm_after_step, write_rl_run
-from tests.train.rl_user_code import USER_CODE, BarrierEnv, broken, multiply
+from tests.train.rl_user_code import USER_CODE, BarrierEnv, SlowEnv, broken, multiply
 from tests.train.samplers import fake_turn, scripted_episodes
 
 # ------------------------------------------------------------------------------ tools
@@ -204,6 +205,24 @@ def test_async_environment_steps_are_awaited_together(tok_dir):
     rollout = runner.rollout(prompt_batch(runner.tokenizer, ["3+4", "10+2"]), step=0, policy_version=0)
     assert sorted(rollout.reward_terms["environment"].flatten().tolist()) == [4.0] * 4
 
+
+
+def test_overlapping_environment_steps_count_once_in_env_seconds(tok_dir):
+    """Four episodes' steps run together (SlowEnv: each waits for all four, then 0.05 s), so their
+    own spans add up to four times the phase: ``env_seconds`` gets the phase's wall time, a part of
+    the rollout's (the run summary printed "environment 91%" of a run whose rollout took 16%)."""
+    SlowEnv.expected, SlowEnv.arrived, SlowEnv.event = 4, [], None
+    conv = Conversation(load_tokenizer(tok_dir), f"{USER_CODE}:SlowEnv", [], 8, 10_000)
+    episodes = conv.open([{"messages": [{"role": "user", "content": "3+4"}]}], [], 4)
+    for e in episodes:
+        e.messages.append({"role": "assistant", "content": "7"})
+    opening = conv.stats["env_seconds"]  # the environments' construction, the phase before
+    start = time.perf_counter()
+    conv.after_turns(episodes)
+    wall = time.perf_counter() - start
+    assert all(e.done for e in episodes) and len(SlowEnv.arrived) == 4
+    assert SlowEnv.seconds <= conv.stats["env_seconds"] - opening <= wall
+    assert conv.stats["tool_seconds"] == 0.0
 
 def test_an_environment_that_raises_is_one_line_naming_it(tok_dir):
     runner = runner_for(tok_dir, environment=f"{USER_CODE}:FailingEnv", rewards=["exact_match"])

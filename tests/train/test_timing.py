@@ -28,7 +28,8 @@ def test_an_online_step_is_split_into_its_parts_and_the_summary_gives_the_shares
                     "time_other"):
             assert key in m and m[key] >= 0, key
         assert sum(m[k] for k in INSIDE) <= m["time_step"] + 1e-6
-        assert m["time_generation"] + m["time_tools"] + m["time_rewards"] <= m["time_rollout"] + 1e-6
+        rollout_parts = ("time_generation", "time_tools", "time_environment", "time_rewards")
+        assert sum(m[k] for k in rollout_parts) <= m["time_rollout"] + 1e-6
         assert m["time_other"] == pytest.approx(m["time_step"] - sum(m[k] for k in INSIDE), abs=1e-9)
         assert m["time_rollout"] == m["rollout_seconds"]
     assert "time_checkpoint" not in lines[0] and lines[1]["time_checkpoint"] > 0  # step 1's save, after its line

@@ -183,11 +183,19 @@ class Conversation:
             for e in episodes:
                 e.done = True  # no tools, no environment: one turn
             return
-        self.hooks.run(lambda: gather([self.after_turn(e) for e in episodes]))
+        # the episodes' calls overlap, so their own spans add up to more than the phase took: the
+        # phase's wall time is what `tool_seconds` and `env_seconds` get, split as the spans were
+        busy = {"tool_seconds": 0.0, "env_seconds": 0.0}
+        start = time.perf_counter()
+        self.hooks.run(lambda: gather([self.after_turn(e, busy) for e in episodes]))
+        wall, spans = time.perf_counter() - start, sum(busy.values())
+        for key, seconds in busy.items():
+            self.stats[key] += wall * seconds / spans if spans > 0 else 0.0
 
-    async def after_turn(self, e: Episode) -> None:
+    async def after_turn(self, e: Episode, busy: dict[str, float]) -> None:
         """The turn's tool calls, run one after another (results as tool messages); a turn without
-        any goes to the environment (no environment: the episode is done)."""
+        any goes to the environment (no environment: the episode is done). Their seconds are added
+        to `busy` (``tool_seconds`` or ``env_seconds``)."""
         calls = e.tools.parse(e.messages[-1]["content"]) if e.tools else []
         if calls:
             start = time.perf_counter()
@@ -197,7 +205,7 @@ class Conversation:
                 e.num_tool_calls += 1
                 e.num_tool_errors += outcome != ""
                 e.num_tool_timeouts += outcome == "timeout"
-            self.stats["tool_seconds"] += time.perf_counter() - start
+            busy["tool_seconds"] += time.perf_counter() - start
             return
         if e.env is None:
             e.done = True
@@ -205,7 +213,7 @@ class Conversation:
         start = time.perf_counter()
         result = await env_call(self.hooks, e.env, "step", ([dict(m) for m in e.messages],), e.where(),
                                 self.env_timeout)
-        self.stats["env_seconds"] += time.perf_counter() - start
+        busy["env_seconds"] += time.perf_counter() - start
         messages, reward = checked_step(result, f"environment {type(e.env).__name__}.step", e.where())
         e.messages += [{**m, "content": self._bounded(e, m["content"])} for m in messages]
         e.reward += reward
