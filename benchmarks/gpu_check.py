@@ -385,6 +385,7 @@ def _ddp_worker(rank: int, world: int, port: int, device_type: str, out: str) ->
     from torch.nn.parallel import DistributedDataParallel
 
     from astrai.model import CausalLM, ModelConfig
+    from astrai.train.dist import cleanup
 
     backend = "nccl" if device_type == "cuda" else "gloo"
     dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
@@ -402,8 +403,7 @@ def _ddp_worker(rank: int, world: int, port: int, device_type: str, out: str) ->
     if rank == 0:
         Path(out).write_text(json.dumps({"backend": backend, "world_size": world, "grads_equal": same}))
     del model  # DDP's reducer holds the process group; gloo aborts if it is torn down under it
-    dist.barrier()  # every rank done with the group before it goes (gloo: a rank leaving early aborts)
-    dist.destroy_process_group()
+    cleanup()  # astrai's own leaving: a barrier, gloo's worker threads let finish, then the group destroyed
 
 
 def _ddp(args, world: int) -> dict:
