@@ -485,7 +485,10 @@ def run_isolated(name: str, args, argv: list[str]) -> dict:
             return {"name": name, "status": "failed", "reason": f"timed out after {args.row_timeout:g} s",
                     "traceback": log[-3000:], "seconds": round(time.perf_counter() - start, 2)}
         if out.exists():
-            return json.loads(out.read_text())["rows"][0]
+            row = json.loads(out.read_text())["rows"][0]
+            if row["status"] == "failed" and log.strip():  # what its own children printed (a crash's message)
+                row["traceback"] = f"{row.get('traceback', '')}\n-- the row process's output --\n{log[-3000:]}"
+            return row
         return {"name": name, "status": "failed", "reason": f"row process exited {proc.returncode} without a result",
                 "traceback": log[-4000:], "seconds": round(time.perf_counter() - start, 2)}
 

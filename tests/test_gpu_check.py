@@ -4,6 +4,7 @@ traceback and the run goes on."""
 
 from __future__ import annotations
 
+import argparse
 import importlib.util
 import json
 import sys
@@ -59,6 +60,26 @@ def test_a_broken_row_prints_its_traceback_and_the_run_goes_on(gpu_check, tmp_pa
     printed = capsys.readouterr().out
     assert printed.index("KeyError") < printed.index("ddp_1")  # the traceback sits under its row
 
+
+def test_an_isolated_rows_failure_carries_what_its_process_printed(gpu_check, monkeypatch):
+    """A row whose worker crashed (a spawned gloo rank's abort) prints its message to the row
+    process's output, not into the traceback the row wrote: the failed row carries both."""
+
+    class FakeRowProcess:  # the row process: writes a failed row, printed a crash message
+        pid = 0
+
+        def __init__(self, cmd, **kwargs):
+            out = Path(cmd[cmd.index("--out") + 1])
+            out.write_text(json.dumps({"rows": [{"name": "ddp_2", "status": "failed", "traceback": "Traceback: spawn",
+                                                 "seconds": 1.0}]}))
+
+        def communicate(self, timeout=None):
+            return "terminate called after throwing an instance of 'gloo::IoException'\n", None
+
+    monkeypatch.setattr(gpu_check.subprocess, "Popen", FakeRowProcess)
+    row = gpu_check.run_isolated("ddp_2", argparse.Namespace(row_timeout=10), ["--dry_run"])
+    assert row["status"] == "failed" and row["traceback"].startswith("Traceback: spawn")
+    assert "gloo::IoException" in row["traceback"]
 
 def test_unknown_row_is_an_error_naming_the_choices(gpu_check):
     with pytest.raises(SystemExit):
