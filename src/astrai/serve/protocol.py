@@ -2,12 +2,13 @@
 
 The server (`serve/app.py`, through `serve/requests.py`) validates every JSON body against the
 request models here; `requests.py` turns a valid request into `SamplingParams` (a field named as
-SamplingParams' is read as that field). Unknown fields are accepted, as
-OpenAI does, but named by `ignored_fields` so the app counts and logs them; a field of the wrong type or out of range is a `ValidationError` that the app
-turns into a 400 naming the parameter. Types are strict (no "0.5" -> 0.5 coercion), except that
-an integer is accepted where a float is expected, as JSON has one number type. The bounds of the
-sampling fields are SamplingParams' own (`sampling_field` reads its knob ranges), narrowed only
-where the API itself says less (OpenAI's temperature cap of 2, `n` at most 128).
+SamplingParams' is read as that field); what the server writes back is `responses.py`'s. Unknown
+fields are accepted, as OpenAI does, but named by `ignored_fields` so the app counts and logs them;
+a field of the wrong type or out of range is a `ValidationError` that the app turns into a 400
+naming the parameter. Types are strict (no "0.5" -> 0.5 coercion), except that an integer is
+accepted where a float is expected, as JSON has one number type. The bounds of the sampling fields
+are SamplingParams' own (`sampling_field` reads its knob ranges), narrowed only where the API
+itself says less (OpenAI's temperature cap of 2, `n` at most 128).
 """
 
 from __future__ import annotations
