@@ -12,8 +12,11 @@ on the 100 held-out problems, sampled at temperature 1 (4 episodes per problem),
   rollout reward (first / last 2 steps)  0.555 -> 0.586, 0.547 -> 0.758, 0.234 -> 0.367
 Copying the tool's result, which the accuracy needs, emerged between SFT steps 700 and 950 in these
 runs. Margins, about half the measured minimum: tool use +7 points, accuracy +3 points; the
-rollout reward must rise. About 100 s on 2 nearly idle cores (114-127 s per run while another job
-used one of them). The full demo's figures: docs/training.md, "The calculator demo".
+rollout reward must rise. About 100 s on 2 nearly idle cores of a Zen 5 EPYC (114-127 s per run
+while another job used one of them); 143 s alone and 144 s in the suite on a Zen 4 EPYC, whose cores
+run this model's one-thread SFT about 1.4x slower: over the suite's 120 s per test there (fewer SFT
+steps left some seeds without copying; docs/performance.md, "The calculator demo"). The full demo's
+figures: docs/training.md, "The calculator demo".
 """
 
 from __future__ import annotations
